@@ -1,0 +1,54 @@
+# The README's two set-up commands: `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint unit bench services-up services-down clean
+
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "cellstream needs Python >= 3.11"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.base: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	@touch $@
+
+$(VENV)/.test: pyproject.toml $(VENV)/.base
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $@
+
+## demo: the whole pipeline on the embedded default (SQLite), no server
+demo: $(VENV)/.base
+	$(BIN)/cellstream demo
+
+## lint: ruff and mypy
+lint: $(VENV)/.test
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+## test: install and start the real services, lint, run the whole suite, stop what was started
+test: $(VENV)/.test
+	@set -euo pipefail; \
+	trap 'scripts/services.sh down' EXIT; \
+	scripts/services.sh up; \
+	$(BIN)/ruff check .; \
+	$(BIN)/mypy; \
+	$(BIN)/pytest
+
+## bench: the benchmarks against the real services (figures go in the README)
+bench: $(VENV)/.test
+	@set -euo pipefail; \
+	trap 'scripts/services.sh down' EXIT; \
+	scripts/services.sh up; \
+	$(BIN)/python bench/logstore_bench.py
+
+services-up:
+	scripts/services.sh up
+
+services-down:
+	scripts/services.sh down
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

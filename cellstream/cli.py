@@ -1,0 +1,267 @@
+"""The ``cellstream`` command.
+
+Exit codes (also in the README):
+  0 success - 1 not found - 2 bad input or usage - 3 cell conflict -
+  4 configuration error - 5 storage unavailable (retriable) - 6 other storage error -
+  130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn, TextIO
+
+import logstore
+from logstore import Cell, Store
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_CONFLICT = 0, 1, 2, 3
+EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_STORAGE, EXIT_INTERRUPTED = 4, 5, 6, 130
+_EXITS: list[tuple[type[logstore.LogstoreError], int]] = [
+    (logstore.InvalidArgumentError, EXIT_USAGE),
+    (logstore.CellConflictError, EXIT_CONFLICT),
+    (logstore.ConfigurationError, EXIT_CONFIG),
+    (logstore.StorageUnavailableError, EXIT_UNAVAILABLE),
+    (logstore.StorageError, EXIT_STORAGE),
+]
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _json_arg(text: str, what: str) -> Any:
+    def refuse(constant: str) -> Any:
+        raise UsageError(f"{what} is not valid JSON: {constant} is not a JSON number")
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _time_arg(text: str) -> dt.datetime:
+    try:
+        when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise UsageError(f"--since {text!r} is not an ISO-8601 time, e.g. 2026-01-31T12:00:00Z") from None
+    return when if when.tzinfo else when.replace(tzinfo=dt.UTC)
+
+
+class Output:
+    """Writes results as human lines or, with --json, as JSON (one document or JSON lines)."""
+
+    def __init__(self, as_json: bool, out: TextIO) -> None:
+        self.as_json = as_json
+        self.out = out
+
+    def emit(self, data: Any, human: str) -> None:
+        print(json.dumps(data, ensure_ascii=False) if self.as_json else human, file=self.out, flush=True)
+
+    def cell(self, cell: Cell) -> None:
+        self.emit(cell.to_json(), human_cell(cell))
+
+
+def human_cell(cell: Cell) -> str:
+    when = cell.created_at.isoformat(timespec="microseconds").replace("+00:00", "Z")
+    body = json.dumps(cell.body, ensure_ascii=False, separators=(",", ":"))
+    return f"shard={cell.shard} added_id={cell.added_id} {when} {cell.row_key} {cell.column}@{cell.ref_key} {body}"
+
+
+# -- commands -------------------------------------------------------------------
+def cmd_init(store: Store, args: argparse.Namespace, out: Output) -> int:
+    out.emit({"shards": store.shard_count, "nodes": store.nodes},
+             f"logstore ready: {store.shard_count} shards on {', '.join(store.nodes)}")
+    return EXIT_OK
+
+
+def _batch_lines(stream: TextIO) -> Iterator[tuple[Any, Any, Any, Any]]:
+    for number, line in enumerate(stream, 1):
+        if not line.strip():
+            continue
+        item = _json_arg(line, f"line {number}")
+        if not isinstance(item, dict) or set(item) != {"row_key", "column", "ref_key", "body"}:
+            raise UsageError(f"line {number}: expected an object with row_key, column, ref_key and body")
+        yield item["row_key"], item["column"], item["ref_key"], item["body"]
+
+
+def cmd_put(store: Store, args: argparse.Namespace, out: Output) -> int:
+    if args.batch is not None:
+        with (sys.stdin if args.batch == "-" else open(args.batch, encoding="utf-8")) as stream:
+            cells = store.put_cells(list(_batch_lines(stream)))
+        for cell in cells:
+            out.cell(cell)
+        return EXIT_OK
+    if args.row_key is None or args.column is None or args.ref_key is None or args.body is None:
+        raise UsageError("put needs ROW_KEY COLUMN REF_KEY BODY (BODY is JSON, - reads stdin), or --batch FILE")
+    try:
+        ref_key = int(args.ref_key)
+    except ValueError:
+        raise UsageError(f"REF_KEY {args.ref_key!r} is not an integer") from None
+    text = sys.stdin.read() if args.body == "-" else args.body
+    out.cell(store.put_cell(args.row_key, args.column, ref_key, _json_arg(text, "BODY")))
+    return EXIT_OK
+
+
+def cmd_get(store: Store, args: argparse.Namespace, out: Output) -> int:
+    if args.ref is None:
+        cell = store.get_cell_latest(args.row_key, args.column)
+    else:
+        cell = store.get_cell(args.row_key, args.column, args.ref)
+    if cell is None:
+        where = f"{args.row_key} {args.column}" + ("" if args.ref is None else f"@{args.ref}")
+        out.emit(None, f"no cell {where}")
+        return EXIT_NOT_FOUND
+    out.cell(cell)
+    return EXIT_OK
+
+
+def cmd_row(store: Store, args: argparse.Namespace, out: Output) -> int:
+    row = store.get_row(args.row_key)
+    if out.as_json:
+        out.emit({column: cell.to_json() for column, cell in row.items()}, "")
+    elif not row:
+        out.emit(None, f"no cells for row {args.row_key}")
+    for cell in [] if out.as_json else row.values():
+        out.cell(cell)
+    return EXIT_OK if row else EXIT_NOT_FOUND
+
+
+def cmd_log(store: Store, args: argparse.Namespace, out: Output, sleep: Callable[[float], None] = time.sleep) -> int:
+    location = args.start
+    if args.since is not None:
+        location = store.location_at(args.shard, args.since)
+    printed = 0
+    while args.limit is None or printed < args.limit:
+        page_size = 1000 if args.limit is None else min(1000, args.limit - printed)
+        cells, location = store.get_cells_for_shard(args.shard, location, page_size, columns=args.columns)
+        for cell in cells:
+            out.cell(cell)
+        printed += len(cells)
+        if not cells:
+            if not args.follow:
+                break
+            sleep(args.poll)
+    if not out.as_json and not args.follow:
+        print(f"-- {printed} cells; next location {location}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_shards(store: Store, args: argparse.Namespace, out: Output) -> int:
+    stats = store.shard_stats()
+    shown = stats if args.all else [s for s in stats if s.cells]
+    if out.as_json:
+        out.emit([s._asdict() for s in shown], "")
+        return EXIT_OK
+    print(f"{'shard':>6} {'node':<12} {'cells':>10}", file=out.out)
+    for s in shown:
+        print(f"{s.shard:>6} {s.node:<12} {s.cells:>10}", file=out.out)
+    per_node: dict[str, int] = {}
+    for s in stats:
+        per_node[s.node] = per_node.get(s.node, 0) + s.cells
+    for node, total in per_node.items():
+        print(f"node {node}: {total} cells", file=out.out)
+    print(f"{len(stats)} shards, {sum(per_node.values())} cells", file=out.out)
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace, out: Output) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.store, out.out)
+
+
+# -- parser and main ------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument("--store", default=os.environ.get("CELLSTREAM_STORE"),
+                        help="sqlite:///dir, mysql://user:pw@host:port/db or a cluster file (env CELLSTREAM_STORE)")
+    common.add_argument("--json", action="store_true", help="print JSON (JSON lines for streams)")
+    common.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
+
+    parser = _Parser(prog="cellstream", description="cellstream: log streaming over a sharded cell store")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("init", parents=[common], help="create the instance (or check an existing one)")
+    p.add_argument("--shards", type=int, default=None, help="shard count, fixed at creation (default 4096)")
+    p.set_defaults(func=cmd_init)
+
+    p = sub.add_parser("put", parents=[common], help="write a cell (or --batch a JSON-lines file)")
+    p.add_argument("row_key", nargs="?")
+    p.add_argument("column", nargs="?")
+    p.add_argument("ref_key", nargs="?")
+    p.add_argument("body", nargs="?", help="JSON object; - reads it from stdin")
+    p.add_argument("--batch", metavar="FILE", help="JSON lines of {row_key, column, ref_key, body}; - for stdin")
+    p.set_defaults(func=cmd_put)
+
+    p = sub.add_parser("get", parents=[common], help="read a cell: the latest, or --ref REF")
+    p.add_argument("row_key")
+    p.add_argument("column")
+    p.add_argument("--ref", type=int, default=None)
+    p.set_defaults(func=cmd_get)
+
+    p = sub.add_parser("row", parents=[common], help="the latest cell of every column of a row")
+    p.add_argument("row_key")
+    p.set_defaults(func=cmd_row)
+
+    p = sub.add_parser("log", parents=[common], help="page through a shard's log")
+    p.add_argument("shard", type=int)
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--from", dest="start", type=int, default=0, metavar="LOCATION",
+                       help="print cells after this location (added_id)")
+    start.add_argument("--since", type=_time_arg, default=None, metavar="TIME",
+                       help="print cells created at or after this ISO-8601 time")
+    p.add_argument("--limit", type=int, default=None, help="stop after this many cells")
+    p.add_argument("--columns", type=lambda s: s.split(","), default=None, help="comma-separated columns")
+    p.add_argument("--follow", "-f", action="store_true", help="keep polling for new cells")
+    p.add_argument("--poll", type=float, default=0.5, help="seconds between polls with --follow")
+    p.set_defaults(func=cmd_log)
+
+    p = sub.add_parser("shards", parents=[common], help="cells per shard and storage node")
+    p.add_argument("--all", action="store_true", help="list empty shards too")
+    p.set_defaults(func=cmd_shards)
+
+    p = sub.add_parser("demo", parents=[common], help="run the pipeline demo (embedded store by default)")
+    p.set_defaults(func=None, demo=True)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    out_stream = sys.stdout
+    try:
+        args = build_parser().parse_args(argv)
+        if args.verbose:
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        out = Output(args.json, out_stream)
+        if getattr(args, "demo", False):
+            return cmd_demo(args, out)
+        if not args.store:
+            raise UsageError("no store given: pass --store URL or set CELLSTREAM_STORE")
+        if getattr(args, "limit", None) is not None and args.limit < 1:
+            raise UsageError("--limit must be at least 1")
+        with logstore.open(args.store, shards=getattr(args, "shards", None)) as store:
+            code: int = args.func(store, args, out)
+            return code
+    except UsageError as exc:
+        print(f"cellstream: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except logstore.LogstoreError as exc:
+        print(f"cellstream: error: {exc}", file=sys.stderr)
+        return next((code for kind, code in _EXITS if isinstance(exc, kind)), EXIT_STORAGE)
+    except OSError as exc:
+        print(f"cellstream: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED

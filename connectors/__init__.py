@@ -1,0 +1,1 @@
+"""connectors: warehouse ingestion sinks (built in a later issue)."""

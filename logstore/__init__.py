@@ -1,0 +1,108 @@
+"""logstore: a sharded, append-only cell store whose shards are logs.
+
+>>> import logstore
+>>> store = logstore.open("sqlite:///data")                 # doctest: +SKIP
+>>> store.put_cell(trip, "BASE", 1, {"city": "Aarhus"})     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from .cell import Cell
+from .config import (
+    DEFAULT_SHARDS,
+    MAX_SHARDS,
+    ClusterConfig,
+    MySQLTarget,
+    NodeTarget,
+    StoreOptions,
+    load_cluster_file,
+    parse_node_url,
+    single_node,
+)
+from .errors import (
+    CellConflictError,
+    ConfigurationError,
+    CorruptCellError,
+    InvalidArgumentError,
+    InvalidCellError,
+    LogstoreError,
+    StorageError,
+    StorageUnavailableError,
+)
+from .persistence import NodeRecorder
+from .store import ShardInfo, Store, node_meta
+
+__all__ = [
+    "DEFAULT_SHARDS",
+    "Cell",
+    "CellConflictError",
+    "ClusterConfig",
+    "ConfigurationError",
+    "CorruptCellError",
+    "InvalidArgumentError",
+    "InvalidCellError",
+    "LogstoreError",
+    "ShardInfo",
+    "StorageError",
+    "StorageUnavailableError",
+    "Store",
+    "StoreOptions",
+    "open",
+]
+
+
+def _recorder(name: str, target: NodeTarget, options: StoreOptions) -> NodeRecorder:
+    if isinstance(target, MySQLTarget):
+        from .mysql import MySQLRecorder
+
+        return MySQLRecorder(name, target, options)
+    from .sqlite import SQLiteRecorder
+
+    return SQLiteRecorder(name, target, options)
+
+
+def open(target: str | os.PathLike[str], shards: int | None = None, **options: Any) -> Store:  # noqa: A001
+    """Open a logstore instance, creating it when missing.
+
+    ``target`` is ``sqlite:///dir``, ``mysql://user:pw@host:port/db`` or the path of
+    a cluster file. ``shards`` is fixed when the instance is created (default 4096);
+    opening an existing instance with another count raises ConfigurationError.
+    ``options`` are the fields of :class:`StoreOptions`.
+    """
+    try:
+        opts = StoreOptions(**options)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise InvalidArgumentError(f"store option {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    if shards is not None and (type(shards) is not int or not 1 <= shards <= MAX_SHARDS):
+        raise InvalidArgumentError(f"shards must be an integer in [1, {MAX_SHARDS}], got {shards!r}")
+    text = os.fspath(target)
+    recorders: dict[str, NodeRecorder] = {}
+    try:
+        if text.startswith(("sqlite:", "mysql:")) or "://" in text:
+            recorder = _recorder("node0", parse_node_url(text), opts)
+            recorders["node0"] = recorder
+            found = recorder.read_meta()
+            count = shards or (found.shard_count if found else DEFAULT_SHARDS)
+            cluster = single_node(text, count)
+        else:
+            cluster = load_cluster_file(Path(text))
+            if shards is not None and shards != cluster.shards:
+                raise ConfigurationError(
+                    f"cluster file {text} gives {cluster.shards} shards, opened with {shards}"
+                )
+            for node in cluster.nodes:
+                recorders[node.name] = _recorder(node.name, node.target, opts)
+        for node in cluster.nodes:
+            recorders[node.name].initialize(node_meta(cluster, node))
+    except BaseException:
+        for recorder in recorders.values():
+            recorder.close()
+        raise
+    return Store(cluster, recorders, opts)

@@ -1,0 +1,191 @@
+"""The cell: its record type, validation, the stored body format and the shard hash.
+
+Stored body format (version 1): one format-version byte ``0x01`` followed by the
+zlib stream of the body's MessagePack form. Bodies are validated as JSON values
+before packing, so what comes back is what a JSON round trip would give.
+
+Shard of a row: the first 8 bytes of ``BLAKE2b(row_key.bytes, digest_size=8)`` read
+as a big-endian unsigned integer, modulo the shard count. BLAKE2b mixes all 16
+bytes, so time-ordered UUIDs (v1, v6, v7) spread as evenly as random ones, and the
+value never depends on the Python version or process (unlike ``hash()``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import math
+import re
+import uuid
+import zlib
+from typing import Any, NamedTuple
+
+import msgpack
+
+from .errors import CorruptCellError, InvalidCellError
+
+FORMAT_V1 = 1
+_V1_PREFIX = bytes([FORMAT_V1])
+REF_KEY_LIMIT = 1 << 63
+COLUMN_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+MAX_DEPTH = 64
+_INT_MIN = -(1 << 63)
+_INT_MAX = (1 << 64) - 1
+
+
+class Cell(NamedTuple):
+    """An immutable stored cell. ``body`` is a fresh dict on every read."""
+
+    row_key: uuid.UUID
+    column: str
+    ref_key: int
+    body: dict[str, Any]
+    added_id: int
+    shard: int
+    created_at: dt.datetime
+
+    def to_json(self) -> dict[str, Any]:
+        """The cell as a JSON-ready dict (the wire and CLI form)."""
+        return {
+            "row_key": str(self.row_key),
+            "column": self.column,
+            "ref_key": self.ref_key,
+            "added_id": self.added_id,
+            "shard": self.shard,
+            "created_at": self.created_at.isoformat(),
+            "body": self.body,
+        }
+
+
+def shard_of(row_key: uuid.UUID, shard_count: int) -> int:
+    digest = hashlib.blake2b(row_key.bytes, digest_size=8).digest()
+    return int.from_bytes(digest, "big") % shard_count
+
+
+def coerce_row_key(value: object) -> uuid.UUID:
+    if type(value) is uuid.UUID:
+        return value
+    if isinstance(value, uuid.UUID):
+        return uuid.UUID(bytes=value.bytes)
+    if isinstance(value, str):
+        try:
+            return uuid.UUID(value)
+        except ValueError:
+            raise InvalidCellError("row_key", f"{value!r} is not a UUID") from None
+    raise InvalidCellError("row_key", f"expected a UUID, got {type(value).__name__}")
+
+
+def check_column(column: object, *, allow_reserved: bool = False) -> str:
+    if not isinstance(column, str) or not COLUMN_RE.fullmatch(column):
+        raise InvalidCellError(
+            "column", f"{column!r} must match ^[A-Za-z_][A-Za-z0-9_]{{0,63}}$"
+        )
+    if column[0] == "_" and not allow_reserved:
+        raise InvalidCellError(
+            "column", f"{column!r} starts with '_', which is reserved for cellstream's own data"
+        )
+    return column
+
+
+def check_ref_key(ref_key: object) -> int:
+    if type(ref_key) is not int:
+        raise InvalidCellError("ref_key", f"expected an integer, got {type(ref_key).__name__}")
+    if not 0 <= ref_key < REF_KEY_LIMIT:
+        raise InvalidCellError("ref_key", f"{ref_key} is outside [0, 2^63)")
+    return ref_key
+
+
+class _BadValue(Exception):
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+        self.path: list[str | int] = []
+
+
+def _check_value(value: Any, depth: int) -> None:
+    t = type(value)
+    if t is str or t is bool or value is None:
+        return
+    if t is int:
+        if not _INT_MIN <= value <= _INT_MAX:
+            raise _BadValue(f"integer {value} does not fit in 64 bits")
+        return
+    if t is float:
+        if not math.isfinite(value):
+            raise _BadValue(f"{value} is not a JSON number (NaN and Infinity are refused)")
+        return
+    if depth >= MAX_DEPTH:
+        raise _BadValue(f"nested deeper than {MAX_DEPTH} levels")
+    if t is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                raise _BadValue(f"key {key!r} is not a string")
+            try:
+                _check_value(item, depth + 1)
+            except _BadValue as bad:
+                bad.path.append(key)
+                raise
+        return
+    if t is list:
+        for index, item in enumerate(value):
+            try:
+                _check_value(item, depth + 1)
+            except _BadValue as bad:
+                bad.path.append(index)
+                raise
+        return
+    raise _BadValue(f"{t.__name__} is not a JSON type (str, int, float, bool, None, list, dict)")
+
+
+def _field(path: list[str | int]) -> str:
+    out = "body"
+    for part in reversed(path):
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def pack_body(body: object, max_bytes: int) -> bytes:
+    """Validate ``body`` as a JSON object and return its MessagePack form."""
+    if type(body) is not dict:
+        raise InvalidCellError("body", f"expected a dict (JSON object), got {type(body).__name__}")
+    try:
+        _check_value(body, 0)
+    except _BadValue as bad:
+        raise InvalidCellError(_field(bad.path), bad.problem) from None
+    try:
+        packed: bytes = msgpack.packb(body, use_bin_type=True)
+    except UnicodeEncodeError:
+        raise InvalidCellError("body", "contains a string that is not valid UTF-8") from None
+    if len(packed) > max_bytes:
+        raise InvalidCellError(
+            "body", f"MessagePack form is {len(packed)} bytes, over the {max_bytes}-byte limit"
+        )
+    return packed
+
+
+def compress(packed: bytes, level: int) -> bytes:
+    return _V1_PREFIX + zlib.compress(packed, level)
+
+
+def decode_body(blob: bytes) -> dict[str, Any]:
+    if not blob or blob[0] != FORMAT_V1:
+        version = blob[0] if blob else None
+        raise CorruptCellError(f"unknown cell body format version {version!r}")
+    try:
+        body = msgpack.unpackb(zlib.decompress(blob[1:]), raw=False, strict_map_key=True)
+    except (zlib.error, ValueError, msgpack.UnpackException) as exc:
+        raise CorruptCellError(f"cell body cannot be decoded: {exc}") from None
+    if type(body) is not dict:
+        raise CorruptCellError("cell body is not a MessagePack map")
+    return body
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Equality that tells JSON types apart (1, 1.0 and True are three values)."""
+    ta = type(a)
+    if ta is not type(b):
+        return False
+    if ta is dict:
+        return a.keys() == b.keys() and all(same_json(v, b[k]) for k, v in a.items())
+    if ta is list:
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)

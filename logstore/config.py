@@ -1,0 +1,190 @@
+"""Configuration: store options, storage node URLs and the cluster file.
+
+A target given to :func:`logstore.open` is one of
+- ``sqlite:///relative/dir`` or ``sqlite:////absolute/dir`` (SQLAlchemy's convention),
+- ``mysql://user:password@host:port/database``,
+- a path to a cluster file (TOML) mapping shard ranges to storage nodes::
+
+      shards = 4096
+      [[nodes]]
+      name = "a"
+      url = "mysql://cellstream:secret@db-a:3306/cells"
+      shards = "0-2047"
+      [[nodes]]
+      name = "b"
+      url = "mysql://cellstream:secret@db-b:3306/cells"
+      shards = "2048-4095"
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+from urllib.parse import unquote, urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigurationError, InvalidArgumentError
+from .retry import RetryPolicy
+
+DEFAULT_SHARDS = 4096
+MAX_SHARDS = 65536
+_DB_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+
+class StoreOptions(BaseModel):
+    """Options of an opened store (keyword arguments of :func:`logstore.open`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="limit on a body's MessagePack form")
+    compression_level: int = Field(6, ge=0, le=9, description="zlib level of stored bodies")
+    pool_size: int = Field(8, ge=1, description="MySQL connections kept per storage node")
+    connect_timeout: float = Field(5.0, gt=0)
+    read_timeout: float = Field(30.0, gt=0)
+    max_statement_bytes: int = Field(
+        8 * 1024 * 1024, ge=64 * 1024, description="MySQL packets are split below this size"
+    )
+    sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
+    retry: RetryPolicy = RetryPolicy()
+
+
+class MySQLTarget(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    host: str
+    port: int
+    user: str
+    password: str = Field(repr=False)
+    database: str
+
+    def redacted(self) -> str:
+        return f"mysql://{self.user}:***@{self.host}:{self.port}/{self.database}"
+
+
+class SQLiteTarget(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    directory: Path
+
+    def redacted(self) -> str:
+        return f"sqlite:///{self.directory}"
+
+
+NodeTarget = MySQLTarget | SQLiteTarget
+
+
+def parse_node_url(url: str) -> NodeTarget:
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///"):]
+        if not path:
+            raise InvalidArgumentError("sqlite URL needs a directory: sqlite:///path/to/dir")
+        return SQLiteTarget(directory=Path(path))
+    if url.startswith("mysql://"):
+        parts = urlsplit(url)
+        database = parts.path.lstrip("/")
+        if not _DB_NAME.fullmatch(database):
+            raise InvalidArgumentError(
+                "mysql URL needs a database name of letters, digits and _: mysql://user:pw@host:port/db"
+            )
+        try:
+            port = parts.port or 3306
+        except ValueError:
+            raise InvalidArgumentError("mysql URL has an invalid port") from None
+        return MySQLTarget(
+            host=parts.hostname or "127.0.0.1",
+            port=port,
+            user=unquote(parts.username or "root"),
+            password=unquote(parts.password or ""),
+            database=database,
+        )
+    scheme = url.split(":", 1)[0] if ":" in url else url
+    raise InvalidArgumentError(f"unsupported store URL scheme {scheme!r} (use sqlite:/// or mysql://)")
+
+
+class NodeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    url: str = Field(repr=False)
+    shards: str = Field(description='inclusive range "first-last"')
+
+    @field_validator("url")
+    @classmethod
+    def _url_parses(cls, url: str) -> str:
+        try:
+            parse_node_url(url)
+        except InvalidArgumentError as exc:
+            raise ValueError(str(exc)) from None
+        return url
+
+    @field_validator("shards")
+    @classmethod
+    def _range_parses(cls, value: str) -> str:
+        if not re.fullmatch(r"\d+-\d+", value):
+            raise ValueError('must be an inclusive range "first-last", e.g. "0-2047"')
+        first, last = map(int, value.split("-"))
+        if first > last:
+            raise ValueError(f"range {value} is empty")
+        return value
+
+    @property
+    def first(self) -> int:
+        return int(self.shards.split("-")[0])
+
+    @property
+    def last(self) -> int:
+        return int(self.shards.split("-")[1])
+
+    @property
+    def target(self) -> NodeTarget:
+        return parse_node_url(self.url)
+
+
+class ClusterConfig(BaseModel):
+    """Storage nodes, each owning a contiguous range of shards; together they cover all shards once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shards: int = Field(DEFAULT_SHARDS, ge=1, le=MAX_SHARDS)
+    nodes: list[NodeConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _covers_every_shard_once(self) -> ClusterConfig:
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            raise ValueError("node names must be unique")
+        expected = 0
+        for node in sorted(self.nodes, key=lambda n: n.first):
+            if node.first != expected:
+                raise ValueError(
+                    f"node {node.name!r} starts at shard {node.first}, expected {expected}: "
+                    "ranges must cover 0..shards-1 without gaps or overlaps"
+                )
+            expected = node.last + 1
+        if expected != self.shards:
+            raise ValueError(f"node ranges end at shard {expected - 1}, expected {self.shards - 1}")
+        return self
+
+
+def single_node(url: str, shards: int) -> ClusterConfig:
+    return ClusterConfig(shards=shards, nodes=[NodeConfig(name="node0", url=url, shards=f"0-{shards - 1}")])
+
+
+def load_cluster_file(path: Path) -> ClusterConfig:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read cluster file {path}: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigurationError(f"cluster file {path} is not valid TOML: {exc}") from None
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise ConfigurationError(f"cluster file {path}: {where}: {first['msg']}") from None

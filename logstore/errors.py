@@ -1,0 +1,67 @@
+"""The logstore error hierarchy.
+
+Every error raised by logstore is a :class:`LogstoreError`. Callers decide on
+retries with the ``retriable`` flag rather than by class: a retriable error means
+"the same call may succeed later, and repeating it is safe" (puts are idempotent).
+Driver errors (pymysql, sqlite3) are translated at one boundary per backend and
+never escape untranslated.
+"""
+
+from __future__ import annotations
+
+
+class LogstoreError(Exception):
+    """Root of every logstore error."""
+
+    retriable: bool = False
+
+
+class InvalidArgumentError(LogstoreError, ValueError):
+    """An argument is malformed (shard out of range, naive datetime, bad URL...)."""
+
+
+class InvalidCellError(InvalidArgumentError):
+    """A cell's coordinates or body are invalid; ``field`` names the bad part.
+
+    ``field`` is ``row_key``, ``column``, ``ref_key`` or ``body`` followed by a
+    path into the body, e.g. ``body.items[3].price``.
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"invalid cell {field}: {problem}")
+
+
+class CellConflictError(LogstoreError):
+    """A cell already exists at these coordinates with a different body.
+
+    Cells are immutable: nothing was written. Write a higher ref_key instead.
+    """
+
+    def __init__(self, row_key: object, column: str, ref_key: int) -> None:
+        self.row_key = row_key
+        self.column = column
+        self.ref_key = ref_key
+        super().__init__(
+            f"cell ({row_key}, {column}, {ref_key}) already exists with a different body; "
+            "cells are immutable, write a higher ref_key"
+        )
+
+
+class ConfigurationError(LogstoreError):
+    """The instance or its configuration does not match (shard count, cluster map, credentials)."""
+
+
+class StorageError(LogstoreError):
+    """The storage backend failed in a way that repeating the call will not fix."""
+
+
+class StorageUnavailableError(StorageError):
+    """A storage node cannot be reached or timed out. Retriable: the call is safe to repeat."""
+
+    retriable = True
+
+
+class CorruptCellError(StorageError):
+    """A stored cell body cannot be decoded (unknown format version or damaged bytes)."""

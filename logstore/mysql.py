@@ -1,0 +1,443 @@
+"""The MySQL/MariaDB backend: one database per storage node, one table per shard.
+
+Each shard's table follows the Schemaless design (``added_id`` AUTO_INCREMENT
+primary key, unique ``(row_key, column_name, ref_key)``). Shard tables are created
+on first write, so opening an instance of 4096 shards creates three small tables.
+
+No-skip guarantee: every write transaction first locks its shards' rows in
+``cellstream_shards`` (in ascending shard order, so writers never deadlock), and
+only then inserts. AUTO_INCREMENT ids of a shard are therefore allocated and
+committed by one transaction at a time, and a reader paging ``added_id > location``
+never sees a higher id commit before a lower one. The whole transaction - lock,
+inserts, id read-back and COMMIT - goes to the server as one multi-statement
+packet, so the lock costs no extra round trip; writers to the *same* shard queue
+behind each other (measured in bench/logstore_bench.py).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from typing import Any, TypeVar
+
+import pymysql
+from pymysql.constants import CLIENT
+
+from .cell import Cell
+from .config import MySQLTarget, StoreOptions
+from .errors import ConfigurationError, LogstoreError, StorageError, StorageUnavailableError
+from .persistence import (
+    FORMAT_VERSION,
+    Coordinates,
+    NodeMeta,
+    NodeRecorder,
+    PendingCell,
+    check_meta,
+    make_cell,
+    ordered_result,
+    split_existing,
+)
+from .retry import retry_call
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+Connection = pymysql.connections.Connection
+Statement = tuple[str, Sequence[Any]]
+
+# Connection lost, server gone or shutting down, lock wait timeout, deadlock,
+# too many connections, connection killed: the same call may succeed later.
+_UNAVAILABLE = {1040, 1053, 1205, 1213, 1927, 2002, 2003, 2006, 2013, 2014, 2055}
+_BAD_CONFIG = {1044, 1045, 1049, 1142, 1227}
+_NO_TABLE = 1146
+_DUPLICATE = 1062
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS cellstream_meta ("
+    " name VARCHAR(64) CHARACTER SET ascii NOT NULL PRIMARY KEY,"
+    " value VARCHAR(255) NOT NULL) ENGINE=InnoDB",
+    "CREATE TABLE IF NOT EXISTS cellstream_shards ("
+    " shard INT NOT NULL PRIMARY KEY, cells BIGINT NOT NULL DEFAULT 0) ENGINE=InnoDB",
+)
+_SHARD_TABLE = (
+    "CREATE TABLE IF NOT EXISTS {t} ("
+    " added_id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,"
+    " row_key BINARY(16) NOT NULL,"
+    " column_name VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,"
+    " ref_key BIGINT NOT NULL,"
+    " body LONGBLOB NOT NULL,"
+    " created_at DATETIME(6) NOT NULL,"
+    " UNIQUE KEY cell (row_key, column_name, ref_key),"
+    " KEY created (created_at)"
+    ") ENGINE=InnoDB"
+)
+_COLS = "added_id, row_key, column_name, ref_key, body, created_at"
+_ROW_OVERHEAD = 96  # bytes of SQL text per inserted row besides its escaped blob
+
+
+def table(shard: int) -> str:
+    return f"cells_{shard:04d}"
+
+
+def _code(exc: pymysql.Error) -> int | None:
+    return exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
+
+
+def _translate(exc: pymysql.Error, node: str) -> LogstoreError:
+    code = _code(exc)
+    message = exc.args[1] if len(exc.args) > 1 else str(exc)
+    text = f"storage node {node}: MySQL error {code}: {message}"
+    if code in _UNAVAILABLE or isinstance(exc, pymysql.err.InterfaceError):
+        return StorageUnavailableError(text)
+    if code in _BAD_CONFIG:
+        return ConfigurationError(text)
+    return StorageError(text)
+
+
+def _utc(value: dt.datetime) -> dt.datetime:
+    return value.replace(tzinfo=dt.UTC)
+
+
+def _row_to_cell(shard: int, row: tuple[Any, ...]) -> Cell:
+    added_id, row_key, column, ref_key, blob, created = row
+    return make_cell(shard, added_id, row_key, column, ref_key, blob, _utc(created))
+
+
+class _Pool:
+    """A bounded LIFO pool of autocommit connections; a connection that failed is dropped."""
+
+    def __init__(self, connect: Callable[[], Connection], size: int, timeout: float) -> None:
+        self._connect = connect
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(size)
+        self._timeout = timeout
+        self._closed = False
+
+    @contextmanager
+    def connection(self) -> Iterator[Connection]:
+        if not self._slots.acquire(timeout=self._timeout):
+            raise StorageUnavailableError("no free MySQL connection in the pool")
+        try:
+            with self._lock:
+                if self._closed:
+                    raise StorageError("the store is closed")
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                conn = self._connect()
+            try:
+                yield conn
+            except LogstoreError:
+                with self._lock:
+                    self._idle.append(conn)  # raised by our code after ROLLBACK: the connection is clean
+                raise
+            except BaseException:
+                with suppress(pymysql.Error):
+                    conn.close()
+                raise
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                else:
+                    self._idle.append(conn)
+        finally:
+            self._slots.release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            with suppress(pymysql.Error):
+                conn.close()
+
+
+def run_script(cur: pymysql.cursors.Cursor, statements: Sequence[Statement]) -> list[tuple[Any, ...] | None]:
+    """Send ``statements`` in one round trip; return each one's rows (None when it has none)."""
+    sql = ";\n".join(s for s, _ in statements)
+    args = [a for _, params in statements for a in params]
+    cur.execute(sql, args)
+    results: list[tuple[Any, ...] | None] = [cur.fetchall() if cur.description else None]
+    while cur.nextset():
+        results.append(cur.fetchall() if cur.description else None)
+    return results
+
+
+class MySQLRecorder(NodeRecorder):
+    def __init__(self, name: str, target: MySQLTarget, options: StoreOptions) -> None:
+        self.name = name
+        self._target = target
+        self._options = options
+        self._pool = _Pool(self._connect, options.pool_size, options.connect_timeout + options.read_timeout)
+        self._tables: set[int] = set()
+        self._tables_lock = threading.Lock()
+
+    # -- connections and errors -----------------------------------------------------
+    def _raw_connect(self, database: str | None) -> Connection:
+        t, o = self._target, self._options
+        return pymysql.connect(
+            host=t.host, port=t.port, user=t.user, password=t.password, database=database,
+            autocommit=True, client_flag=CLIENT.MULTI_STATEMENTS, charset="utf8mb4",
+            binary_prefix=True, connect_timeout=o.connect_timeout,
+            read_timeout=o.read_timeout, write_timeout=o.read_timeout,
+        )
+
+    def _connect(self) -> Connection:
+        try:
+            conn = self._raw_connect(self._target.database)
+        except pymysql.err.OperationalError as exc:
+            if _code(exc) != 1049:
+                raise
+            # Unknown database: "creates if missing" covers the database too.
+            admin = self._raw_connect(None)
+            try:
+                with admin.cursor() as cur:
+                    cur.execute(f"CREATE DATABASE IF NOT EXISTS `{self._target.database}` CHARACTER SET utf8mb4")
+            finally:
+                admin.close()
+            conn = self._raw_connect(self._target.database)
+        with conn.cursor() as cur:
+            cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        return conn
+
+    def _call(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
+        """Run ``fn`` on a pooled connection; translate driver errors; retry retriable ones."""
+        def attempt() -> T:
+            try:
+                with self._pool.connection() as conn, conn.cursor() as cur:
+                    return fn(cur)
+            except pymysql.Error as exc:
+                error = _translate(exc, self.name)
+                logger.log(logging.WARNING if error.retriable else logging.ERROR,
+                           "%s on %s failed: %s", what, self.name, error)
+                raise error from exc
+        return retry_call(attempt, self._options.retry)
+
+    def _read_shard(self, shard: int, sql: str, args: Sequence[Any]) -> tuple[tuple[Any, ...], ...]:
+        def run(cur: pymysql.cursors.Cursor) -> tuple[tuple[Any, ...], ...]:
+            try:
+                cur.execute(sql.format(t=table(shard)), args)
+            except pymysql.err.ProgrammingError as exc:
+                if _code(exc) == _NO_TABLE:  # nobody wrote to this shard yet
+                    return ()
+                raise
+            return tuple(cur.fetchall())
+        return self._call("read", run)
+
+    # -- metadata -------------------------------------------------------------------
+    def read_meta(self) -> NodeMeta | None:
+        def run(cur: pymysql.cursors.Cursor) -> dict[str, str] | None:
+            try:
+                cur.execute("SELECT name, value FROM cellstream_meta")
+            except pymysql.err.ProgrammingError as exc:
+                if _code(exc) == _NO_TABLE:
+                    return None
+                raise
+            return dict(cur.fetchall())
+        rows = self._call("read metadata", run)
+        if not rows:
+            return None
+        if int(rows.get("format_version", 0)) != FORMAT_VERSION:
+            raise ConfigurationError(f"storage node {self.name} has unknown format {rows.get('format_version')}")
+        return NodeMeta(int(rows["shard_count"]), int(rows["first"]), int(rows["last"]))
+
+    def initialize(self, meta: NodeMeta) -> None:
+        def run(cur: pymysql.cursors.Cursor) -> None:
+            for statement in _SCHEMA:
+                cur.execute(statement)
+            values = [("format_version", str(FORMAT_VERSION)), ("shard_count", str(meta.shard_count)),
+                      ("first", str(meta.first)), ("last", str(meta.last))]
+            # INSERT IGNORE: of two processes creating the node at once, the first wins
+            # and the second then checks its metadata against the winner's.
+            cur.execute("START TRANSACTION")
+            cur.executemany("INSERT IGNORE INTO cellstream_meta (name, value) VALUES (%s, %s)", values)
+            if cur.rowcount:
+                cur.executemany("INSERT IGNORE INTO cellstream_shards (shard) VALUES (%s)",
+                                [(s,) for s in range(meta.first, meta.last + 1)])
+                logger.info("created storage node %s with shards %d-%d", self.name, meta.first, meta.last)
+            cur.execute("COMMIT")
+            cur.execute("SELECT table_name FROM information_schema.tables"
+                        " WHERE table_schema = DATABASE() AND table_name LIKE 'cells\\_%'")
+            with self._tables_lock:
+                self._tables.update(int(name.split("_")[1]) for (name,) in cur.fetchall())
+        self._call("initialize", run)
+        stored = self.read_meta()
+        assert stored is not None
+        check_meta(self.name, stored, meta)
+
+    def _ensure_tables(self, cur: pymysql.cursors.Cursor, shards: Sequence[int]) -> None:
+        with self._tables_lock:
+            missing = [s for s in shards if s not in self._tables]
+        if missing:
+            run_script(cur, [(_SHARD_TABLE.format(t=table(s)), ()) for s in missing])
+            with self._tables_lock:
+                self._tables.update(missing)
+
+    # -- writes ---------------------------------------------------------------------
+    def _insert_statements(self, by_shard: dict[int, list[PendingCell]]) -> list[tuple[Statement, int | None]]:
+        """Count update, chunked multi-row INSERTs and id read-back per shard, ascending.
+
+        Each statement comes with the shard whose ids it reads back (None for the others).
+        """
+        out: list[tuple[Statement, int | None]] = []
+        budget = self._options.max_statement_bytes // 2
+        for shard in sorted(by_shard):
+            cells = by_shard[shard]
+            count = ("UPDATE cellstream_shards SET cells = cells + %s WHERE shard = %s", (len(cells), shard))
+            out.append((count, None))
+            start = 0
+            while start < len(cells):
+                size, end = 0, start
+                while end < len(cells) and (end == start or size + len(cells[end].blob) * 2 < budget):
+                    size += len(cells[end].blob) * 2 + _ROW_OVERHEAD
+                    end += 1
+                chunk = cells[start:end]
+                values = ", ".join(["(%s, %s, %s, %s, UTC_TIMESTAMP(6))"] * len(chunk))
+                args = [a for c in chunk for a in (c.row_key.bytes, c.column, c.ref_key, c.blob)]
+                out.append((
+                    (f"INSERT INTO {table(shard)} (row_key, column_name, ref_key, body, created_at)"
+                     f" VALUES {values}", args), None))
+                out.append((
+                    (f"SELECT added_id, row_key, column_name, ref_key, created_at FROM {table(shard)}"
+                     " WHERE added_id >= LAST_INSERT_ID() ORDER BY added_id LIMIT %s", (len(chunk),)),
+                    shard))
+                start = end
+        return out
+
+    def _packets(
+        self, statements: list[tuple[Statement, int | None]]
+    ) -> Iterator[list[tuple[Statement, int | None]]]:
+        packet: list[tuple[Statement, int | None]] = []
+        size = 0
+        for item in statements:
+            (sql, args), _ = item
+            weight = len(sql) + sum(len(a) * 2 if isinstance(a, bytes) else 24 for a in args)
+            if packet and size + weight > self._options.max_statement_bytes:
+                yield packet
+                packet, size = [], 0
+            packet.append(item)
+            size += weight
+        if packet:
+            yield packet
+
+    def _write_all(self, cur: pymysql.cursors.Cursor, fresh: list[PendingCell],
+                   stored: dict[Coordinates, Cell], prefix: list[Statement]) -> None:
+        """Run ``prefix`` + the inserts of ``fresh`` + COMMIT; fill ``stored`` with their ids."""
+        by_shard: dict[int, list[PendingCell]] = {}
+        for cell in fresh:
+            by_shard.setdefault(cell.shard, []).append(cell)
+        statements: list[tuple[Statement, int | None]] = [(s, None) for s in prefix]
+        statements += self._insert_statements(by_shard)
+        hook = self.before_commit
+        if hook is None:
+            statements.append((("COMMIT", ()), None))
+        pending = {c.coordinates: c for c in fresh}
+        for packet in self._packets(statements):
+            results = run_script(cur, [s for s, _ in packet])
+            for (_, shard), rows in zip(packet, results, strict=True):
+                if shard is not None and rows:
+                    for added_id, row_key, column, ref_key, created in rows:
+                        cell = pending[(bytes(row_key), column, ref_key)]
+                        stored[cell.coordinates] = Cell(cell.row_key, column, ref_key, cell.body,
+                                                        added_id, shard, _utc(created))
+        if hook is not None:
+            hook(sorted(by_shard))
+            cur.execute("COMMIT")
+
+    def _select_existing(self, cells: Sequence[PendingCell]) -> list[tuple[int, Statement]]:
+        by_shard: dict[int, list[PendingCell]] = {}
+        for cell in cells:
+            by_shard.setdefault(cell.shard, []).append(cell)
+        out: list[tuple[int, Statement]] = []
+        for shard in sorted(by_shard):
+            group = by_shard[shard]
+            where = " OR ".join(["(row_key = %s AND column_name = %s AND ref_key = %s)"] * len(group))
+            out.append((shard, (f"SELECT {_COLS} FROM {table(shard)} WHERE {where}",
+                                [a for c in group for a in c.coordinates])))
+        return out
+
+    def insert(self, cells: Sequence[PendingCell]) -> list[Cell]:
+        shards = sorted({c.shard for c in cells})
+
+        def run(cur: pymysql.cursors.Cursor) -> list[Cell]:
+            self._ensure_tables(cur, shards)
+            stored: dict[Coordinates, Cell] = {}
+            try:
+                self._write_all(cur, list(cells), stored, [("START TRANSACTION", ())])
+                return ordered_result(cells, stored)
+            except pymysql.err.IntegrityError as exc:
+                cur.execute("ROLLBACK")
+                if _code(exc) != _DUPLICATE:
+                    raise
+            # Some cells exist already: lock the shards, compare, insert only the rest.
+            stored.clear()
+            marks = ", ".join(["%s"] * len(shards))
+            lock: Statement = (f"SELECT shard FROM cellstream_shards WHERE shard IN ({marks})"
+                               " ORDER BY shard FOR UPDATE", shards)
+            selects = self._select_existing(cells)
+            results = run_script(cur, [("START TRANSACTION", ()), lock, *(s for _, s in selects)])
+            try:
+                existing: dict[Coordinates, Cell] = {}
+                for (shard, _), rows in zip(selects, results[2:], strict=True):
+                    for row in rows or ():
+                        cell = _row_to_cell(shard, row)
+                        existing[(cell.row_key.bytes, cell.column, cell.ref_key)] = cell
+                fresh = split_existing(cells, existing)
+                stored.update(existing)
+                self._write_all(cur, fresh, stored, [])
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            return ordered_result(cells, stored)
+
+        return self._call("write", run)
+
+    # -- reads ----------------------------------------------------------------------
+    def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None:
+        rows = self._read_shard(
+            shard, f"SELECT {_COLS} FROM {{t}} WHERE row_key = %s AND column_name = %s AND ref_key = %s",
+            (row_key.bytes, column, ref_key))
+        return _row_to_cell(shard, rows[0]) if rows else None
+
+    def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None:
+        rows = self._read_shard(
+            shard, f"SELECT {_COLS} FROM {{t}} WHERE row_key = %s AND column_name = %s"
+            " ORDER BY ref_key DESC LIMIT 1", (row_key.bytes, column))
+        return _row_to_cell(shard, rows[0]) if rows else None
+
+    def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
+        rows = self._read_shard(
+            shard, f"SELECT {_COLS} FROM {{t}} c WHERE row_key = %s AND ref_key = ("
+            " SELECT MAX(ref_key) FROM {t} m WHERE m.row_key = c.row_key AND m.column_name = c.column_name)"
+            " ORDER BY column_name", (row_key.bytes,))
+        return [_row_to_cell(shard, r) for r in rows]
+
+    def get_log(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Cell]:
+        where, args = "added_id > %s", [location]
+        if columns:
+            where += f" AND column_name IN ({', '.join(['%s'] * len(columns))})"
+            args.extend(columns)  # type: ignore[arg-type]
+        rows = self._read_shard(shard, f"SELECT {_COLS} FROM {{t}} WHERE {where} ORDER BY added_id LIMIT %s",
+                                [*args, limit])
+        return [_row_to_cell(shard, r) for r in rows]
+
+    def first_at(self, shard: int, when: dt.datetime) -> int | None:
+        rows = self._read_shard(shard, "SELECT MIN(added_id) FROM {t} WHERE created_at >= %s",
+                                (when.astimezone(dt.UTC).replace(tzinfo=None),))
+        return int(rows[0][0]) if rows and rows[0][0] is not None else None
+
+    def head(self, shard: int) -> int:
+        rows = self._read_shard(shard, "SELECT MAX(added_id) FROM {t}", ())
+        return int(rows[0][0] or 0) if rows else 0
+
+    def shard_counts(self) -> dict[int, int]:
+        def run(cur: pymysql.cursors.Cursor) -> dict[int, int]:
+            cur.execute("SELECT shard, cells FROM cellstream_shards")
+            return {int(s): int(n) for s, n in cur.fetchall()}
+        return self._call("read", run)
+
+    def close(self) -> None:
+        self._pool.close()

@@ -1,0 +1,152 @@
+"""What every storage backend implements, and the logic they share.
+
+A *node recorder* stores a contiguous range of shards on one storage node (a
+SQLite directory or a MySQL database). The :class:`~logstore.store.Store` above it
+validates and encodes cells, routes them by shard and never sees SQL.
+
+Contract every recorder keeps (tests/logstore_contract.py checks it on each one):
+- ``insert`` is atomic for the node: either every given cell is stored (or was
+  already stored with an identical body) or nothing changes.
+- Within a shard, ``added_id`` is strictly increasing in commit order. A reader
+  paging ``added_id > location`` therefore never misses a committed cell: writes
+  to a shard are serialized by a per-shard lock taken before ids are allocated,
+  so no transaction can commit an id below one already visible.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from .cell import Cell, decode_body, same_json
+from .errors import CellConflictError, ConfigurationError
+
+FORMAT_VERSION = 1
+Coordinates = tuple[bytes, str, int]
+
+
+class PendingCell(NamedTuple):
+    """A validated cell on its way in: coordinates, decoded body and stored bytes."""
+
+    shard: int
+    row_key: uuid.UUID
+    column: str
+    ref_key: int
+    body: dict[str, Any]
+    blob: bytes
+
+    @property
+    def coordinates(self) -> Coordinates:
+        return (self.row_key.bytes, self.column, self.ref_key)
+
+
+class NodeMeta(NamedTuple):
+    """What a node records about the instance it belongs to."""
+
+    shard_count: int
+    first: int
+    last: int
+
+
+class NodeRecorder(ABC):
+    """One storage node's shards. Implementations are safe to share between threads."""
+
+    #: Fault injection for tests: called inside every write transaction, with the
+    #: shards it writes, after the cells are inserted and before COMMIT.
+    before_commit: Callable[[Sequence[int]], None] | None = None
+
+    @abstractmethod
+    def read_meta(self) -> NodeMeta | None:
+        """The node's recorded metadata, or None when the node was never initialized."""
+
+    @abstractmethod
+    def initialize(self, meta: NodeMeta) -> None:
+        """Create the node's schema and metadata if missing; raise ConfigurationError on mismatch."""
+
+    @abstractmethod
+    def insert(self, cells: Sequence[PendingCell]) -> list[Cell]:
+        """Store ``cells`` atomically; return the stored cell for each, in order."""
+
+    @abstractmethod
+    def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None: ...
+
+    @abstractmethod
+    def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None: ...
+
+    @abstractmethod
+    def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
+        """The highest-ref_key cell of every column of the row."""
+
+    @abstractmethod
+    def get_log(
+        self, shard: int, location: int, limit: int, columns: Sequence[str] | None
+    ) -> list[Cell]:
+        """Up to ``limit`` cells with ``added_id > location``, in added_id order."""
+
+    @abstractmethod
+    def first_at(self, shard: int, when: dt.datetime) -> int | None:
+        """The lowest added_id created at or after ``when`` (UTC), or None."""
+
+    @abstractmethod
+    def head(self, shard: int) -> int:
+        """The highest added_id of the shard, 0 when empty."""
+
+    @abstractmethod
+    def shard_counts(self) -> dict[int, int]:
+        """Cells per shard, for every shard of the node."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def check_meta(node: str, found: NodeMeta, wanted: NodeMeta) -> None:
+    if found.shard_count != wanted.shard_count:
+        raise ConfigurationError(
+            f"storage node {node} was created with {found.shard_count} shards, "
+            f"opened with {wanted.shard_count}; the shard count is fixed at creation"
+        )
+    if (found.first, found.last) != (wanted.first, wanted.last):
+        raise ConfigurationError(
+            f"storage node {node} holds shards {found.first}-{found.last}, "
+            f"the configuration gives it {wanted.first}-{wanted.last}"
+        )
+
+
+def make_cell(
+    shard: int,
+    added_id: int,
+    row_key: bytes,
+    column: str,
+    ref_key: int,
+    blob: bytes,
+    created_at: dt.datetime,
+) -> Cell:
+    return Cell(uuid.UUID(bytes=bytes(row_key)), column, ref_key, decode_body(blob), added_id, shard, created_at)
+
+
+def split_existing(
+    cells: Sequence[PendingCell], existing: dict[Coordinates, Cell]
+) -> list[PendingCell]:
+    """The cells still to insert; raise CellConflictError if one exists with another body."""
+    missing = []
+    for cell in cells:
+        stored = existing.get(cell.coordinates)
+        if stored is None:
+            missing.append(cell)
+        elif not same_json(stored.body, cell.body):
+            raise CellConflictError(cell.row_key, cell.column, cell.ref_key)
+    return missing
+
+
+def ordered_result(
+    cells: Sequence[PendingCell], stored: dict[Coordinates, Cell]
+) -> list[Cell]:
+    """The stored cell for each input cell, in input order.
+
+    A cell read back from the database carries the body the caller gave (equal by
+    ``same_json``), so a put never pays to decode what it just encoded.
+    """
+    return [stored[c.coordinates]._replace(body=c.body) for c in cells]

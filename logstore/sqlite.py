@@ -1,0 +1,245 @@
+"""The embedded backend: one SQLite database file per storage node.
+
+All shards of the node share one ``cells`` table; ``added_id`` is its rowid.
+SQLite admits one writer at a time (``BEGIN IMMEDIATE``), so ids are allocated
+and committed in the same order: a reader paging ``added_id > location`` cannot
+miss a cell. Ids are unique across the node and strictly increasing within each
+shard (not dense per shard). WAL mode lets readers run beside the writer.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import sqlite3
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from .cell import Cell
+from .config import SQLiteTarget, StoreOptions
+from .errors import ConfigurationError, LogstoreError, StorageError, StorageUnavailableError
+from .persistence import (
+    FORMAT_VERSION,
+    Coordinates,
+    NodeMeta,
+    NodeRecorder,
+    PendingCell,
+    check_meta,
+    make_cell,
+    ordered_result,
+    split_existing,
+)
+
+logger = logging.getLogger(__name__)
+DB_FILE = "logstore.db"
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS cellstream_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS cellstream_shards (shard INTEGER PRIMARY KEY, cells INTEGER NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS cells (
+        added_id INTEGER PRIMARY KEY,
+        shard INTEGER NOT NULL,
+        row_key BLOB NOT NULL,
+        column_name TEXT NOT NULL,
+        ref_key INTEGER NOT NULL,
+        body BLOB NOT NULL,
+        created_at INTEGER NOT NULL,
+        UNIQUE (row_key, column_name, ref_key)
+    )""",
+    "CREATE INDEX IF NOT EXISTS cells_log ON cells (shard, added_id)",
+    "CREATE INDEX IF NOT EXISTS cells_created ON cells (shard, created_at)",
+)
+_COLS = "added_id, shard, row_key, column_name, ref_key, body, created_at"
+_SELECT_CELL = f"SELECT {_COLS} FROM cells WHERE row_key = ? AND column_name = ? AND ref_key = ?"
+_SELECT_LATEST = (
+    f"SELECT {_COLS} FROM cells WHERE row_key = ? AND column_name = ? ORDER BY ref_key DESC LIMIT 1"
+)
+_SELECT_ROW = f"""SELECT {_COLS} FROM cells c WHERE row_key = ? AND ref_key = (
+    SELECT MAX(ref_key) FROM cells m WHERE m.row_key = c.row_key AND m.column_name = c.column_name)
+    ORDER BY column_name"""
+_SELECT_LOG = f"SELECT {_COLS} FROM cells WHERE shard = ? AND added_id > ? ORDER BY added_id LIMIT ?"
+_INSERT = (
+    "INSERT INTO cells (shard, row_key, column_name, ref_key, body, created_at) VALUES (?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT DO NOTHING"
+)
+_COUNT = "UPDATE cellstream_shards SET cells = cells + ? WHERE shard = ?"
+
+
+def _micros(when: dt.datetime) -> int:
+    delta = when - _EPOCH
+    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def _row_to_cell(row: tuple[int, int, bytes, str, int, bytes, int]) -> Cell:
+    added_id, shard, row_key, column, ref_key, blob, created = row
+    return make_cell(shard, added_id, row_key, column, ref_key, blob, _EPOCH + dt.timedelta(microseconds=created))
+
+
+def _translate(exc: sqlite3.Error, what: str) -> LogstoreError:
+    if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+        return StorageUnavailableError(f"sqlite {what}: database is locked by another writer")
+    if isinstance(exc, sqlite3.OperationalError) and "unable to open" in str(exc):
+        return ConfigurationError(f"sqlite {what}: {exc}")
+    return StorageError(f"sqlite {what}: {exc}")
+
+
+class SQLiteRecorder(NodeRecorder):
+    def __init__(self, name: str, target: SQLiteTarget, options: StoreOptions) -> None:
+        self.name = name
+        self._path = target.directory / DB_FILE
+        self._options = options
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._all_lock = threading.Lock()
+        try:
+            target.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigurationError(f"cannot create store directory {target.directory}: {exc.strerror}") from None
+
+    # -- connections ------------------------------------------------------
+    def _conn(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=30)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA synchronous={self._options.sqlite_synchronous}")
+            self._local.conn = conn
+            with self._all_lock:
+                self._all.append(conn)
+        return conn
+
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise _translate(exc, what) from exc
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        conn = self._conn()
+        with self._errors("write"):
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    # -- metadata ---------------------------------------------------------
+    def read_meta(self) -> NodeMeta | None:
+        with self._errors("read metadata"):
+            try:
+                rows = dict(self._conn().execute("SELECT name, value FROM cellstream_meta").fetchall())
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):
+                    return None
+                raise
+        if not rows:
+            return None
+        if int(rows.get("format_version", 0)) != FORMAT_VERSION:
+            raise ConfigurationError(f"storage node {self.name} has unknown format {rows.get('format_version')}")
+        return NodeMeta(int(rows["shard_count"]), int(rows["first"]), int(rows["last"]))
+
+    def initialize(self, meta: NodeMeta) -> None:
+        with self._write() as conn:
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            found = dict(conn.execute("SELECT name, value FROM cellstream_meta").fetchall())
+            if not found:
+                conn.executemany(
+                    "INSERT INTO cellstream_meta (name, value) VALUES (?, ?)",
+                    [("format_version", str(FORMAT_VERSION)), ("shard_count", str(meta.shard_count)),
+                     ("first", str(meta.first)), ("last", str(meta.last))],
+                )
+                conn.executemany(
+                    "INSERT INTO cellstream_shards (shard, cells) VALUES (?, 0)",
+                    [(s,) for s in range(meta.first, meta.last + 1)],
+                )
+                logger.info("created storage node %s with shards %d-%d", self.name, meta.first, meta.last)
+        stored = self.read_meta()
+        assert stored is not None
+        check_meta(self.name, stored, meta)
+
+    # -- writes -----------------------------------------------------------
+    def insert(self, cells: Sequence[PendingCell]) -> list[Cell]:
+        stored: dict[Coordinates, Cell] = {}
+        with self._write() as conn:
+            # created_at is read under the write lock so it never decreases along added_id.
+            created = _micros(dt.datetime.now(dt.UTC))
+            counts: dict[int, int] = {}
+            fresh: list[PendingCell] = []
+            for cell in cells:
+                cur = conn.execute(
+                    _INSERT, (cell.shard, cell.row_key.bytes, cell.column, cell.ref_key, cell.blob, created)
+                )
+                if cur.rowcount == 1:
+                    assert cur.lastrowid is not None
+                    stored[cell.coordinates] = Cell(
+                        cell.row_key, cell.column, cell.ref_key, cell.body, cur.lastrowid, cell.shard,
+                        _EPOCH + dt.timedelta(microseconds=created),
+                    )
+                    counts[cell.shard] = counts.get(cell.shard, 0) + 1
+                    fresh.append(cell)
+                else:
+                    row = conn.execute(_SELECT_CELL, cell.coordinates).fetchone()
+                    existing = _row_to_cell(row)
+                    split_existing([cell], {cell.coordinates: existing})
+                    stored[cell.coordinates] = existing
+            conn.executemany(_COUNT, [(n, shard) for shard, n in counts.items()])
+            if self.before_commit is not None:
+                self.before_commit(sorted(counts))
+        return ordered_result(cells, stored)
+
+    # -- reads ------------------------------------------------------------
+    def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None:
+        with self._errors("read"):
+            row = self._conn().execute(_SELECT_CELL, (row_key.bytes, column, ref_key)).fetchone()
+        return None if row is None else _row_to_cell(row)
+
+    def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None:
+        with self._errors("read"):
+            row = self._conn().execute(_SELECT_LATEST, (row_key.bytes, column)).fetchone()
+        return None if row is None else _row_to_cell(row)
+
+    def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
+        with self._errors("read"):
+            rows = self._conn().execute(_SELECT_ROW, (row_key.bytes,)).fetchall()
+        return [_row_to_cell(r) for r in rows]
+
+    def get_log(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Cell]:
+        sql, args = _SELECT_LOG, (shard, location, limit)
+        if columns:
+            marks = ", ".join("?" * len(columns))
+            sql = sql.replace("ORDER BY", f"AND column_name IN ({marks}) ORDER BY")
+            args = (shard, location, *columns, limit)  # type: ignore[assignment]
+        with self._errors("read log"):
+            rows = self._conn().execute(sql, args).fetchall()
+        return [_row_to_cell(r) for r in rows]
+
+    def first_at(self, shard: int, when: dt.datetime) -> int | None:
+        with self._errors("read log"):
+            row = self._conn().execute(
+                "SELECT MIN(added_id) FROM cells WHERE shard = ? AND created_at >= ?", (shard, _micros(when))
+            ).fetchone()
+        return None if row[0] is None else int(row[0])
+
+    def head(self, shard: int) -> int:
+        with self._errors("read log"):
+            row = self._conn().execute("SELECT MAX(added_id) FROM cells WHERE shard = ?", (shard,)).fetchone()
+        return int(row[0] or 0)
+
+    def shard_counts(self) -> dict[int, int]:
+        with self._errors("read"):
+            return dict(self._conn().execute("SELECT shard, cells FROM cellstream_shards").fetchall())
+
+    def close(self) -> None:
+        with self._all_lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            conn.close()
+        self._local = threading.local()

@@ -1,0 +1,228 @@
+"""The store: validation, encoding and routing of cells to the storage nodes that hold their shards."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import uuid
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any, NamedTuple
+
+from .cell import (
+    Cell,
+    check_column,
+    check_ref_key,
+    coerce_row_key,
+    compress,
+    pack_body,
+    same_json,
+    shard_of,
+)
+from .config import ClusterConfig, NodeConfig, StoreOptions
+from .errors import CellConflictError, InvalidArgumentError, InvalidCellError, StorageError
+from .persistence import Coordinates, NodeMeta, NodeRecorder, PendingCell
+
+logger = logging.getLogger(__name__)
+MAX_PAGE = 100_000
+
+
+class ShardInfo(NamedTuple):
+    shard: int
+    node: str
+    cells: int
+
+
+class Store:
+    """A logstore instance: a fixed number of shards spread over storage nodes.
+
+    Safe to share between threads. Use :func:`logstore.open` to get one.
+    """
+
+    def __init__(
+        self, cluster: ClusterConfig, recorders: dict[str, NodeRecorder], options: StoreOptions
+    ) -> None:
+        self._cluster = cluster
+        self._options = options
+        self._recorders = recorders
+        self._node_of: list[NodeConfig] = [None] * cluster.shards  # type: ignore[list-item]
+        for node in cluster.nodes:
+            for shard in range(node.first, node.last + 1):
+                self._node_of[shard] = node
+        self._closed = False
+
+    # -- instance ---------------------------------------------------------
+    @property
+    def shard_count(self) -> int:
+        return self._cluster.shards
+
+    @property
+    def options(self) -> StoreOptions:
+        return self._options
+
+    @property
+    def nodes(self) -> list[str]:
+        return [n.name for n in self._cluster.nodes]
+
+    def shard_of(self, row_key: uuid.UUID | str) -> int:
+        return shard_of(coerce_row_key(row_key), self._cluster.shards)
+
+    def node_of(self, shard: int) -> str:
+        return self._node_of[self._check_shard(shard)].name
+
+    def _recorder(self, shard: int) -> NodeRecorder:
+        if self._closed:
+            raise StorageError("the store is closed")
+        return self._recorders[self._node_of[shard].name]
+
+    def _check_shard(self, shard: object) -> int:
+        if type(shard) is not int or not 0 <= shard < self._cluster.shards:
+            raise InvalidArgumentError(f"shard must be an integer in [0, {self._cluster.shards}), got {shard!r}")
+        return shard
+
+    # -- writes -----------------------------------------------------------
+    def _pending(self, row_key: object, column: object, ref_key: object, body: object,
+                 allow_reserved: bool) -> PendingCell:
+        key = coerce_row_key(row_key)
+        name = check_column(column, allow_reserved=allow_reserved)
+        ref = check_ref_key(ref_key)
+        packed = pack_body(body, self._options.max_body_bytes)
+        blob = compress(packed, self._options.compression_level)
+        return PendingCell(shard_of(key, self._cluster.shards), key, name, ref, body, blob)  # type: ignore[arg-type]
+
+    def put_cell(self, row_key: uuid.UUID | str, column: str, ref_key: int, body: dict[str, Any]) -> Cell:
+        """Write one cell. Writing it again with an identical body returns the stored cell."""
+        return self._put([self._pending(row_key, column, ref_key, body, False)])[0]
+
+    def put_cells(self, cells: Iterable[tuple[uuid.UUID | str, str, int, dict[str, Any]]]) -> list[Cell]:
+        """Write many cells: all are validated before any is written; atomic per storage node.
+
+        Returns the stored cell for each input, in order. Safe to retry whole.
+        """
+        return self._put(self._validate_many(cells, allow_reserved=False))
+
+    def put_system_cells(self, cells: Iterable[tuple[uuid.UUID | str, str, int, dict[str, Any]]]) -> list[Cell]:
+        """Like :meth:`put_cells`, but for cellstream's own ``_``-prefixed columns (offsets, dead letters)."""
+        return self._put(self._validate_many(cells, allow_reserved=True))
+
+    def _validate_many(self, cells: Iterable[Any], allow_reserved: bool) -> list[PendingCell]:
+        out = []
+        for index, item in enumerate(cells):
+            try:
+                row_key, column, ref_key, body = item
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    f"cell #{index}: expected a (row_key, column, ref_key, body) tuple"
+                ) from None
+            try:
+                out.append(self._pending(row_key, column, ref_key, body, allow_reserved))
+            except InvalidCellError as exc:
+                raise InvalidCellError(exc.field, f"{exc.problem} (cell #{index})") from None
+        return out
+
+    def _put(self, pending: list[PendingCell]) -> list[Cell]:
+        if not pending:
+            return []
+        # The same coordinates twice in one batch: one write if the bodies agree, a conflict if not.
+        unique: dict[Coordinates, PendingCell] = {}
+        for cell in pending:
+            seen = unique.setdefault(cell.coordinates, cell)
+            if seen is not cell and not same_json(seen.body, cell.body):
+                raise CellConflictError(cell.row_key, cell.column, cell.ref_key)
+        by_node: dict[str, list[PendingCell]] = {}
+        for cell in unique.values():
+            by_node.setdefault(self._node_of[cell.shard].name, []).append(cell)
+        stored: dict[Coordinates, Cell] = {}
+        for name in sorted(by_node):
+            if self._closed:
+                raise StorageError("the store is closed")
+            group = by_node[name]
+            for cell, result in zip(group, self._recorders[name].insert(group), strict=True):
+                stored[cell.coordinates] = result
+        return [stored[c.coordinates] for c in pending]
+
+    # -- random access ----------------------------------------------------
+    def get_cell(self, row_key: uuid.UUID | str, column: str, ref_key: int) -> Cell | None:
+        key = coerce_row_key(row_key)
+        shard = shard_of(key, self._cluster.shards)
+        return self._recorder(shard).get_cell(
+            shard, key, check_column(column, allow_reserved=True), check_ref_key(ref_key)
+        )
+
+    def get_cell_latest(self, row_key: uuid.UUID | str, column: str) -> Cell | None:
+        """The cell of (row_key, column) with the highest ref_key."""
+        key = coerce_row_key(row_key)
+        shard = shard_of(key, self._cluster.shards)
+        return self._recorder(shard).get_latest(shard, key, check_column(column, allow_reserved=True))
+
+    def get_row(self, row_key: uuid.UUID | str) -> dict[str, Cell]:
+        """The latest cell of every column of the row, by column name."""
+        key = coerce_row_key(row_key)
+        shard = shard_of(key, self._cluster.shards)
+        return {cell.column: cell for cell in self._recorder(shard).get_row(shard, key)}
+
+    # -- log access -------------------------------------------------------
+    def get_cells_for_shard(
+        self, shard: int, location: int = 0, limit: int = 1000, *, columns: Sequence[str] | None = None
+    ) -> tuple[list[Cell], int]:
+        """Cells with ``added_id > location`` in added_id order, and the location to continue from.
+
+        Paging from the returned location never skips a committed cell. ``columns``
+        restricts the page to those columns (the location still advances past others).
+        """
+        self._check_shard(shard)
+        if type(location) is not int or location < 0:
+            raise InvalidArgumentError(f"location must be a non-negative integer, got {location!r}")
+        if type(limit) is not int or not 1 <= limit <= MAX_PAGE:
+            raise InvalidArgumentError(f"limit must be an integer in [1, {MAX_PAGE}], got {limit!r}")
+        names = [check_column(c, allow_reserved=True) for c in columns] if columns else None
+        cells = self._recorder(shard).get_log(shard, location, limit, names)
+        return cells, (cells[-1].added_id if cells else location)
+
+    def location_at(self, shard: int, when: dt.datetime) -> int:
+        """A location from which paging yields every cell created at or after ``when``.
+
+        ``when`` must be timezone-aware. If no cell is that recent, the shard's head.
+        """
+        self._check_shard(shard)
+        if not isinstance(when, dt.datetime) or when.tzinfo is None or when.utcoffset() is None:
+            raise InvalidArgumentError("location_at needs a timezone-aware datetime")
+        recorder = self._recorder(shard)
+        first = recorder.first_at(shard, when.astimezone(dt.UTC))
+        return first - 1 if first is not None else recorder.head(shard)
+
+    def head(self, shard: int) -> int:
+        """The highest added_id of the shard (0 when empty): the location of the log's end."""
+        return self._recorder(self._check_shard(shard)).head(shard)
+
+    def shard_stats(self) -> list[ShardInfo]:
+        """Cells per shard and the node holding it, for every shard."""
+        out: list[ShardInfo] = []
+        for node in self._cluster.nodes:
+            counts = self._recorders[node.name].shard_counts()
+            out.extend(ShardInfo(s, node.name, counts.get(s, 0)) for s in range(node.first, node.last + 1))
+        return out
+
+    # -- lifecycle --------------------------------------------------------
+    def close(self) -> None:
+        """Close every connection. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for recorder in self._recorders.values():
+            recorder.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        nodes = ", ".join(f"{n.name}={n.target.redacted()}[{n.shards}]" for n in self._cluster.nodes)
+        return f"<logstore.Store shards={self._cluster.shards} {nodes}>"
+
+
+def node_meta(cluster: ClusterConfig, node: NodeConfig) -> NodeMeta:
+    return NodeMeta(cluster.shards, node.first, node.last)

@@ -1,0 +1,545 @@
+#!/usr/bin/env bash
+# scripts/services.sh -- start/stop the external services the test-suite needs,
+# without Docker and without systemd.
+#
+#   scripts/services.sh up     [service...]   start (or reuse) services
+#   scripts/services.sh down   [service...]   stop the services this script started
+#   scripts/services.sh status [service...]   show what answers and what we started
+#
+# Services (default: all): mariadb.  ZooKeeper, Kafka and PostgreSQL will be
+# added in the same style: one <name>_up / <name>_down / <name>_status
+# function each, plus an entry in SERVICES below.
+#
+# Rules every service follows:
+#   * `up` first checks whether something already answers on the service's
+#     port with the test credentials (e.g. `docker compose -f docker/compose.yml
+#     up -d`, or a server started by an earlier `up`); if so it is reused and
+#     nothing is started.
+#   * Otherwise the service is installed with apt when missing (root only) and
+#     a private instance is started with its state under $ROOT/.services/<name>
+#     (gitignored, kept between runs so the next `up` is fast).
+#   * Every instance we start is recorded in $ROOT/.services/started; `down`
+#     stops exactly those and never touches anything else.
+#   * `up` and `down` are idempotent.
+#
+# Connection settings used by the tests:
+#   MariaDB   127.0.0.1:3306  user cellstream  password cellstream
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+SVC_DIR="$ROOT/.services"
+STATE_FILE="$SVC_DIR/started"
+LOCK_FILE="$SVC_DIR/lock"
+
+SERVICES=(mariadb)
+STOP_TIMEOUT=60
+
+log() { printf 'services: %s\n' "$*" >&2; }
+die() { log "$*"; exit 1; }
+
+is_root() { [ "$(id -u)" -eq 0 ]; }
+
+# find_bin NAME... -> absolute path of the first NAME found on PATH or in the
+# sbin/bin directories (a non-root PATH often lacks /usr/sbin).
+find_bin() {
+  local n d
+  for n in "$@"; do
+    if command -v "$n" >/dev/null 2>&1; then
+      command -v "$n"
+      return 0
+    fi
+    for d in /usr/sbin /usr/bin /sbin /usr/local/sbin /usr/local/bin; do
+      if [ -x "$d/$n" ]; then
+        printf '%s\n' "$d/$n"
+        return 0
+      fi
+    done
+  done
+  return 1
+}
+
+# tcp_open HOST PORT -> true if something accepts TCP connections there.
+tcp_open() {
+  # shellcheck disable=SC2016 # expanded by the inner bash
+  timeout 3 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$1" "$2" >/dev/null 2>&1
+}
+
+# proc_alive PID COMM [CMDLINE-SUBSTRING] -> true if PID is a live process
+# whose command name is COMM and whose command line contains the substring.
+proc_alive() {
+  local pid="$1" comm="$2" want="${3:-}" c cmdline
+  [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+  [ -r "/proc/$pid/comm" ] || return 1
+  c="$(cat "/proc/$pid/comm" 2>/dev/null)" || return 1
+  [ "$c" = "$comm" ] || return 1
+  # Zombies (state Z) are dead for our purposes.
+  if grep -q '^State:[[:space:]]*Z' "/proc/$pid/status" 2>/dev/null; then
+    return 1
+  fi
+  [ -z "$want" ] && return 0
+  cmdline="$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" || return 1
+  [[ "$cmdline " == *"$want "* ]]
+}
+
+# pids_of COMM -> pids of all live processes named COMM (no procps needed).
+pids_of() {
+  local d pid
+  for d in /proc/[0-9]*; do
+    pid="${d#/proc/}"
+    if proc_alive "$pid" "$1"; then
+      printf '%s\n' "$pid"
+    fi
+  done
+}
+
+# wait_gone PID COMM SECONDS -> true once the process has exited.
+wait_gone() {
+  local pid="$1" comm="$2" i
+  for ((i = 0; i < $3 * 4; i++)); do
+    proc_alive "$pid" "$comm" || return 0
+    sleep 0.25
+  done
+  ! proc_alive "$pid" "$comm"
+}
+
+# ---------------------------------------------------------------------------
+# State file: one line per service we started: "<name> <pid-file> [extra...]"
+# ---------------------------------------------------------------------------
+state_get() {
+  [ -f "$STATE_FILE" ] || return 1
+  awk -v s="$1" '$1 == s { print; found = 1 } END { exit !found }' "$STATE_FILE"
+}
+
+state_del() {
+  [ -f "$STATE_FILE" ] || return 0
+  local tmp="$STATE_FILE.tmp.$$"
+  awk -v s="$1" '$1 != s' "$STATE_FILE" >"$tmp"
+  mv -f "$tmp" "$STATE_FILE"
+}
+
+state_add() { # name fields...
+  state_del "$1"
+  printf '%s\n' "$*" >>"$STATE_FILE"
+}
+
+# Services listed in the state file, most recently started first.
+state_services() {
+  [ -f "$STATE_FILE" ] || return 0
+  awk 'NF { print $1 }' "$STATE_FILE" | tac
+}
+
+# ---------------------------------------------------------------------------
+# apt
+# ---------------------------------------------------------------------------
+APT_UPDATED=0
+POLICY_RC_D=/usr/sbin/policy-rc.d
+POLICY_RC_D_CREATED=0
+
+cleanup() {
+  if [ "$POLICY_RC_D_CREATED" -eq 1 ]; then
+    rm -f "$POLICY_RC_D"
+    POLICY_RC_D_CREATED=0
+  fi
+}
+trap cleanup EXIT
+trap 'cleanup; exit 130' INT
+trap 'cleanup; exit 143' TERM HUP
+
+# apt_install PKG... -- root only.  Service starts by maintainer scripts are
+# denied via policy-rc.d so installing never leaves a daemon running.
+apt_install() {
+  local rc=0 aptlog="$SVC_DIR/apt.log"
+  is_root || return 1
+  if [ "$APT_UPDATED" -eq 0 ]; then
+    log "apt: apt-get update"
+    if ! apt-get update >"$aptlog" 2>&1; then
+      tail -n 20 "$aptlog" >&2
+      die "apt: apt-get update failed (full log: $aptlog)"
+    fi
+    APT_UPDATED=1
+  fi
+  if [ ! -e "$POLICY_RC_D" ]; then
+    printf '#!/bin/sh\n# created by cellstream scripts/services.sh during apt-get install\nexit 101\n' >"$POLICY_RC_D"
+    chmod 755 "$POLICY_RC_D"
+    POLICY_RC_D_CREATED=1
+  fi
+  log "apt: installing $*"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" \
+    >>"$aptlog" 2>&1 || rc=$?
+  cleanup
+  if [ "$rc" -ne 0 ]; then
+    tail -n 20 "$aptlog" >&2
+    die "apt: installing $* failed (full log: $aptlog)"
+  fi
+}
+
+# ===========================================================================
+# MariaDB
+# ===========================================================================
+MARIADB_HOST=127.0.0.1
+MARIADB_PORT=3306
+MARIADB_USER=cellstream
+MARIADB_PASSWORD=cellstream
+MARIADB_PACKAGES=(mariadb-server mariadb-client)
+MARIADB_DIR="$SVC_DIR/mariadb"
+MARIADB_DATA="$MARIADB_DIR/data"
+MARIADB_PID="$MARIADB_DIR/mariadbd.pid"
+MARIADB_LOG="$MARIADB_DIR/error.log"
+MARIADB_INIT_MARK="$MARIADB_DIR/.initialized"
+MARIADB_START_TIMEOUT=90
+MARIADB_STARTED_PID=
+MARIADB_SOCK="$MARIADB_DIR/mysqld.sock"
+# A unix socket path must fit in sockaddr_un.sun_path (108 bytes).
+if [ "${#MARIADB_SOCK}" -gt 100 ]; then
+  if is_root; then
+    MARIADB_SOCK="/run/mysqld/cellstream-$(printf '%s' "$ROOT" | cksum | cut -d' ' -f1).sock"
+  else
+    MARIADB_SOCK="${TMPDIR:-/tmp}/cellstream-$(id -u)-$(printf '%s' "$ROOT" | cksum | cut -d' ' -f1).sock"
+  fi
+fi
+
+mariadb_client() { find_bin mariadb mysql; }
+
+# Does 127.0.0.1:3306 accept the test credentials over TCP?
+mariadb_answers() {
+  local cli
+  cli="$(mariadb_client)" || return 1
+  "$cli" --no-defaults --protocol=TCP -h"$MARIADB_HOST" -P"$MARIADB_PORT" \
+    -u"$MARIADB_USER" -p"$MARIADB_PASSWORD" --connect-timeout=3 \
+    -N -B -e 'select 1' >/dev/null 2>&1
+}
+
+# Root SQL (stdin) over our private instance's socket.
+# shellcheck disable=SC2120 # extra client options are optional
+mariadb_root_sql() {
+  local cli
+  cli="$(mariadb_client)" || return 1
+  "$cli" --no-defaults --socket="$MARIADB_SOCK" -uroot -N -B "$@"
+}
+
+# The pid of the mariadbd serving our data dir, if any.
+mariadb_our_pid() {
+  local pid
+  pid="$(cat "$MARIADB_PID" 2>/dev/null || true)"
+  if proc_alive "$pid" mariadbd "--datadir=$MARIADB_DATA"; then
+    printf '%s\n' "$pid"
+    return 0
+  fi
+  for pid in $(pids_of mariadbd); do
+    if proc_alive "$pid" mariadbd "--datadir=$MARIADB_DATA"; then
+      printf '%s\n' "$pid"
+      return 0
+    fi
+  done
+  return 1
+}
+
+mariadb_installed() {
+  find_bin mariadbd >/dev/null && find_bin mariadb-install-db >/dev/null &&
+    find_bin mariadb-admin >/dev/null && mariadb_client >/dev/null
+}
+
+mariadb_install() {
+  mariadb_installed && return 0
+  if ! is_root; then
+    die "mariadb: not installed; as root run: apt-get install -y --no-install-recommends ${MARIADB_PACKAGES[*]}"
+  fi
+  log "mariadb: installing ${MARIADB_PACKAGES[*]} (apt)..."
+  local before pid
+  before=" $(pids_of mariadbd | tr '\n' ' ') "
+  apt_install "${MARIADB_PACKAGES[@]}"
+  mariadb_installed || die "mariadb: installed ${MARIADB_PACKAGES[*]} but mariadbd/mariadb-install-db/mariadb-admin/mariadb still not found"
+  # policy-rc.d should have prevented it, but if the package started a
+  # system server anyway, stop it: nobody would ever stop it otherwise.
+  for pid in $(pids_of mariadbd); do
+    [[ "$before" == *" $pid "* ]] && continue
+    proc_alive "$pid" mariadbd "--datadir=$MARIADB_DATA" && continue
+    log "mariadb: stopping the system server the package started (pid $pid)"
+    if [ -x /etc/init.d/mariadb ]; then
+      /etc/init.d/mariadb stop >/dev/null 2>&1 || true
+    fi
+    if proc_alive "$pid" mariadbd; then
+      kill -TERM "$pid" 2>/dev/null || true
+      wait_gone "$pid" mariadbd "$STOP_TIMEOUT" || kill -KILL "$pid" 2>/dev/null || true
+    fi
+  done
+}
+
+# Wait until our instance answers on its socket; fail early if it died.
+mariadb_wait_ready() {
+  local pid="$1" admin i
+  admin="$(find_bin mariadb-admin mysqladmin)"
+  for ((i = 0; i < MARIADB_START_TIMEOUT * 4; i++)); do
+    if "$admin" --no-defaults --socket="$MARIADB_SOCK" -uroot --connect-timeout=2 \
+      ping >/dev/null 2>&1; then
+      return 0
+    fi
+    if ! proc_alive "$pid" mariadbd; then
+      tail -n 30 "$MARIADB_LOG" >&2 || true
+      die "mariadb: mariadbd exited during startup (log: $MARIADB_LOG)"
+    fi
+    sleep 0.25
+  done
+  tail -n 30 "$MARIADB_LOG" >&2 || true
+  die "mariadb: no answer after ${MARIADB_START_TIMEOUT}s (log: $MARIADB_LOG)"
+}
+
+# Create the test account (idempotent).  With --skip-name-resolve, 'localhost'
+# only matches socket connections; TCP from 127.0.0.1 matches '%'.
+mariadb_setup_users() {
+  mariadb_root_sql --abort-source-on-error <<SQL
+CREATE USER IF NOT EXISTS '$MARIADB_USER'@'%' IDENTIFIED BY '$MARIADB_PASSWORD';
+CREATE USER IF NOT EXISTS '$MARIADB_USER'@'localhost' IDENTIFIED BY '$MARIADB_PASSWORD';
+ALTER USER '$MARIADB_USER'@'%' IDENTIFIED BY '$MARIADB_PASSWORD';
+ALTER USER '$MARIADB_USER'@'localhost' IDENTIFIED BY '$MARIADB_PASSWORD';
+GRANT ALL PRIVILEGES ON *.* TO '$MARIADB_USER'@'%' WITH GRANT OPTION;
+GRANT ALL PRIVILEGES ON *.* TO '$MARIADB_USER'@'localhost' WITH GRANT OPTION;
+FLUSH PRIVILEGES;
+SQL
+  # mariadb-install-db also creates password-less root@127.0.0.1/::1/<hostname>;
+  # keep only root@localhost (socket only, with --skip-name-resolve).
+  local host
+  for host in $(mariadb_root_sql -e "SELECT host FROM mysql.user WHERE user = 'root' AND host <> 'localhost'"); do
+    mariadb_root_sql -e "DROP USER IF EXISTS 'root'@'$host'"
+  done
+}
+
+# Which unix user runs mariadbd: mysql when we are root (mariadbd refuses to
+# run as root by default) unless mysql cannot reach the repo checkout.
+mariadb_run_user() {
+  if ! is_root; then
+    id -un
+  elif runuser -u mysql -- test -x "$MARIADB_DIR" -a -w "$MARIADB_DIR" 2>/dev/null; then
+    echo mysql
+  else
+    echo root
+  fi
+}
+
+mariadb_prepare_dirs() {
+  mkdir -p "$MARIADB_DIR"
+  if is_root; then
+    chmod 755 "$SVC_DIR"
+    mkdir -p /run/mysqld
+    chown mysql:mysql /run/mysqld
+    chown mysql:mysql "$MARIADB_DIR"
+    chmod 750 "$MARIADB_DIR"
+  fi
+}
+
+mariadb_init_datadir() {
+  local user="$1" installdb
+  if [ -f "$MARIADB_INIT_MARK" ] && [ -d "$MARIADB_DATA/mysql" ]; then
+    return 0
+  fi
+  # Missing marker = never initialized or interrupted half-way: start over.
+  rm -rf "$MARIADB_DATA"
+  mkdir -p "$MARIADB_DATA"
+  installdb="$(find_bin mariadb-install-db mysql_install_db)"
+  local args=(--no-defaults --datadir="$MARIADB_DATA" --auth-root-authentication-method=normal
+    --skip-test-db --skip-name-resolve)
+  if is_root; then
+    chown "$user:" "$MARIADB_DATA"
+    args+=(--user="$user")
+  fi
+  log "mariadb: initializing data dir $MARIADB_DATA"
+  if ! "$installdb" "${args[@]}" >"$MARIADB_DIR/install-db.log" 2>&1; then
+    tail -n 30 "$MARIADB_DIR/install-db.log" >&2
+    die "mariadb: mariadb-install-db failed (log: $MARIADB_DIR/install-db.log)"
+  fi
+  touch "$MARIADB_INIT_MARK"
+}
+
+mariadb_start() {
+  local user="$1" mariadbd pid
+  mariadbd="$(find_bin mariadbd mysqld)"
+  local args=(--no-defaults
+    --datadir="$MARIADB_DATA"
+    --port="$MARIADB_PORT" --bind-address="$MARIADB_HOST"
+    --socket="$MARIADB_SOCK"
+    --pid-file="$MARIADB_PID"
+    --log-error="$MARIADB_LOG"
+    --skip-name-resolve
+    --max-connections=500
+    --innodb-buffer-pool-size=512M
+    --max-allowed-packet=64M
+    --character-set-server=utf8mb4
+    --collation-server=utf8mb4_unicode_ci)
+  # Durability defaults are kept on purpose (innodb_flush_log_at_trx_commit=1):
+  # the benchmark measures durable puts.
+  if is_root; then
+    args+=(--user="$user")
+  fi
+  rm -f "$MARIADB_PID"
+  # mariadbd opens --log-error after dropping to $user; our stdio redirect
+  # below appends to the same file, so create it with the right owner first.
+  touch "$MARIADB_LOG"
+  if is_root; then
+    chown "$user:" "$MARIADB_LOG"
+  fi
+  # Detached: own session, no inherited stdio (and not the lock fd), so `make`
+  # can exit while the server keeps running.  In a non-interactive shell the
+  # background job is not a process-group leader, so setsid execs mariadbd in
+  # place and $! is mariadbd's pid.
+  setsid "$mariadbd" "${args[@]}" </dev/null >>"$MARIADB_LOG" 2>&1 9>&- &
+  pid=$!
+  disown "$pid" 2>/dev/null || true
+  # Record before waiting, so `down` stops it even if the wait fails.
+  state_add mariadb "$MARIADB_PID" "$MARIADB_SOCK"
+  mariadb_wait_ready "$pid"
+  MARIADB_STARTED_PID="$(mariadb_our_pid)" ||
+    die "mariadb: answers on $MARIADB_SOCK but no mariadbd process for $MARIADB_DATA found"
+}
+
+mariadb_up() {
+  local pid user t0=$SECONDS
+
+  # 1. Our own instance from an earlier `up` (possibly with a lost state
+  #    file): make sure it is recorded, ready and has the test account.
+  if pid="$(mariadb_our_pid)"; then
+    state_add mariadb "$MARIADB_PID" "$MARIADB_SOCK"
+    mariadb_wait_ready "$pid"
+    mariadb_answers || mariadb_setup_users
+    mariadb_answers || die "mariadb: our server (pid $pid) does not accept $MARIADB_USER over TCP (log: $MARIADB_LOG)"
+    log "mariadb: already running (pid $pid, started by us), reusing"
+    return 0
+  fi
+  # Not running: forget a stale record.
+  state_del mariadb
+
+  # 2. Somebody else's server (docker compose, a developer's own, ...).
+  if tcp_open "$MARIADB_HOST" "$MARIADB_PORT"; then
+    if ! mariadb_client >/dev/null; then
+      if is_root; then
+        log "mariadb: something listens on $MARIADB_HOST:$MARIADB_PORT; installing the client to check it"
+        apt_install mariadb-client
+      else
+        die "mariadb: something listens on $MARIADB_HOST:$MARIADB_PORT but no mariadb client to check it; as root run: apt-get install -y --no-install-recommends mariadb-client"
+      fi
+    fi
+    if mariadb_answers; then
+      log "mariadb: already running, reusing"
+      return 0
+    fi
+    die "mariadb: $MARIADB_HOST:$MARIADB_PORT is in use but does not accept $MARIADB_USER/$MARIADB_PASSWORD; stop it or create that user (GRANT ALL ON *.*)"
+  fi
+
+  # 3. Start a private instance.
+  mariadb_install
+  mariadb_prepare_dirs
+  user="$(mariadb_run_user)"
+  if is_root && [ "$user" = root ]; then
+    log "mariadb: user mysql cannot reach $MARIADB_DIR; running mariadbd as root"
+  fi
+  mariadb_init_datadir "$user"
+  log "mariadb: starting mariadbd (data dir $MARIADB_DATA)"
+  mariadb_start "$user"
+  pid="$MARIADB_STARTED_PID"
+  mariadb_setup_users
+  mariadb_answers || die "mariadb: started (pid $pid) but $MARIADB_USER cannot log in over TCP (log: $MARIADB_LOG)"
+  log "mariadb: started on $MARIADB_HOST:$MARIADB_PORT (pid $pid, $((SECONDS - t0))s)"
+}
+
+mariadb_down() {
+  local pid admin
+  if ! state_get mariadb >/dev/null; then
+    log "mariadb: not started by us, leaving it alone"
+    return 0
+  fi
+  if ! pid="$(mariadb_our_pid)"; then
+    log "mariadb: not running"
+    state_del mariadb
+    return 0
+  fi
+  log "mariadb: stopping (pid $pid)"
+  admin="$(find_bin mariadb-admin mysqladmin || true)"
+  if [ -z "$admin" ] || ! timeout "$STOP_TIMEOUT" "$admin" --no-defaults \
+    --socket="$MARIADB_SOCK" -uroot --connect-timeout=5 shutdown >/dev/null 2>&1; then
+    kill -TERM "$pid" 2>/dev/null || true
+  fi
+  if ! wait_gone "$pid" mariadbd "$STOP_TIMEOUT"; then
+    log "mariadb: still running after ${STOP_TIMEOUT}s, killing"
+    kill -KILL "$pid" 2>/dev/null || true
+    wait_gone "$pid" mariadbd 10 || die "mariadb: could not stop pid $pid"
+  fi
+  state_del mariadb
+  log "mariadb: stopped"
+}
+
+mariadb_status() {
+  local answers=no ours=no pid=""
+  mariadb_answers && answers=yes
+  if state_get mariadb >/dev/null; then
+    ours=yes
+    pid="$(mariadb_our_pid || true)"
+  fi
+  printf 'mariadb: %s:%s answers=%s started-by-us=%s%s\n' "$MARIADB_HOST" "$MARIADB_PORT" \
+    "$answers" "$ours" "${pid:+ pid=$pid}"
+}
+
+# ===========================================================================
+# main
+# ===========================================================================
+usage() {
+  echo "usage: $0 {up|down|status} [${SERVICES[*]}]" >&2
+  exit 2
+}
+
+known_service() {
+  local s
+  for s in "${SERVICES[@]}"; do
+    [ "$s" = "$1" ] && return 0
+  done
+  return 1
+}
+
+main() {
+  [ $# -ge 1 ] || usage
+  local cmd="$1" s
+  shift
+  local selected=("$@")
+  [ ${#selected[@]} -gt 0 ] || selected=("${SERVICES[@]}")
+  for s in "${selected[@]}"; do
+    known_service "$s" || die "unknown service: $s (known: ${SERVICES[*]})"
+  done
+
+  mkdir -p "$SVC_DIR"
+  # Serialize concurrent invocations (e.g. two `make test` in parallel).
+  exec 9>"$LOCK_FILE"
+  flock -w 900 9 || die "timed out waiting for $LOCK_FILE"
+
+  case "$cmd" in
+    up)
+      for s in "${selected[@]}"; do
+        "${s}_up"
+      done
+      ;;
+    down)
+      local rc=0 started
+      started=" $(state_services | tr '\n' ' ') "
+      # Everything we started, most recent first (restricted to the selection).
+      for s in $started; do
+        if [ $# -gt 0 ] && ! printf '%s\n' "${selected[@]}" | grep -qx -- "$s"; then
+          continue
+        fi
+        if known_service "$s"; then
+          "${s}_down" || rc=1
+        else
+          log "$s: unknown service in $STATE_FILE, leaving it alone"
+        fi
+      done
+      for s in "${selected[@]}"; do
+        [[ "$started" == *" $s "* ]] || log "$s: not started by us, leaving it alone"
+      done
+      return "$rc"
+      ;;
+    status)
+      for s in "${selected[@]}"; do
+        "${s}_status"
+      done
+      ;;
+    *) usage ;;
+  esac
+}
+
+main "$@"

@@ -1,0 +1,1 @@
+"""tailer: publishes every shard log of a logstore to Kafka topics (built in a later issue)."""

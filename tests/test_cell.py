@@ -1,0 +1,90 @@
+"""The stored body format and the shard hash: stable, documented, uniform."""
+
+from __future__ import annotations
+
+import collections
+import os
+import struct
+import time
+import uuid
+import zlib
+
+import msgpack
+import pytest
+
+from logstore.cell import compress, decode_body, pack_body, same_json, shard_of
+from logstore.errors import CorruptCellError
+
+
+def test_shard_hash_matches_the_documented_vectors() -> None:
+    # blake2b(row_key.bytes, digest_size=8) as a big-endian integer, mod the shard count.
+    key = uuid.UUID(int=0)
+    digest = __import__("hashlib").blake2b(key.bytes, digest_size=8).digest()
+    assert shard_of(key, 4096) == int.from_bytes(digest, "big") % 4096 == 1038
+    assert shard_of(uuid.UUID("5eed0000-0000-0000-0000-000000000001"), 4096) == 421
+    assert shard_of(uuid.UUID("123e4567-e89b-12d3-a456-426614174000"), 4096) == 2653
+    assert shard_of(uuid.UUID("123e4567-e89b-12d3-a456-426614174000"), 16) == 2653 % 16
+
+
+def _uuid7(ms: int, counter: int) -> uuid.UUID:
+    raw = bytearray(struct.pack(">Q", ms << 16)[:6] + counter.to_bytes(10, "big"))
+    raw[6] = (raw[6] & 0x0F) | 0x70
+    raw[8] = (raw[8] & 0x3F) | 0x80
+    return uuid.UUID(bytes=bytes(raw))
+
+
+@pytest.mark.parametrize("kind", ["uuid4", "uuid7", "uuid1"])
+def test_shard_hash_is_uniform_for_random_and_time_ordered_keys(kind: str) -> None:
+    shards, n = 64, 64 * 400
+    start = int(time.time() * 1000)
+    make = {
+        "uuid4": lambda i: uuid.uuid4(),
+        "uuid7": lambda i: _uuid7(start + i // 8, i),
+        "uuid1": lambda i: uuid.uuid1(node=0x010203040506, clock_seq=i % 16384),
+    }[kind]
+    counts = collections.Counter(shard_of(make(i), shards) for i in range(n))
+    expected = n / shards
+    chi2 = sum((counts.get(s, 0) - expected) ** 2 / expected for s in range(shards))
+    assert len(counts) == shards
+    assert chi2 < 120, f"chi-square {chi2:.1f} with 63 degrees of freedom: not uniform"  # p < 1e-5
+
+
+def test_body_format_is_a_version_byte_and_zlib_messagepack() -> None:
+    body = {"a": [1, 2.5, None, True], "s": "x" * 100}
+    blob = compress(pack_body(body, 1 << 20), 6)
+    assert blob[0] == 1
+    assert msgpack.unpackb(zlib.decompress(blob[1:])) == body
+    assert decode_body(blob) == body
+
+
+@pytest.mark.parametrize("blob", [b"", b"\x02abc", b"\x01not zlib", b"\x01" + zlib.compress(b"\x93\x01\x02\x03")])
+def test_undecodable_bodies_are_typed_errors(blob: bytes) -> None:
+    with pytest.raises(CorruptCellError):
+        decode_body(blob)
+
+
+def test_same_json_tells_json_types_apart() -> None:
+    assert same_json({"a": [1, {"b": None}]}, {"a": [1, {"b": None}]})
+    assert not same_json({"a": 1}, {"a": 1.0})
+    assert not same_json({"a": 1}, {"a": True})
+    assert not same_json({"a": [1]}, {"a": [1, 2]})
+    assert not same_json({"a": 1}, {"b": 1})
+
+
+def test_random_bodies_round_trip() -> None:
+    rng = __import__("random").Random(int.from_bytes(os.urandom(4), "big"))
+
+    def value(depth: int) -> object:
+        kind = rng.randrange(8 if depth < 4 else 5)
+        return [
+            lambda: rng.randint(-(2**63), 2**64 - 1), lambda: rng.uniform(-1e9, 1e9),
+            lambda: "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(rng.randrange(8))),
+            lambda: rng.random() < 0.5, lambda: None,
+            lambda: [value(depth + 1) for _ in range(rng.randrange(4))],
+            lambda: {f"k{i}": value(depth + 1) for i in range(rng.randrange(4))},
+            lambda: {"nested": {"list": [value(depth + 1)]}},
+        ][kind]()
+
+    for _ in range(300):
+        body = {f"f{i}": value(0) for i in range(rng.randrange(6))}
+        assert same_json(decode_body(compress(pack_body(body, 1 << 20), 1)), body)

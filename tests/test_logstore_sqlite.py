@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+import logstore
+from logstore.sqlite import DB_FILE
+
+from .logstore_contract import StoreContract
+
+
+def _db(url: str) -> Path:
+    return Path(url[len("sqlite:///"):]) / DB_FILE
+
+
+class TestSQLiteStore(StoreContract):
+    @pytest.fixture
+    def url(self, sqlite_url: str) -> str:
+        return sqlite_url
+
+    def corrupt_body(self, url: str, cell: logstore.Cell) -> None:
+        with sqlite3.connect(_db(url)) as conn:
+            conn.execute("UPDATE cells SET body = x'7f00' WHERE added_id = ?", (cell.added_id,))
+
+    def shard_storage(self, url: str) -> set[int]:
+        with sqlite3.connect(_db(url)) as conn:
+            return {s for (s,) in conn.execute("SELECT DISTINCT shard FROM cells")}
+
+
+def test_sqlite_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with logstore.open("sqlite:///rel/dir", shards=2):
+        pass
+    assert (tmp_path / "rel" / "dir" / DB_FILE).exists()
+    with logstore.open(f"sqlite:///{tmp_path}/abs", shards=2):
+        pass
+    assert (tmp_path / "abs" / DB_FILE).exists()
+    with pytest.raises(logstore.InvalidArgumentError, match="needs a directory"):
+        logstore.open("sqlite:///")
+    with pytest.raises(logstore.InvalidArgumentError, match="unsupported store URL scheme 'redis'"):
+        logstore.open("redis://localhost")
