@@ -22,10 +22,11 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import pymysql
-from pymysql.constants import CLIENT
+from pymysql.constants import CLIENT, FIELD_TYPE
+from pymysql.converters import conversions
 
 from .cell import Cell
 from .config import MySQLTarget, StoreOptions
@@ -47,6 +48,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Connection = pymysql.connections.Connection
 Statement = tuple[str, Sequence[Any]]
+# A statement tagged with (shard, rows) when it is an INSERT of that many rows.
+Tagged = tuple[Statement, tuple[int, int] | None]
 
 # Connection lost, server gone or shutting down, lock wait timeout, deadlock,
 # too many connections, connection killed: the same call may succeed later.
@@ -97,13 +100,18 @@ def _translate(exc: pymysql.Error, node: str) -> LogstoreError:
     return StorageError(text)
 
 
-def _utc(value: dt.datetime) -> dt.datetime:
-    return value.replace(tzinfo=dt.UTC)
+def _utc_datetime(value: str | bytes) -> dt.datetime:
+    # Every DATETIME column of ours holds UTC: build aware datetimes in one C call.
+    text = value.decode("ascii") if isinstance(value, bytes | bytearray) else value
+    return dt.datetime.fromisoformat(text + "+00:00")
+
+
+_CONVERSIONS: dict[Any, Any] = {**conversions, FIELD_TYPE.DATETIME: _utc_datetime}
 
 
 def _row_to_cell(shard: int, row: tuple[Any, ...]) -> Cell:
     added_id, row_key, column, ref_key, blob, created = row
-    return make_cell(shard, added_id, row_key, column, ref_key, blob, _utc(created))
+    return make_cell(shard, added_id, row_key, column, ref_key, blob, created)
 
 
 class _Pool:
@@ -155,14 +163,19 @@ class _Pool:
                 conn.close()
 
 
-def run_script(cur: pymysql.cursors.Cursor, statements: Sequence[Statement]) -> list[tuple[Any, ...] | None]:
-    """Send ``statements`` in one round trip; return each one's rows (None when it has none)."""
+class Result(NamedTuple):
+    rows: tuple[Any, ...] | None  # None for a statement without a result set
+    insert_id: int  # from the OK packet: the first AUTO_INCREMENT id of an INSERT
+
+
+def run_script(cur: pymysql.cursors.Cursor, statements: Sequence[Statement]) -> list[Result]:
+    """Send ``statements`` in one round trip; return each one's result."""
     sql = ";\n".join(s for s, _ in statements)
     args = [a for _, params in statements for a in params]
     cur.execute(sql, args)
-    results: list[tuple[Any, ...] | None] = [cur.fetchall() if cur.description else None]
+    results = [Result(cur.fetchall() if cur.description else None, cur.lastrowid)]
     while cur.nextset():
-        results.append(cur.fetchall() if cur.description else None)
+        results.append(Result(cur.fetchall() if cur.description else None, cur.lastrowid))
     return results
 
 
@@ -181,7 +194,7 @@ class MySQLRecorder(NodeRecorder):
         return pymysql.connect(
             host=t.host, port=t.port, user=t.user, password=t.password, database=database,
             autocommit=True, client_flag=CLIENT.MULTI_STATEMENTS, charset="utf8mb4",
-            binary_prefix=True, connect_timeout=o.connect_timeout,
+            binary_prefix=True, conv=_CONVERSIONS, connect_timeout=o.connect_timeout,
             read_timeout=o.read_timeout, write_timeout=o.read_timeout,
         )
 
@@ -200,7 +213,10 @@ class MySQLRecorder(NodeRecorder):
                 admin.close()
             conn = self._raw_connect(self._target.database)
         with conn.cursor() as cur:
+            # READ COMMITTED: every statement sees the latest commits (and takes no gap locks).
+            # Increment 1: the ids of one multi-row INSERT are consecutive (see _insert_statements).
             cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            cur.execute("SET SESSION auto_increment_increment = 1, auto_increment_offset = 1")
         return conn
 
     def _call(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
@@ -277,40 +293,40 @@ class MySQLRecorder(NodeRecorder):
                 self._tables.update(missing)
 
     # -- writes ---------------------------------------------------------------------
-    def _insert_statements(self, by_shard: dict[int, list[PendingCell]]) -> list[tuple[Statement, int | None]]:
-        """Count update, chunked multi-row INSERTs and id read-back per shard, ascending.
+    def _insert_statements(self, by_shard: dict[int, list[PendingCell]]) -> list[Tagged]:
+        """Lock-and-count every shard (ascending), take the timestamp, then the chunked INSERTs.
 
-        Each statement comes with the shard whose ids it reads back (None for the others).
+        Each INSERT is tagged with its shard and row count. Its OK packet carries the
+        first id; under the shard lock nobody else inserts into that table and the
+        session pins ``auto_increment_increment = 1``, so the chunk's ids are consecutive.
+        The timestamp is taken once all locks are held, so created_at never decreases
+        along a shard's added_ids.
         """
-        out: list[tuple[Statement, int | None]] = []
+        out: list[Tagged] = [
+            (("UPDATE cellstream_shards SET cells = cells + %s WHERE shard = %s", (len(by_shard[s]), s)), None)
+            for s in sorted(by_shard)
+        ]
+        out.append((("SELECT CAST(@cs_t := UTC_TIMESTAMP(6) AS DATETIME(6))", ()), None))
         budget = self._options.max_statement_bytes // 2
         for shard in sorted(by_shard):
             cells = by_shard[shard]
-            count = ("UPDATE cellstream_shards SET cells = cells + %s WHERE shard = %s", (len(cells), shard))
-            out.append((count, None))
             start = 0
             while start < len(cells):
                 size, end = 0, start
                 while end < len(cells) and (end == start or size + len(cells[end].blob) * 2 < budget):
                     size += len(cells[end].blob) * 2 + _ROW_OVERHEAD
                     end += 1
-                chunk = cells[start:end]
-                values = ", ".join(["(%s, %s, %s, %s, UTC_TIMESTAMP(6))"] * len(chunk))
-                args = [a for c in chunk for a in (c.row_key.bytes, c.column, c.ref_key, c.blob)]
-                out.append((
-                    (f"INSERT INTO {table(shard)} (row_key, column_name, ref_key, body, created_at)"
-                     f" VALUES {values}", args), None))
-                out.append((
-                    (f"SELECT added_id, row_key, column_name, ref_key, created_at FROM {table(shard)}"
-                     " WHERE added_id >= LAST_INSERT_ID() ORDER BY added_id LIMIT %s", (len(chunk),)),
-                    shard))
+                values = ", ".join(["(%s, %s, %s, %s, @cs_t)"] * (end - start))
+                args = [a for c in cells[start:end] for a in (c.row_key.bytes, c.column, c.ref_key, c.blob)]
+                out.append(((f"INSERT INTO {table(shard)} (row_key, column_name, ref_key, body, created_at)"
+                             f" VALUES {values}", args), (shard, end - start)))
                 start = end
         return out
 
     def _packets(
-        self, statements: list[tuple[Statement, int | None]]
-    ) -> Iterator[list[tuple[Statement, int | None]]]:
-        packet: list[tuple[Statement, int | None]] = []
+        self, statements: list[Tagged]
+    ) -> Iterator[list[Tagged]]:
+        packet: list[Tagged] = []
         size = 0
         for item in statements:
             (sql, args), _ = item
@@ -325,24 +341,31 @@ class MySQLRecorder(NodeRecorder):
 
     def _write_all(self, cur: pymysql.cursors.Cursor, fresh: list[PendingCell],
                    stored: dict[Coordinates, Cell], prefix: list[Statement]) -> None:
-        """Run ``prefix`` + the inserts of ``fresh`` + COMMIT; fill ``stored`` with their ids."""
+        """Run ``prefix`` + the inserts of ``fresh`` + COMMIT; fill ``stored`` with the new cells."""
         by_shard: dict[int, list[PendingCell]] = {}
         for cell in fresh:
             by_shard.setdefault(cell.shard, []).append(cell)
-        statements: list[tuple[Statement, int | None]] = [(s, None) for s in prefix]
-        statements += self._insert_statements(by_shard)
+        statements: list[Tagged] = [(s, None) for s in prefix]
+        if by_shard:
+            statements += self._insert_statements(by_shard)
         hook = self.before_commit
         if hook is None:
             statements.append((("COMMIT", ()), None))
-        pending = {c.coordinates: c for c in fresh}
+        cursors = {shard: iter(cells) for shard, cells in by_shard.items()}
+        created: dt.datetime | None = None
         for packet in self._packets(statements):
             results = run_script(cur, [s for s, _ in packet])
-            for (_, shard), rows in zip(packet, results, strict=True):
-                if shard is not None and rows:
-                    for added_id, row_key, column, ref_key, created in rows:
-                        cell = pending[(bytes(row_key), column, ref_key)]
-                        stored[cell.coordinates] = Cell(cell.row_key, column, ref_key, cell.body,
-                                                        added_id, shard, _utc(created))
+            for ((sql, _), tag), result in zip(packet, results, strict=True):
+                if sql.startswith("SELECT CAST(@cs_t") and result.rows:
+                    created = result.rows[0][0]
+                if tag is None:
+                    continue
+                assert created is not None
+                shard, count = tag
+                for added_id in range(result.insert_id, result.insert_id + count):
+                    cell = next(cursors[shard])
+                    stored[cell.coordinates] = Cell(cell.row_key, cell.column, cell.ref_key, cell.body,
+                                                    added_id, shard, created)
         if hook is not None:
             hook(sorted(by_shard))
             cur.execute("COMMIT")
@@ -381,8 +404,8 @@ class MySQLRecorder(NodeRecorder):
             results = run_script(cur, [("START TRANSACTION", ()), lock, *(s for _, s in selects)])
             try:
                 existing: dict[Coordinates, Cell] = {}
-                for (shard, _), rows in zip(selects, results[2:], strict=True):
-                    for row in rows or ():
+                for (shard, _), result in zip(selects, results[2:], strict=True):
+                    for row in result.rows or ():
                         cell = _row_to_cell(shard, row)
                         existing[(cell.row_key.bytes, cell.column, cell.ref_key)] = cell
                 fresh = split_existing(cells, existing)

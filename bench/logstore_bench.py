@@ -1,0 +1,353 @@
+"""logstore against raw pymysql doing the same work, in one run, on the same MariaDB.
+
+    python bench/logstore_bench.py [--server URL] [--cells N] [--shards S] [--rss-cells N]
+
+Every comparison runs the raw library on identically shaped tables (same DDL,
+same MessagePack+zlib bodies), so a ratio is the price of logstore's guarantees
+(validation, per-shard write lock, id read-back, Cell records), nothing else.
+Throughput ratios are project/raw (higher is better); latency ratios project/raw
+(lower is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pymysql
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import logstore
+from logstore.cell import decode_body, shard_of
+from logstore.config import MySQLTarget, parse_node_url
+from logstore.mysql import _SHARD_TABLE
+
+SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
+
+
+def trip_body(i: int) -> dict[str, Any]:
+    return {
+        "city_uuid": str(uuid.UUID(int=i % 97)), "driver_partner_uuid": str(uuid.UUID(int=i % 1009)),
+        "rider_uuid": str(uuid.UUID(int=i)), "trip_created_at": 1_700_000_000 + i, "fare": round(5 + i % 50 * 0.75, 2),
+        "currency": "EUR", "distance_km": (i % 300) / 10, "product": "uberX", "is_pool": i % 7 == 0,
+        "route": [[55.67 + (i % 10) / 1000, 12.56 + (i % 13) / 1000] for _ in range(3)],
+    }
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    return b"\x01" + zlib.compress(msgpack.packb(body, use_bin_type=True), 6)
+
+
+def connect(url: str) -> pymysql.connections.Connection:
+    t = parse_node_url(url)
+    assert isinstance(t, MySQLTarget)
+    return pymysql.connect(host=t.host, port=t.port, user=t.user, password=t.password, database=t.database,
+                           autocommit=True, binary_prefix=True)
+
+
+def raw_table(shard: int) -> str:
+    return f"raw_{shard:04d}"
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Bench:
+    def __init__(self, url: str, shards: int) -> None:
+        self.url = url
+        self.shards = shards
+        self.store = logstore.open(url, shards=shards)
+        self.raw = connect(url)
+        with self.raw.cursor() as cur:
+            for s in range(shards):
+                cur.execute(_SHARD_TABLE.format(t=raw_table(s)))
+        self.results: dict[str, Any] = {}
+
+    def rows(self, n: int, offset: int) -> list[tuple[uuid.UUID, str, int, dict[str, Any]]]:
+        return [(uuid.uuid4(), "BASE", 1, trip_body(offset + i)) for i in range(n)]
+
+    # -- 1. batched puts ------------------------------------------------------------
+    def raw_put_batch(self, batch: list[tuple[uuid.UUID, str, int, dict[str, Any]]]) -> None:
+        groups: dict[int, list[tuple[bytes, str, int, bytes]]] = {}
+        for key, column, ref, body in batch:
+            groups.setdefault(shard_of(key, self.shards), []).append((key.bytes, column, ref, encode(body)))
+        with self.raw.cursor() as cur:
+            cur.execute("START TRANSACTION")
+            for shard, rows in groups.items():
+                values = ", ".join(["(%s, %s, %s, %s, UTC_TIMESTAMP(6))"] * len(rows))
+                cur.execute(f"INSERT INTO {raw_table(shard)} (row_key, column_name, ref_key, body, created_at)"
+                            f" VALUES {values}", [a for r in rows for a in r])
+            cur.execute("COMMIT")
+
+    def raw_put_one_table(self, batch: list[tuple[uuid.UUID, str, int, dict[str, Any]]]) -> None:
+        rows = [(key.bytes, column, ref, encode(body)) for key, column, ref, body in batch]
+        with self.raw.cursor() as cur:
+            values = ", ".join(["(%s, %s, %s, %s, UTC_TIMESTAMP(6))"] * len(rows))
+            cur.execute("START TRANSACTION")
+            cur.execute(f"INSERT INTO raw_single (row_key, column_name, ref_key, body, created_at) VALUES {values}",
+                        [a for r in rows for a in r])
+            cur.execute("COMMIT")
+
+    def batched_puts(self, cells: int, batch: int) -> None:
+        with self.raw.cursor() as cur:
+            cur.execute(_SHARD_TABLE.format(t="raw_single"))
+        rounds = 4
+        totals = {"project": 0.0, "raw": 0.0, "single": 0.0}
+        sides: list[tuple[str, Callable[[list[Any]], Any]]] = [
+            ("project", self.store.put_cells), ("raw", self.raw_put_batch), ("single", self.raw_put_one_table)]
+        for r in range(rounds):
+            for name, put in sides if r % 2 == 0 else sides[::-1]:
+                data = self.rows(cells, r * cells)
+                batches = [data[i:i + batch] for i in range(0, len(data), batch)]
+                totals[name] += timed(lambda put=put, batches=batches: [put(b) for b in batches])  # type: ignore[misc]
+        project, raw, single = totals["project"], totals["raw"], totals["single"]
+        n = rounds * cells
+        self.results["batched_put"] = {
+            "project_cells_per_s": n / project, "raw_cells_per_s": n / raw, "ratio": raw / project,
+            "raw_one_table_cells_per_s": n / single, "ratio_vs_one_table": single / project,
+            "target": ">= 0.8", "batch": batch,
+        }
+
+    # -- 2. log scan --------------------------------------------------------------------
+    def log_scan(self) -> None:
+        def project() -> int:
+            n = 0
+            for shard in range(self.shards):
+                location = 0
+                while True:
+                    cells, location = self.store.get_cells_for_shard(shard, location, 1000)
+                    if not cells:
+                        break
+                    n += len(cells)
+            return n
+
+        def raw() -> int:
+            n = 0
+            with self.raw.cursor() as cur:
+                for shard in range(self.shards):
+                    location = 0
+                    while True:
+                        cur.execute(f"SELECT added_id, row_key, column_name, ref_key, body, created_at"
+                                    f" FROM cells_{shard:04d} WHERE added_id > %s ORDER BY added_id LIMIT 1000",
+                                    (location,))
+                        rows = cur.fetchall()
+                        if not rows:
+                            break
+                        for row in rows:
+                            decode_body(row[4])
+                        location = rows[-1][0]
+                        n += len(rows)
+            return n
+
+        counts: dict[str, int] = {}
+        best = {"project": float("inf"), "raw": float("inf")}
+        for r in range(4):
+            sides = (("project", project), ("raw", raw))
+            for name, fn in sides if r % 2 == 0 else sides[::-1]:
+                start = time.perf_counter()
+                counts[name] = fn()
+                best[name] = min(best[name], time.perf_counter() - start)
+        assert counts["project"] == counts["raw"], counts
+        n = counts["project"]
+        self.results["log_scan"] = {
+            "cells": n, "project_cells_per_s": n / best["project"], "raw_cells_per_s": n / best["raw"],
+            "ratio": best["raw"] / best["project"], "target": ">= 0.8",
+        }
+
+    # -- 3. point reads -------------------------------------------------------------------
+    def latest_reads(self, lookups: int) -> None:
+        keys: list[uuid.UUID] = []
+        for shard in range(self.shards):
+            cells, _ = self.store.get_cells_for_shard(shard, 0, 200)
+            keys.extend(c.row_key for c in cells)
+        random.shuffle(keys)
+        keys = keys[:lookups]
+        with self.raw.cursor() as cur:
+            def raw(key: uuid.UUID) -> None:
+                cur.execute(f"SELECT added_id, row_key, column_name, ref_key, body, created_at"
+                            f" FROM cells_{shard_of(key, self.shards):04d}"
+                            " WHERE row_key = %s AND column_name = %s ORDER BY ref_key DESC LIMIT 1",
+                            (key.bytes, "BASE"))
+                decode_body(cur.fetchone()[4])
+
+            samples = alternate(keys, lambda key: self.store.get_cell_latest(key, "BASE"), raw)
+        self.results["get_cell_latest"] = latency(*samples, "<= 1.3")
+
+    # -- 4. durable single puts ----------------------------------------------------------------
+    def single_puts(self, count: int) -> None:
+        with self.raw.cursor() as cur:
+            def raw(i: int) -> None:
+                key = uuid.uuid4()
+                cur.execute(f"INSERT INTO {raw_table(shard_of(key, self.shards))}"
+                            " (row_key, column_name, ref_key, body, created_at)"
+                            " VALUES (%s, %s, %s, %s, UTC_TIMESTAMP(6))", (key.bytes, "BASE", 1, encode(trip_body(i))))
+
+            samples = alternate(range(count), lambda i: self.store.put_cell(uuid.uuid4(), "BASE", 1, trip_body(i)), raw)
+        self.results["single_put"] = latency(*samples, "<= 1.3")
+
+    def close(self) -> None:
+        self.store.close()
+        self.raw.close()
+
+
+def alternate(items: Any, project: Callable[[Any], Any], raw: Callable[[Any], Any]) -> tuple[list[float], list[float]]:
+    """Time both sides on every item, swapping which goes first (ABBA), so drift and warm caches hit both alike."""
+    times: dict[str, list[float]] = {"project": [], "raw": []}
+    for i, item in enumerate(items):
+        order = (("project", project), ("raw", raw)) if i % 2 else (("raw", raw), ("project", project))
+        for name, fn in order:
+            start = time.perf_counter()
+            fn(item)
+            times[name].append(time.perf_counter() - start)
+    return times["project"], times["raw"]
+
+
+def latency(project: list[float], raw: list[float], target: str) -> dict[str, Any]:
+    p50, r50 = statistics.median(project), statistics.median(raw)
+    return {
+        "project_p50_ms": p50 * 1e3, "raw_p50_ms": r50 * 1e3, "ratio_p50": p50 / r50,
+        "project_p99_ms": percentile(project, 0.99) * 1e3, "raw_p99_ms": percentile(raw, 0.99) * 1e3,
+        "samples": len(project), "target": target,
+    }
+
+
+def open_figures(server: str) -> dict[str, float]:
+    url = f"{server}/csbench_open_{uuid.uuid4().hex[:8]}"
+    created = timed(lambda: logstore.open(url).close())
+    reopened = timed(lambda: logstore.open(url).close())
+    drop(url)
+    return {"create_4096_shards_s": created, "reopen_4096_shards_s": reopened}
+
+
+def rss_paging(url: str, cells: int) -> dict[str, Any]:
+    """Load ``cells`` into a one-shard instance, then page it in a fresh process and read its peak RSS."""
+    with logstore.open(url, shards=1) as store:
+        have = store.head(0)
+        start = time.perf_counter()
+        batch = 2000
+        i = 0
+        while store.shard_stats()[0].cells < cells:
+            store.put_cells([(uuid.uuid4(), "BASE", 1, trip_body(i + j)) for j in range(batch)])
+            i += batch
+            if i % 100_000 == 0:
+                print(f"  loaded {i} cells", file=sys.stderr, flush=True)
+        load_s = time.perf_counter() - start
+        total = store.shard_stats()[0].cells
+    code = (
+        "import logstore, resource, sys, time\n"
+        f"s = logstore.open({url!r})\n"
+        "n, loc, t = 0, 0, time.perf_counter()\n"
+        "while True:\n"
+        "    cells, loc = s.get_cells_for_shard(0, loc, 1000)\n"
+        "    if not cells: break\n"
+        "    n += len(cells)\n"
+        "print(n, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter() - t)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent).stdout.split()
+    paged, rss_kb, seconds = int(out[0]), int(out[1]), float(out[2])
+    assert paged == total, (paged, total)
+    return {"cells": paged, "peak_rss_mb": rss_kb / 1024, "page_s": seconds, "load_s": load_s,
+            "preloaded": have, "target": "< 200 MB"}
+
+
+def drop(url: str) -> None:
+    t = parse_node_url(url)
+    assert isinstance(t, MySQLTarget)
+    conn = pymysql.connect(host=t.host, port=t.port, user=t.user, password=t.password, autocommit=True)
+    with conn.cursor() as cur:
+        cur.execute(f"DROP DATABASE IF EXISTS `{t.database}`")
+    conn.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server", default=SERVER, help="MariaDB server URL without database")
+    parser.add_argument("--cells", type=int, default=20_000, help="cells per batched-put round")
+    parser.add_argument("--batch", type=int, default=1000)
+    parser.add_argument("--shards", type=int, default=64)
+    parser.add_argument("--lookups", type=int, default=3000)
+    parser.add_argument("--puts", type=int, default=1000)
+    parser.add_argument("--rss-cells", type=int, default=1_000_000)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "logstore.json"))
+    args = parser.parse_args()
+
+    url = f"{args.server.rstrip('/')}/csbench_{uuid.uuid4().hex[:8]}"
+    rss_url = f"{args.server.rstrip('/')}/csbench_rss_{uuid.uuid4().hex[:8]}"
+    bench = Bench(url, args.shards)
+    try:
+        print(f"batched puts: 4 x {args.cells} cells in batches of {args.batch} over {args.shards} shards",
+              file=sys.stderr)
+        bench.batched_puts(args.cells, args.batch)
+        print("log scan of every shard, pages of 1000", file=sys.stderr)
+        bench.log_scan()
+        print(f"get_cell_latest x {args.lookups}", file=sys.stderr)
+        bench.latest_reads(args.lookups)
+        print(f"durable single puts x {args.puts}", file=sys.stderr)
+        bench.single_puts(args.puts)
+        results = bench.results
+    finally:
+        bench.close()
+        drop(url)
+    results["open"] = open_figures(args.server.rstrip("/"))
+    if args.rss_cells:
+        print(f"paging a {args.rss_cells}-cell shard (loading first)", file=sys.stderr)
+        try:
+            results["paging_rss"] = rss_paging(rss_url, args.rss_cells)
+        finally:
+            drop(rss_url)
+    results["max_rss_of_bench_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    report(results)
+    return 0
+
+
+def report(r: dict[str, Any]) -> None:
+    bp, ls, gl, sp = r["batched_put"], r["log_scan"], r["get_cell_latest"], r["single_put"]
+    print(f"\n{'measure':<34}{'logstore':>14}{'raw pymysql':>14}{'ratio':>8}  target")
+    print(f"{'batched put (cells/s)':<34}{bp['project_cells_per_s']:>14.0f}{bp['raw_cells_per_s']:>14.0f}"
+          f"{bp['ratio']:>8.2f}  {bp['target']} x raw")
+    print(f"{'  vs one-table INSERT (cells/s)':<34}{'':>14}{bp['raw_one_table_cells_per_s']:>14.0f}"
+          f"{bp['ratio_vs_one_table']:>8.2f}  (information)")
+    print(f"{'log scan + decode (cells/s)':<34}{ls['project_cells_per_s']:>14.0f}{ls['raw_cells_per_s']:>14.0f}"
+          f"{ls['ratio']:>8.2f}  {ls['target']} x raw")
+    print(f"{'get_cell_latest p50 (ms)':<34}{gl['project_p50_ms']:>14.3f}{gl['raw_p50_ms']:>14.3f}"
+          f"{gl['ratio_p50']:>8.2f}  {gl['target']} x raw")
+    print(f"{'get_cell_latest p99 (ms)':<34}{gl['project_p99_ms']:>14.3f}{gl['raw_p99_ms']:>14.3f}")
+    print(f"{'durable single put p50 (ms)':<34}{sp['project_p50_ms']:>14.3f}{sp['raw_p50_ms']:>14.3f}"
+          f"{sp['ratio_p50']:>8.2f}  {sp['target']} x raw")
+    print(f"{'durable single put p99 (ms)':<34}{sp['project_p99_ms']:>14.3f}{sp['raw_p99_ms']:>14.3f}")
+    o = r["open"]
+    print(f"create / reopen a 4096-shard instance: {o['create_4096_shards_s']:.2f} s / "
+          f"{o['reopen_4096_shards_s']:.2f} s")
+    if "paging_rss" in r:
+        p = r["paging_rss"]
+        print(f"paging a {p['cells']}-cell shard: peak RSS {p['peak_rss_mb']:.0f} MB (target {p['target']}), "
+              f"{p['cells'] / p['page_s']:.0f} cells/s; loading it took {p['load_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
