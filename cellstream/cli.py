@@ -12,6 +12,7 @@ import argparse
 import datetime as dt
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -50,6 +51,20 @@ def _json_arg(text: str, what: str) -> Any:
         return json.loads(text, parse_constant=refuse)
     except json.JSONDecodeError as exc:
         raise UsageError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"{what} is nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer literal beyond Python's digit limit
+        raise UsageError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _poll_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"--poll {text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"--poll must be a positive number of seconds, got {text}")
+    return value
 
 
 def _time_arg(text: str) -> dt.datetime:
@@ -226,14 +241,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="stop after this many cells")
     p.add_argument("--columns", type=lambda s: s.split(","), default=None, help="comma-separated columns")
     p.add_argument("--follow", "-f", action="store_true", help="keep polling for new cells")
-    p.add_argument("--poll", type=float, default=0.5, help="seconds between polls with --follow")
+    p.add_argument("--poll", type=_poll_arg, default=0.5, help="seconds between polls with --follow")
     p.set_defaults(func=cmd_log)
 
     p = sub.add_parser("shards", parents=[common], help="cells per shard and storage node")
     p.add_argument("--all", action="store_true", help="list empty shards too")
     p.set_defaults(func=cmd_shards)
 
-    p = sub.add_parser("demo", parents=[common], help="run the pipeline demo (embedded store by default)")
+    # The demo ignores CELLSTREAM_STORE: it writes demo data, so only an explicit --store is used.
+    p = sub.add_parser("demo", help="run the pipeline demo (a throwaway embedded store by default)")
+    p.add_argument("--store", default=None, help="run against this store instead (it receives demo cells)")
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
     p.set_defaults(func=None, demo=True)
     return parser
 
@@ -262,6 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return next((code for kind, code in _EXITS if isinstance(exc, kind)), EXIT_STORAGE)
     except OSError as exc:
         print(f"cellstream: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except UnicodeDecodeError as exc:
+        print(f"cellstream: error: input is not UTF-8 text ({exc.reason} at byte {exc.start})", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

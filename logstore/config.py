@@ -83,7 +83,10 @@ def parse_node_url(url: str) -> NodeTarget:
             raise InvalidArgumentError("sqlite URL needs a directory: sqlite:///path/to/dir")
         return SQLiteTarget(directory=Path(path))
     if url.startswith("mysql://"):
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+        except ValueError:
+            raise InvalidArgumentError("mysql URL cannot be parsed: mysql://user:pw@host:port/db") from None
         database = parts.path.lstrip("/")
         if not _DB_NAME.fullmatch(database):
             raise InvalidArgumentError(
@@ -178,6 +181,8 @@ def load_cluster_file(path: Path) -> ClusterConfig:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigurationError(f"cannot read cluster file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigurationError(f"cluster file {path} is not UTF-8 text") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

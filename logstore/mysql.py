@@ -25,7 +25,7 @@ from contextlib import contextmanager, suppress
 from typing import Any, NamedTuple, TypeVar
 
 import pymysql
-from pymysql.constants import CLIENT, FIELD_TYPE
+from pymysql.constants import CLIENT, FIELD_TYPE, SERVER_STATUS
 from pymysql.converters import conversions
 
 from .cell import Cell
@@ -51,9 +51,11 @@ Statement = tuple[str, Sequence[Any]]
 # A statement tagged with (shard, rows) when it is an INSERT of that many rows.
 Tagged = tuple[Statement, tuple[int, int] | None]
 
-# Connection lost, server gone or shutting down, lock wait timeout, deadlock,
-# too many connections, connection killed: the same call may succeed later.
-_UNAVAILABLE = {1040, 1053, 1205, 1213, 1927, 2002, 2003, 2006, 2013, 2014, 2055}
+# Connection lost, server gone or shutting down, network read/write errors, lock wait
+# timeout, deadlock, too many connections, query interrupted, connection killed or
+# idle-disconnected: the same call may succeed later.
+_UNAVAILABLE = {1040, 1053, 1158, 1159, 1160, 1161, 1205, 1213, 1317, 1927, 2002, 2003, 2006, 2013,
+                2014, 2055, 4031}
 _BAD_CONFIG = {1044, 1045, 1049, 1142, 1227}
 _NO_TABLE = 1146
 _DUPLICATE = 1062
@@ -79,6 +81,17 @@ _SHARD_TABLE = (
 )
 _COLS = "added_id, row_key, column_name, ref_key, body, created_at"
 _ROW_OVERHEAD = 96  # bytes of SQL text per inserted row besides its escaped blob
+
+
+def _escaped_size(value: object) -> int:
+    """An upper bound of the value's size once escaped into SQL text."""
+    if isinstance(value, bytes | str):
+        return 2 * len(value.encode() if isinstance(value, str) else value) + 16
+    return 24
+
+
+def _row_size(cell: PendingCell) -> int:
+    return _ROW_OVERHEAD + _escaped_size(cell.blob) + _escaped_size(cell.column) + 2 * 16 + 16
 
 
 def table(shard: int) -> str:
@@ -115,7 +128,11 @@ def _row_to_cell(shard: int, row: tuple[Any, ...]) -> Cell:
 
 
 class _Pool:
-    """A bounded LIFO pool of autocommit connections; a connection that failed is dropped."""
+    """A bounded LIFO pool of autocommit connections.
+
+    A connection comes back only when it is known clean: not after a driver error or
+    an interruption (state unknown), and never while still inside a transaction.
+    """
 
     def __init__(self, connect: Callable[[], Connection], size: int, timeout: float) -> None:
         self._connect = connect
@@ -139,28 +156,36 @@ class _Pool:
             try:
                 yield conn
             except LogstoreError:
-                with self._lock:
-                    self._idle.append(conn)  # raised by our code after ROLLBACK: the connection is clean
+                self._release(conn)  # our own error (a conflict, say): reusable unless mid-transaction
                 raise
             except BaseException:
-                with suppress(pymysql.Error):
-                    conn.close()
+                self.discard(conn)
                 raise
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                else:
-                    self._idle.append(conn)
+            self._release(conn)
         finally:
             self._slots.release()
+
+    def _release(self, conn: Connection) -> None:
+        # Still inside a transaction (its COMMIT never ran), a connection would hold shard
+        # locks and commit stale writes with its next START TRANSACTION: never reuse it.
+        if not getattr(conn, "server_status", 0) & SERVER_STATUS.SERVER_STATUS_IN_TRANS:
+            with self._lock:
+                if not self._closed:
+                    self._idle.append(conn)
+                    return
+        self.discard(conn)
+
+    @staticmethod
+    def discard(conn: Connection) -> None:
+        with suppress(pymysql.Error, OSError):
+            conn.close()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
         for conn in idle:
-            with suppress(pymysql.Error):
-                conn.close()
+            self.discard(conn)
 
 
 class Result(NamedTuple):
@@ -212,11 +237,15 @@ class MySQLRecorder(NodeRecorder):
             finally:
                 admin.close()
             conn = self._raw_connect(self._target.database)
-        with conn.cursor() as cur:
-            # READ COMMITTED: every statement sees the latest commits (and takes no gap locks).
-            # Increment 1: the ids of one multi-row INSERT are consecutive (see _insert_statements).
-            cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-            cur.execute("SET SESSION auto_increment_increment = 1, auto_increment_offset = 1")
+        try:
+            with conn.cursor() as cur:
+                # READ COMMITTED: every statement sees the latest commits (and takes no gap locks).
+                # Increment 1: the ids of one multi-row INSERT are consecutive (see _insert_statements).
+                cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                cur.execute("SET SESSION auto_increment_increment = 1, auto_increment_offset = 1")
+        except BaseException:
+            self._pool.discard(conn)
+            raise
         return conn
 
     def _call(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
@@ -230,6 +259,10 @@ class MySQLRecorder(NodeRecorder):
                 logger.log(logging.WARNING if error.retriable else logging.ERROR,
                            "%s on %s failed: %s", what, self.name, error)
                 raise error from exc
+            except UnicodeError:
+                # pymysql encodes host names (IDNA) and passwords (latin-1) itself.
+                raise ConfigurationError(
+                    f"storage node {self.name}: host name or credentials cannot be encoded") from None
         return retry_call(attempt, self._options.retry)
 
     def _read_shard(self, shard: int, sql: str, args: Sequence[Any]) -> tuple[tuple[Any, ...], ...]:
@@ -313,8 +346,8 @@ class MySQLRecorder(NodeRecorder):
             start = 0
             while start < len(cells):
                 size, end = 0, start
-                while end < len(cells) and (end == start or size + len(cells[end].blob) * 2 < budget):
-                    size += len(cells[end].blob) * 2 + _ROW_OVERHEAD
+                while end < len(cells) and (end == start or size + _row_size(cells[end]) < budget):
+                    size += _row_size(cells[end])
                     end += 1
                 values = ", ".join(["(%s, %s, %s, %s, @cs_t)"] * (end - start))
                 args = [a for c in cells[start:end] for a in (c.row_key.bytes, c.column, c.ref_key, c.blob)]
@@ -330,7 +363,7 @@ class MySQLRecorder(NodeRecorder):
         size = 0
         for item in statements:
             (sql, args), _ = item
-            weight = len(sql) + sum(len(a) * 2 if isinstance(a, bytes) else 24 for a in args)
+            weight = len(sql) + sum(_escaped_size(a) for a in args)
             if packet and size + weight > self._options.max_statement_bytes:
                 yield packet
                 packet, size = [], 0
@@ -370,16 +403,19 @@ class MySQLRecorder(NodeRecorder):
             hook(sorted(by_shard))
             cur.execute("COMMIT")
 
-    def _select_existing(self, cells: Sequence[PendingCell]) -> list[tuple[int, Statement]]:
+    def _select_existing(self, cells: Sequence[PendingCell]) -> list[Tagged]:
+        """SELECTs of the stored cells at these coordinates, at most 500 a statement, tagged by shard."""
         by_shard: dict[int, list[PendingCell]] = {}
         for cell in cells:
             by_shard.setdefault(cell.shard, []).append(cell)
-        out: list[tuple[int, Statement]] = []
+        out: list[Tagged] = []
         for shard in sorted(by_shard):
             group = by_shard[shard]
-            where = " OR ".join(["(row_key = %s AND column_name = %s AND ref_key = %s)"] * len(group))
-            out.append((shard, (f"SELECT {_COLS} FROM {table(shard)} WHERE {where}",
-                                [a for c in group for a in c.coordinates])))
+            for start in range(0, len(group), 500):
+                chunk = group[start:start + 500]
+                where = " OR ".join(["(row_key = %s AND column_name = %s AND ref_key = %s)"] * len(chunk))
+                out.append(((f"SELECT {_COLS} FROM {table(shard)} WHERE {where}",
+                             [a for c in chunk for a in c.coordinates]), (shard, len(chunk))))
         return out
 
     def insert(self, cells: Sequence[PendingCell]) -> list[Cell]:
@@ -389,32 +425,36 @@ class MySQLRecorder(NodeRecorder):
             self._ensure_tables(cur, shards)
             stored: dict[Coordinates, Cell] = {}
             try:
-                self._write_all(cur, list(cells), stored, [("START TRANSACTION", ())])
-                return ordered_result(cells, stored)
-            except pymysql.err.IntegrityError as exc:
-                cur.execute("ROLLBACK")
-                if _code(exc) != _DUPLICATE:
-                    raise
-            # Some cells exist already: lock the shards, compare, insert only the rest.
-            stored.clear()
-            marks = ", ".join(["%s"] * len(shards))
-            lock: Statement = (f"SELECT shard FROM cellstream_shards WHERE shard IN ({marks})"
-                               " ORDER BY shard FOR UPDATE", shards)
-            selects = self._select_existing(cells)
-            results = run_script(cur, [("START TRANSACTION", ()), lock, *(s for _, s in selects)])
-            try:
+                try:
+                    self._write_all(cur, list(cells), stored, [("START TRANSACTION", ())])
+                    return ordered_result(cells, stored)
+                except pymysql.err.IntegrityError as exc:
+                    if _code(exc) != _DUPLICATE:
+                        raise
+                    cur.execute("ROLLBACK")
+                # Some cells exist already: lock the shards, compare, insert only the rest.
+                stored.clear()
+                marks = ", ".join(["%s"] * len(shards))
+                run_script(cur, [("START TRANSACTION", ()),
+                                 (f"SELECT shard FROM cellstream_shards WHERE shard IN ({marks})"
+                                  " ORDER BY shard FOR UPDATE", shards)])
                 existing: dict[Coordinates, Cell] = {}
-                for (shard, _), result in zip(selects, results[2:], strict=True):
-                    for row in result.rows or ():
-                        cell = _row_to_cell(shard, row)
-                        existing[(cell.row_key.bytes, cell.column, cell.ref_key)] = cell
+                for packet in self._packets(self._select_existing(cells)):
+                    for (_, tag), result in zip(packet, run_script(cur, [s for s, _ in packet]), strict=True):
+                        assert tag is not None
+                        for row in result.rows or ():
+                            cell = _row_to_cell(tag[0], row)
+                            existing[(cell.row_key.bytes, cell.column, cell.ref_key)] = cell
                 fresh = split_existing(cells, existing)
                 stored.update(existing)
                 self._write_all(cur, fresh, stored, [])
+                return ordered_result(cells, stored)
             except BaseException:
-                cur.execute("ROLLBACK")
+                # Never leave a transaction open: it would hold shard locks (the pool also
+                # refuses to reuse a connection that is still inside one).
+                with suppress(pymysql.Error, OSError):
+                    cur.execute("ROLLBACK")
                 raise
-            return ordered_result(cells, stored)
 
         return self._call("write", run)
 

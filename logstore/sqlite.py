@@ -14,6 +14,7 @@ import logging
 import sqlite3
 import threading
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -68,6 +69,16 @@ _INSERT = (
 _COUNT = "UPDATE cellstream_shards SET cells = cells + ? WHERE shard = ?"
 
 
+class _ThreadConnection:
+    """A thread's connection; closed by a finalizer when the thread (and its local) is gone."""
+
+    __slots__ = ("__weakref__", "conn")
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        weakref.finalize(self, conn.close)
+
+
 def _micros(when: dt.datetime) -> int:
     delta = when - _EPOCH
     return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
@@ -81,7 +92,7 @@ def _row_to_cell(row: tuple[int, int, bytes, str, int, bytes, int]) -> Cell:
 def _translate(exc: sqlite3.Error, what: str) -> LogstoreError:
     if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
         return StorageUnavailableError(f"sqlite {what}: database is locked by another writer")
-    if isinstance(exc, sqlite3.OperationalError) and "unable to open" in str(exc):
+    if "unable to open" in str(exc) or "not a database" in str(exc):
         return ConfigurationError(f"sqlite {what}: {exc}")
     return StorageError(f"sqlite {what}: {exc}")
 
@@ -92,7 +103,7 @@ class SQLiteRecorder(NodeRecorder):
         self._path = target.directory / DB_FILE
         self._options = options
         self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
+        self._all: weakref.WeakSet[_ThreadConnection] = weakref.WeakSet()
         self._all_lock = threading.Lock()
         try:
             target.directory.mkdir(parents=True, exist_ok=True)
@@ -101,15 +112,20 @@ class SQLiteRecorder(NodeRecorder):
 
     # -- connections ------------------------------------------------------
     def _conn(self) -> sqlite3.Connection:
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is None:
+        holder: _ThreadConnection | None = getattr(self._local, "holder", None)
+        if holder is None:
             conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=30)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute(f"PRAGMA synchronous={self._options.sqlite_synchronous}")
-            self._local.conn = conn
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute(f"PRAGMA synchronous={self._options.sqlite_synchronous}")
+            except BaseException:
+                conn.close()
+                raise
+            holder = _ThreadConnection(conn)
+            self._local.holder = holder
             with self._all_lock:
-                self._all.append(conn)
-        return conn
+                self._all.add(holder)
+        return holder.conn
 
     @contextmanager
     def _errors(self, what: str) -> Iterator[None]:
@@ -120,15 +136,16 @@ class SQLiteRecorder(NodeRecorder):
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
-        conn = self._conn()
         with self._errors("write"):
+            conn = self._conn()
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
+                conn.execute("COMMIT")
             except BaseException:
-                conn.execute("ROLLBACK")
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
                 raise
-            conn.execute("COMMIT")
 
     # -- metadata ---------------------------------------------------------
     def read_meta(self) -> NodeMeta | None:
@@ -239,7 +256,7 @@ class SQLiteRecorder(NodeRecorder):
 
     def close(self) -> None:
         with self._all_lock:
-            conns, self._all = self._all, []
-        for conn in conns:
-            conn.close()
+            holders, self._all = list(self._all), weakref.WeakSet()
+        for holder in holders:
+            holder.conn.close()
         self._local = threading.local()

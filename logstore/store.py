@@ -168,13 +168,15 @@ class Store:
         """Cells with ``added_id > location`` in added_id order, and the location to continue from.
 
         Paging from the returned location never skips a committed cell. ``columns``
-        restricts the page to those columns (the location still advances past others).
+        restricts the page to those columns; the location advances to the last cell returned.
         """
         self._check_shard(shard)
-        if type(location) is not int or location < 0:
-            raise InvalidArgumentError(f"location must be a non-negative integer, got {location!r}")
+        if type(location) is not int or not 0 <= location < 1 << 63:
+            raise InvalidArgumentError(f"location must be an integer in [0, 2^63), got {location!r}")
         if type(limit) is not int or not 1 <= limit <= MAX_PAGE:
             raise InvalidArgumentError(f"limit must be an integer in [1, {MAX_PAGE}], got {limit!r}")
+        if isinstance(columns, str):
+            raise InvalidArgumentError("columns must be a list of column names, not one string")
         names = [check_column(c, allow_reserved=True) for c in columns] if columns else None
         cells = self._recorder(shard).get_log(shard, location, limit, names)
         return cells, (cells[-1].added_id if cells else location)
@@ -187,9 +189,16 @@ class Store:
         self._check_shard(shard)
         if not isinstance(when, dt.datetime) or when.tzinfo is None or when.utcoffset() is None:
             raise InvalidArgumentError("location_at needs a timezone-aware datetime")
+        try:
+            utc = when.astimezone(dt.UTC)
+        except OverflowError:
+            raise InvalidArgumentError(f"{when.isoformat()} is out of range in UTC") from None
         recorder = self._recorder(shard)
-        first = recorder.first_at(shard, when.astimezone(dt.UTC))
-        return first - 1 if first is not None else recorder.head(shard)
+        # The head is read first: a cell committed between the two reads has a higher
+        # id than this head, so falling back to it can never skip that cell.
+        head = recorder.head(shard)
+        first = recorder.first_at(shard, utc)
+        return first - 1 if first is not None else head
 
     def head(self, shard: int) -> int:
         """The highest added_id of the shard (0 when empty): the location of the log's end."""

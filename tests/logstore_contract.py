@@ -253,6 +253,34 @@ class StoreContract:
         assert store.location_at(1, middle + dt.timedelta(days=1)) == after[-1].added_id
         assert store.location_at(2, middle) == 0
 
+    def test_location_at_never_skips_a_cell_committed_while_it_runs(self, store: logstore.Store) -> None:
+        [key] = _keys_in_shard(store, 5, 1)
+        store.put_cell(key, "BASE", 1, {"old": True})
+        when = dt.datetime.now(dt.UTC) + dt.timedelta(milliseconds=1)
+        time.sleep(0.01)
+        [recorder] = {id(r): r for r in store_recorders(store)}.values()
+        original = recorder.first_at
+        raced: list[logstore.Cell] = []
+
+        def first_at_with_a_racing_commit(shard: int, at: dt.datetime) -> int | None:
+            raced.append(store.put_cell(key, "BASE", 2, {"raced": True}))  # commits inside location_at
+            return original(shard, at)
+
+        recorder.first_at = first_at_with_a_racing_commit
+        try:
+            location = store.location_at(5, when)
+        finally:
+            recorder.first_at = original
+        assert raced and store.get_cells_for_shard(5, location)[0] == raced
+
+    def test_log_arguments_out_of_range(self, store: logstore.Store) -> None:
+        with pytest.raises(InvalidArgumentError, match="location"):
+            store.get_cells_for_shard(0, 2**63)
+        with pytest.raises(InvalidArgumentError, match="not one string"):
+            store.get_cells_for_shard(0, columns="BASE")  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="out of range"):
+            store.location_at(0, dt.datetime(1, 1, 1, tzinfo=dt.timezone(dt.timedelta(hours=5))))
+
     # -- the instance -----------------------------------------------------
     def test_shard_count_is_fixed_at_creation(self, url: str) -> None:
         logstore.open(url, shards=SHARDS).close()

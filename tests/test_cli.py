@@ -89,6 +89,11 @@ def test_batch_put_from_json_lines(sqlite_url: str, tmp_path: Path, capsys: pyte
         (["log", "1", "--since", "yesterday"], 2, "is not an ISO-8601 time"),
         (["log", "one"], 2, "invalid int value"),
         (["frobnicate"], 2, "invalid choice"),
+        (["put", str(uuid.UUID(int=1)), "BASE", "1", '{"x": ' + "9" * 5000 + "}"], 2, "BODY is not valid JSON"),
+        (["put", str(uuid.UUID(int=1)), "BASE", "1", "[" * 100_000 + "]" * 100_000], 2, "nested too deeply"),
+        (["log", "1", "--follow", "--poll", "-1"], 2, "--poll must be a positive number"),
+        (["log", "1", "--follow", "--poll", "nan"], 2, "--poll must be a positive number"),
+        (["log", "1", "--from", str(2**70)], 2, "location must be an integer in [0, 2^63)"),
         (["init", "--shards", "16"], 4, "created with 8 shards, opened with 16"),
     ],
 )
@@ -114,8 +119,25 @@ def test_conflict_and_missing_store_exit_codes(sqlite_url: str, capsys: pytest.C
     monkeypatch.delenv("CELLSTREAM_STORE", raising=False)
     code, _, err = run(capsys, "shards")
     assert code == 2 and err.strip() == "cellstream: error: no store given: pass --store URL or set CELLSTREAM_STORE"
-    code, _, err = run(capsys, "shards", "--store", "mysql://u:pw@127.0.0.1:1/db")
-    assert code == 5 and "pw" not in err.replace("pw@", "")
+    code, _, err = run(capsys, "shards", "--store", "mysql://u:Secret-pw-42@127.0.0.1:1/db")
+    assert code == 5 and "Secret-pw-42" not in err
+
+
+def test_batch_that_is_not_utf8_is_one_line(sqlite_url: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    batch = tmp_path / "bad.jsonl"
+    batch.write_bytes(b'{"row_key": "\xff\xfe"}\n')
+    code, _, err = run(capsys, "put", "--store", sqlite_url, "--batch", str(batch))
+    assert code == 2 and "not UTF-8" in err and len(err.strip().splitlines()) == 1
+
+
+def test_demo_ignores_the_store_in_the_environment(sqlite_url: str, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    logstore.open(sqlite_url, shards=8).close()
+    monkeypatch.setenv("CELLSTREAM_STORE", sqlite_url)
+    assert run(capsys, "demo")[0] == 0
+    with logstore.open(sqlite_url) as store:
+        assert sum(s.cells for s in store.shard_stats()) == 0
 
 
 def test_log_follow_prints_new_cells(sqlite_url: str, capsys: pytest.CaptureFixture[str]) -> None:

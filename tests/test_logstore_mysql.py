@@ -11,6 +11,7 @@ from typing import Any
 
 import pymysql
 import pytest
+from pymysql.constants import SERVER_STATUS
 
 import logstore
 from logstore.config import parse_node_url
@@ -125,7 +126,17 @@ def test_bad_cluster_files_name_the_problem(tmp_path: Path, text: str, message: 
         logstore.open(tmp_path / "missing.toml")
 
 
-def test_batches_larger_than_one_packet_stay_atomic(mysql_database: str) -> None:
+def test_batches_larger_than_one_packet_stay_atomic(mysql_database: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import logstore.mysql as backend
+
+    sizes: list[int] = []
+    original = backend.run_script
+
+    def spy(cur: Any, statements: Any) -> Any:
+        sizes.append(len(cur.mogrify(";\n".join(s for s, _ in statements), [a for _, p in statements for a in p])))
+        return original(cur, statements)
+
+    monkeypatch.setattr(backend, "run_script", spy)
     with logstore.open(mysql_database, shards=2, max_statement_bytes=64 * 1024) as store:
         items: list[Any] = [(uuid.uuid4(), "BASE", 1, {"blob": uuid.uuid4().hex * 40, "i": i}) for i in range(600)]
         cells = store.put_cells(items)
@@ -136,6 +147,37 @@ def test_batches_larger_than_one_packet_stay_atomic(mysql_database: str) -> None
             store.put_cells([*fresh, (items[-1][0], "BASE", 1, {"changed": True})])
         assert sum(s.cells for s in store.shard_stats()) == 600
         assert store.get_cell(fresh[0][0], "BASE", 1) is None
+        # retrying the whole batch goes through the duplicate path, which must split too
+        sizes.clear()
+        assert store.put_cells(items + fresh[:100])[:600] == cells
+        assert len(sizes) > 3 and max(sizes) <= 64 * 1024, sizes
+
+
+def test_a_failure_before_commit_writes_nothing_and_holds_no_lock(mysql_database: str) -> None:
+    with logstore.open(mysql_database, shards=2, pool_size=1) as store:
+        [recorder] = store_recorders(store)
+
+        def fail(shards: Any) -> None:
+            raise logstore.StorageError("injected failure before COMMIT")
+
+        key = uuid.uuid4()
+        recorder.before_commit = fail
+        with pytest.raises(logstore.StorageError, match="injected"):
+            store.put_cell(key, "BASE", 1, {"v": 1})
+        recorder.before_commit = None
+        assert all(not c.server_status & SERVER_STATUS.SERVER_STATUS_IN_TRANS for c in recorder._pool._idle)
+        other = store.put_cell(uuid.uuid4(), "BASE", 1, {"v": 2})
+        assert store.get_cell(key, "BASE", 1) is None
+        assert store.get_cell(other.row_key, "BASE", 1) == other
+        admin = mysql_admin()
+        with admin.cursor() as cur:
+            cur.execute("SELECT COUNT(*) FROM information_schema.innodb_trx")
+            assert cur.fetchone()[0] == 0
+        # and a connection given back inside a transaction is never reused
+        with recorder._pool.connection() as conn, conn.cursor() as cur:
+            cur.execute("START TRANSACTION")
+            cur.execute("SELECT 1")
+        assert conn not in recorder._pool._idle and not conn.open
 
 
 def test_killed_connection_is_retried_transparently(mysql_database: str) -> None:
@@ -161,6 +203,10 @@ def test_unreachable_server_is_retriable_and_bad_password_is_configuration(mysql
         logstore.open(f"mysql://{t.user}:{t.password}@127.0.0.1:1/{t.database}",
                       retry={"deadline": 0.5, "initial": 0.05}, connect_timeout=1)
     assert info.value.retriable and time.monotonic() - started < 10
+    with pytest.raises(logstore.ConfigurationError, match="cannot be encoded"):
+        logstore.open(f"mysql://{t.user}:p%E2%82%AC@{t.host}:{t.port}/{t.database}")
+    with pytest.raises(logstore.InvalidArgumentError, match="cannot be parsed"):
+        logstore.open("mysql://u:p@[::1/db")
     with pytest.raises(logstore.ConfigurationError, match="Access denied") as denied:
         logstore.open(f"mysql://{t.user}:wrong-Secret-77@{t.host}:{t.port}/{t.database}")
     assert "wrong-Secret-77" not in str(denied.value)

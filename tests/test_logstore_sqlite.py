@@ -29,6 +29,27 @@ class TestSQLiteStore(StoreContract):
             return {s for (s,) in conn.execute("SELECT DISTINCT shard FROM cells")}
 
 
+def test_a_file_that_is_not_a_database_is_a_configuration_error(tmp_path: Path) -> None:
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / DB_FILE).write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(logstore.ConfigurationError, match="not a database"):
+        logstore.open(f"sqlite:///{tmp_path / 'bad'}")
+
+
+def test_threads_that_exit_release_their_connections(sqlite_url: str) -> None:
+    import gc
+    import threading
+
+    with logstore.open(sqlite_url, shards=2) as store:
+        recorder = next(iter(store._recorders.values()))
+        for _ in range(40):
+            t = threading.Thread(target=store.head, args=(0,))
+            t.start()
+            t.join()
+        gc.collect()
+        assert len(recorder._all) <= 2
+
+
 def test_sqlite_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     with logstore.open("sqlite:///rel/dir", shards=2):
