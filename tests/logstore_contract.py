@@ -263,8 +263,9 @@ class StoreContract:
         raced: list[logstore.Cell] = []
 
         def first_at_with_a_racing_commit(shard: int, at: dt.datetime) -> int | None:
-            raced.append(store.put_cell(key, "BASE", 2, {"raced": True}))  # commits inside location_at
-            return original(shard, at)
+            found = original(shard, at)  # nothing created since `when` yet...
+            raced.append(store.put_cell(key, "BASE", 2, {"raced": True}))  # ...then a commit lands
+            return found
 
         recorder.first_at = first_at_with_a_racing_commit
         try:
