@@ -91,7 +91,10 @@ class Store:
         return PendingCell(shard_of(key, self._cluster.shards), key, name, ref, body, blob)  # type: ignore[arg-type]
 
     def put_cell(self, row_key: uuid.UUID | str, column: str, ref_key: int, body: dict[str, Any]) -> Cell:
-        """Write one cell. Writing it again with an identical body returns the stored cell."""
+        """Write one cell. Writing it again with an identical body returns the stored cell.
+
+        The returned cell's ``body`` is the dict you passed (not copied): do not mutate it.
+        """
         return self._put([self._pending(row_key, column, ref_key, body, False)])[0]
 
     def put_cells(self, cells: Iterable[tuple[uuid.UUID | str, str, int, dict[str, Any]]]) -> list[Cell]:
