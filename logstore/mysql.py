@@ -80,7 +80,9 @@ _SHARD_TABLE = (
     ") ENGINE=InnoDB"
 )
 _COLS = "added_id, row_key, column_name, ref_key, body, created_at"
-_ROW_OVERHEAD = 96  # bytes of SQL text per inserted row besides its escaped blob
+_VALUES_ROW = "(%s, %s, %s, %s, @cs_t)"
+# Taken once all shard locks of a write are held; every row of the write gets it as created_at.
+_TIMESTAMP = "SELECT CAST(@cs_t := UTC_TIMESTAMP(6) AS DATETIME(6))"
 
 
 def _escaped_size(value: object) -> int:
@@ -90,8 +92,13 @@ def _escaped_size(value: object) -> int:
     return 24
 
 
+def _row_args(cell: PendingCell) -> tuple[bytes, str, int, bytes]:
+    return (cell.row_key.bytes, cell.column, cell.ref_key, cell.blob)
+
+
 def _row_size(cell: PendingCell) -> int:
-    return _ROW_OVERHEAD + _escaped_size(cell.blob) + _escaped_size(cell.column) + 2 * 16 + 16
+    """The row's share of an INSERT packet, by the same measure _packets uses."""
+    return len(_VALUES_ROW) + 2 + sum(_escaped_size(a) for a in _row_args(cell))
 
 
 def table(shard: int) -> str:
@@ -339,7 +346,7 @@ class MySQLRecorder(NodeRecorder):
             (("UPDATE cellstream_shards SET cells = cells + %s WHERE shard = %s", (len(by_shard[s]), s)), None)
             for s in sorted(by_shard)
         ]
-        out.append((("SELECT CAST(@cs_t := UTC_TIMESTAMP(6) AS DATETIME(6))", ()), None))
+        out.append(((_TIMESTAMP, ()), None))
         budget = self._options.max_statement_bytes // 2
         for shard in sorted(by_shard):
             cells = by_shard[shard]
@@ -349,8 +356,8 @@ class MySQLRecorder(NodeRecorder):
                 while end < len(cells) and (end == start or size + _row_size(cells[end]) < budget):
                     size += _row_size(cells[end])
                     end += 1
-                values = ", ".join(["(%s, %s, %s, %s, @cs_t)"] * (end - start))
-                args = [a for c in cells[start:end] for a in (c.row_key.bytes, c.column, c.ref_key, c.blob)]
+                values = ", ".join([_VALUES_ROW] * (end - start))
+                args = [a for c in cells[start:end] for a in _row_args(c)]
                 out.append(((f"INSERT INTO {table(shard)} (row_key, column_name, ref_key, body, created_at)"
                              f" VALUES {values}", args), (shard, end - start)))
                 start = end
@@ -389,7 +396,7 @@ class MySQLRecorder(NodeRecorder):
         for packet in self._packets(statements):
             results = run_script(cur, [s for s, _ in packet])
             for ((sql, _), tag), result in zip(packet, results, strict=True):
-                if sql.startswith("SELECT CAST(@cs_t") and result.rows:
+                if sql == _TIMESTAMP and result.rows:
                     created = result.rows[0][0]
                 if tag is None:
                     continue
