@@ -2,8 +2,8 @@
 
 Exit codes (also in the README):
   0 success - 1 not found - 2 bad input or usage - 3 cell conflict -
-  4 configuration error - 5 storage unavailable (retriable) - 6 other storage error -
-  130 interrupted.
+  4 configuration error - 5 storage, Kafka or ZooKeeper unavailable (retriable) -
+  6 other storage or publishing error - 130 interrupted.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Any, NoReturn, TextIO
 
 import logstore
 from logstore import Cell, Store
+
+from . import tail_cli
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shards", parents=[common], help="cells per shard and storage node")
     p.add_argument("--all", action="store_true", help="list empty shards too")
     p.set_defaults(func=cmd_shards)
+
+    tail_cli.add_parser(sub, common, UsageError)
 
     # The demo ignores CELLSTREAM_STORE: it writes demo data, so only an explicit --store is used.
     p = sub.add_parser("demo", help="run the pipeline demo (a throwaway embedded store by default)")

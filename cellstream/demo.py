@@ -1,7 +1,8 @@
 """``cellstream demo``: the pipeline on the embedded default, no server needed.
 
-Each capability adds its part here. Today: the logstore - trips written as cells,
-read back, immutability and typed errors shown, and a shard log paged like a tailer.
+Each capability adds its part here: the logstore (trips written as cells, read
+back, immutability and typed errors, a shard log paged) and the tailer (every
+shard published to topics, offsets committed after acks, resume, dead letters).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import uuid
 from typing import TextIO
 
 import logstore
+
+from .demo_tailer import tailer_demo
 
 DEMO_SHARDS = 16
 CITIES = ["Aarhus", "Lisbon", "Oakland", "Sao Paulo", "Hyderabad"]
@@ -97,5 +100,6 @@ def _demo(url: str, out: TextIO, shards: int | None) -> int:
         busy = sorted((s for s in store.shard_stats() if s.cells), key=lambda s: -s.cells)
         _say(out, f"\n== 5. {sum(s.cells for s in busy)} cells in {len(busy)} of {store.shard_count} shards; "
                   "busiest: " + ", ".join(f"shard {s.shard}={s.cells}" for s in busy[:4]))
+        tailer_demo(store, out)
     _say(out, "\ndemo finished")
     return 0

@@ -9,6 +9,10 @@ never escape untranslated.
 
 from __future__ import annotations
 
+import datetime as dt
+import uuid
+from typing import Any
+
 
 class LogstoreError(Exception):
     """Root of every logstore error."""
@@ -64,4 +68,25 @@ class StorageUnavailableError(StorageError):
 
 
 class CorruptCellError(StorageError):
-    """A stored cell body cannot be decoded (unknown format version or damaged bytes)."""
+    """A stored cell body cannot be decoded (unknown format version or damaged bytes).
+
+    Raised by a read of a stored cell, the error names it: ``shard``, ``added_id``,
+    ``row_key``, ``column``, ``ref_key`` and ``created_at`` (None when unknown). A log
+    read also carries ``cells_before``, the good cells of the page that precede the
+    damaged one, so a tailer can deliver them, dead-letter this one and go on from
+    its ``added_id`` without skipping anything.
+    """
+
+    def __init__(self, problem: str, coordinates: dict[str, Any] | None = None) -> None:
+        where = coordinates or {}
+        self.problem = problem
+        self.shard: int | None = where.get("shard")
+        self.added_id: int | None = where.get("added_id")
+        self.row_key: uuid.UUID | None = where.get("row_key")
+        self.column: str | None = where.get("column")
+        self.ref_key: int | None = where.get("ref_key")
+        self.created_at: dt.datetime | None = where.get("created_at")
+        self.cells_before: list[Any] = []
+        named = (f"cell ({self.row_key}, {self.column}, {self.ref_key}) at shard {self.shard} "
+                 f"added_id {self.added_id}: ") if coordinates else ""
+        super().__init__(named + problem)

@@ -38,6 +38,7 @@ from .persistence import (
     NodeRecorder,
     PendingCell,
     check_meta,
+    decode_log,
     make_cell,
     ordered_result,
     split_existing,
@@ -492,7 +493,11 @@ class MySQLRecorder(NodeRecorder):
             args.extend(columns)  # type: ignore[arg-type]
         rows = self._read_shard(shard, f"SELECT {_COLS} FROM {{t}} WHERE {where} ORDER BY added_id LIMIT %s",
                                 [*args, limit])
-        return [_row_to_cell(shard, r) for r in rows]
+        return decode_log(rows, lambda row: _row_to_cell(shard, row))
+
+    def count_after(self, shard: int, location: int) -> int:
+        rows = self._read_shard(shard, "SELECT COUNT(*) FROM {t} WHERE added_id > %s", (location,))
+        return int(rows[0][0]) if rows else 0
 
     def first_at(self, shard: int, when: dt.datetime) -> int | None:
         rows = self._read_shard(shard, "SELECT MIN(added_id) FROM {t} WHERE created_at >= %s",

@@ -18,14 +18,15 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 from .cell import Cell, decode_body, same_json
-from .errors import CellConflictError, ConfigurationError
+from .errors import CellConflictError, ConfigurationError, CorruptCellError
 
 FORMAT_VERSION = 1
 Coordinates = tuple[bytes, str, int]
+R = TypeVar("R")
 
 
 class PendingCell(NamedTuple):
@@ -95,6 +96,10 @@ class NodeRecorder(ABC):
         """The highest added_id of the shard, 0 when empty."""
 
     @abstractmethod
+    def count_after(self, shard: int, location: int) -> int:
+        """How many cells of the shard have ``added_id > location``."""
+
+    @abstractmethod
     def shard_counts(self) -> dict[int, int]:
         """Cells per shard, for every shard of the node."""
 
@@ -136,7 +141,26 @@ def make_cell(
     blob: bytes,
     created_at: dt.datetime,
 ) -> Cell:
-    return Cell(uuid_from_bytes(row_key), column, ref_key, decode_body(blob), added_id, shard, created_at)
+    key = uuid_from_bytes(row_key)
+    try:
+        body = decode_body(blob)
+    except CorruptCellError as exc:
+        where = {"shard": shard, "added_id": added_id, "row_key": key, "column": column,
+                 "ref_key": ref_key, "created_at": created_at}
+        raise CorruptCellError(exc.problem, where) from None
+    return Cell(key, column, ref_key, body, added_id, shard, created_at)
+
+
+def decode_log(rows: Iterable[R], to_cell: Callable[[R], Cell]) -> list[Cell]:
+    """A page of log rows as cells; a damaged cell raises with the good cells before it."""
+    cells: list[Cell] = []
+    try:
+        for row in rows:
+            cells.append(to_cell(row))
+    except CorruptCellError as exc:
+        exc.cells_before = cells
+        raise
+    return cells
 
 
 def split_existing(

@@ -28,6 +28,7 @@ from .persistence import (
     NodeRecorder,
     PendingCell,
     check_meta,
+    decode_log,
     make_cell,
     ordered_result,
     split_existing,
@@ -236,7 +237,14 @@ class SQLiteRecorder(NodeRecorder):
             args = (shard, location, *columns, limit)  # type: ignore[assignment]
         with self._errors("read log"):
             rows = self._conn().execute(sql, args).fetchall()
-        return [_row_to_cell(r) for r in rows]
+        return decode_log(rows, _row_to_cell)
+
+    def count_after(self, shard: int, location: int) -> int:
+        with self._errors("read log"):
+            row = self._conn().execute(
+                "SELECT COUNT(*) FROM cells WHERE shard = ? AND added_id > ?", (shard, location)
+            ).fetchone()
+        return int(row[0])
 
     def first_at(self, shard: int, when: dt.datetime) -> int | None:
         with self._errors("read log"):

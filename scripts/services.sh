@@ -6,24 +6,36 @@
 #   scripts/services.sh down   [service...]   stop the services this script started
 #   scripts/services.sh status [service...]   show what answers and what we started
 #
-# Services (default: all): mariadb.  ZooKeeper, Kafka and PostgreSQL will be
-# added in the same style: one <name>_up / <name>_down / <name>_status
-# function each, plus an entry in SERVICES below.
+# Services (default: all, in this order): mariadb zookeeper kafka.
+# PostgreSQL will be added in the same style: one <name>_up / <name>_down /
+# <name>_status function each, plus an entry in SERVICES below.
+#
+# ZooKeeper and Kafka (KRaft mode, no ZooKeeper needed; ZooKeeper is for the
+# tailer's coordination) run on Java from the jars of scripts/kafka/pom.xml,
+# which `up` fetches with Maven into $ROOT/.services/kafka/lib (cached in
+# ~/.m2; refetched only when the pom changes).  `up` also installs kcat, the
+# Kafka CLI the tests use; it is an install-only step, no process.  The same
+# jars serve tests/services.py, which starts private instances for
+# fault-injection tests, so `up` fetches them even when it reuses servers.
 #
 # Rules every service follows:
 #   * `up` first checks whether something already answers on the service's
 #     port with the test credentials (e.g. `docker compose -f docker/compose.yml
 #     up -d`, or a server started by an earlier `up`); if so it is reused and
 #     nothing is started.
-#   * Otherwise the service is installed with apt when missing (root only) and
-#     a private instance is started with its state under $ROOT/.services/<name>
-#     (gitignored, kept between runs so the next `up` is fast).
+#   * Otherwise the service is installed when missing (apt, root only; Maven
+#     for the ZooKeeper/Kafka jars) and a private instance is started with
+#     its state under $ROOT/.services/<name> (gitignored, kept between runs
+#     so the next `up` is fast).
 #   * Every instance we start is recorded in $ROOT/.services/started; `down`
 #     stops exactly those and never touches anything else.
 #   * `up` and `down` are idempotent.
 #
 # Connection settings used by the tests:
 #   MariaDB   127.0.0.1:3306  user cellstream  password cellstream
+#   ZooKeeper 127.0.0.1:2181  (all four-letter-word commands allowed)
+#   Kafka     127.0.0.1:9092  PLAINTEXT, one KRaft node (controller on
+#             127.0.0.1:9093), auto topic creation disabled
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
@@ -31,7 +43,7 @@ SVC_DIR="$ROOT/.services"
 STATE_FILE="$SVC_DIR/started"
 LOCK_FILE="$SVC_DIR/lock"
 
-SERVICES=(mariadb)
+SERVICES=(mariadb zookeeper kafka)
 STOP_TIMEOUT=60
 
 log() { printf 'services: %s\n' "$*" >&2; }
@@ -475,6 +487,444 @@ mariadb_status() {
   fi
   printf 'mariadb: %s:%s answers=%s started-by-us=%s%s\n' "$MARIADB_HOST" "$MARIADB_PORT" \
     "$answers" "$ours" "${pid:+ pid=$pid}"
+}
+
+# ===========================================================================
+# Java, the Kafka/ZooKeeper jars and kcat (install-only steps shared by the
+# zookeeper and kafka services; tests/services.py uses the same jars)
+# ===========================================================================
+JAVA_PACKAGES=(openjdk-17-jre-headless)
+MAVEN_PACKAGES=(maven)
+KAFKA_POM="$ROOT/scripts/kafka/pom.xml"
+KAFKA_DIR="$SVC_DIR/kafka"
+KAFKA_LIB="$KAFKA_DIR/lib"
+KAFKA_LIB_STAMP="$KAFKA_LIB/.pom.sha256"
+# One jar that must be there for the lib dir to count as complete.
+KAFKA_LIB_PROBE="kafka_2.13-*.jar"
+
+java_bin() { find_bin java; }
+
+java_install() {
+  java_bin >/dev/null && return 0
+  is_root || die "java: not installed; as root run: apt-get install -y --no-install-recommends ${JAVA_PACKAGES[*]}"
+  apt_install "${JAVA_PACKAGES[@]}"
+  java_bin >/dev/null || die "java: installed ${JAVA_PACKAGES[*]} but java still not found"
+}
+
+kafka_pom_hash() { sha256sum "$KAFKA_POM" | cut -d' ' -f1; }
+
+kafka_lib_complete() {
+  [ -f "$KAFKA_LIB_STAMP" ] && [ "$(cat "$KAFKA_LIB_STAMP")" = "$(kafka_pom_hash)" ] &&
+    compgen -G "$KAFKA_LIB/$KAFKA_LIB_PROBE" >/dev/null
+}
+
+# Fetch the jars of scripts/kafka/pom.xml into $KAFKA_LIB (Maven Central,
+# cached in ~/.m2); skipped when the stamp matches the pom's hash.
+kafka_lib_install() {
+  local mvn tmp mvnlog="$KAFKA_DIR/mvn.log" t0=$SECONDS
+  java_install
+  kafka_lib_complete && return 0
+  if ! mvn="$(find_bin mvn)"; then
+    is_root || die "kafka: Maven is needed to fetch the jars; as root run: apt-get install -y --no-install-recommends ${MAVEN_PACKAGES[*]}"
+    apt_install "${MAVEN_PACKAGES[@]}"
+    mvn="$(find_bin mvn)" || die "kafka: installed ${MAVEN_PACKAGES[*]} but mvn still not found"
+  fi
+  mkdir -p "$KAFKA_DIR"
+  tmp="$KAFKA_DIR/lib.tmp.$$"
+  rm -rf "$tmp"
+  log "kafka: fetching the Kafka/ZooKeeper jars with Maven ($KAFKA_POM -> $KAFKA_LIB)"
+  if ! "$mvn" -q -B -f "$KAFKA_POM" dependency:copy-dependencies \
+    -DoutputDirectory="$tmp" >"$mvnlog" 2>&1 </dev/null 9>&-; then
+    tail -n 30 "$mvnlog" >&2
+    rm -rf "$tmp"
+    die "kafka: fetching the jars failed (log: $mvnlog)"
+  fi
+  compgen -G "$tmp/$KAFKA_LIB_PROBE" >/dev/null || die "kafka: Maven ran but no $KAFKA_LIB_PROBE in $tmp (log: $mvnlog)"
+  kafka_pom_hash >"$tmp/.pom.sha256"
+  # Swap in one step so a half-copied lib dir is never mistaken for complete.
+  rm -rf "$KAFKA_LIB"
+  mv "$tmp" "$KAFKA_LIB"
+  log "kafka: $(find "$KAFKA_LIB" -name '*.jar' | wc -l) jars in $KAFKA_LIB ($((SECONDS - t0))s)"
+}
+
+# kcat: the CLI the tests (and our readiness checks) talk to Kafka with.
+kcat_bin() { find_bin kcat kafkacat; }
+
+kcat_install() {
+  kcat_bin >/dev/null && return 0
+  is_root || die "kcat: not installed; as root run: apt-get install -y --no-install-recommends kcat"
+  apt_install kcat
+  kcat_bin >/dev/null || die "kcat: installed kcat but kcat still not found"
+}
+
+# java_start NAME LOG OUT PIDFILE JAVA-ARGS... -- start a JVM detached (own
+# session, no inherited stdio, not the lock fd); stdout/stderr (JVM errors
+# before log4j is up) go to OUT.  Echoes the pid.
+java_start() {
+  local name="$1" out="$2" pidfile="$3" java pid
+  shift 3
+  java="$(java_bin)" || die "$name: java not found"
+  : >"$out"
+  # See mariadb_start: in a non-interactive shell setsid execs java in place,
+  # so $! is the JVM's pid.
+  setsid "$java" "$@" </dev/null >>"$out" 2>&1 9>&- &
+  pid=$!
+  disown "$pid" 2>/dev/null || true
+  printf '%s\n' "$pid" >"$pidfile"
+  printf '%s\n' "$pid"
+}
+
+# java_our_pid PIDFILE CMDLINE-TAIL -> pid of our JVM whose command line ends
+# in CMDLINE-TAIL (its config file), from the pid file or by scanning.
+java_our_pid() {
+  local pidfile="$1" want="$2" pid
+  pid="$(cat "$pidfile" 2>/dev/null || true)"
+  if proc_alive "$pid" java "$want"; then
+    printf '%s\n' "$pid"
+    return 0
+  fi
+  for pid in $(pids_of java); do
+    if proc_alive "$pid" java "$want"; then
+      printf '%s\n' "$pid" >"$pidfile"
+      printf '%s\n' "$pid"
+      return 0
+    fi
+  done
+  return 1
+}
+
+# java_stop NAME PID -- SIGTERM (both servers shut down cleanly on it), then
+# SIGKILL after $STOP_TIMEOUT.
+java_stop() {
+  local name="$1" pid="$2"
+  log "$name: stopping (pid $pid)"
+  kill -TERM "$pid" 2>/dev/null || true
+  if ! wait_gone "$pid" java "$STOP_TIMEOUT"; then
+    log "$name: still running after ${STOP_TIMEOUT}s, killing"
+    kill -KILL "$pid" 2>/dev/null || true
+    wait_gone "$pid" java 10 || die "$name: could not stop pid $pid"
+  fi
+}
+
+# log4j_file_config FILE LOGFILE [EXTRA-LINES] -- a log4j 1.x (reload4j)
+# config sending everything at INFO to a size-capped LOGFILE.
+log4j_file_config() {
+  cat >"$1" <<L4J
+# Written by scripts/services.sh on every start; edits are lost.
+log4j.rootLogger=INFO, file
+log4j.appender.file=org.apache.log4j.RollingFileAppender
+log4j.appender.file.File=$2
+log4j.appender.file.Append=true
+log4j.appender.file.MaxFileSize=20MB
+log4j.appender.file.MaxBackupIndex=2
+log4j.appender.file.layout=org.apache.log4j.PatternLayout
+log4j.appender.file.layout.ConversionPattern=[%d] %p %m (%c)%n
+${3:-}
+L4J
+}
+
+# show_logs FILE... -- the tail of each existing file, to stderr.
+show_logs() {
+  local f
+  for f in "$@"; do
+    [ -s "$f" ] || continue
+    printf -- '--- last lines of %s ---\n' "$f" >&2
+    tail -n 30 "$f" >&2
+  done
+}
+
+# ===========================================================================
+# ZooKeeper (standalone, from the jars in $KAFKA_LIB)
+# ===========================================================================
+ZK_HOST=127.0.0.1
+ZK_PORT=2181
+ZK_DIR="$SVC_DIR/zookeeper"
+ZK_DATA="$ZK_DIR/data"
+ZK_CFG="$ZK_DIR/zoo.cfg"
+ZK_LOG4J="$ZK_DIR/log4j.properties"
+ZK_LOG="$ZK_DIR/zookeeper.log"
+ZK_OUT="$ZK_DIR/zookeeper.out"
+ZK_PID="$ZK_DIR/zookeeper.pid"
+ZK_HEAP_OPTS=(-Xms64m -Xmx256m)
+ZK_START_TIMEOUT=60
+
+# zk_4lw CMD -> the server's answer to a four-letter-word command.
+zk_4lw() {
+  # shellcheck disable=SC2016 # expanded by the inner bash
+  timeout 3 bash -c 'exec 3<>"/dev/tcp/$1/$2" && printf %s "$3" >&3 && head -c 200 <&3' \
+    _ "$ZK_HOST" "$ZK_PORT" "$1" 2>/dev/null
+}
+
+# Is a ZooKeeper serving on 127.0.0.1:2181?  `ruok` needs the 4lw whitelist
+# (ours is *); `srvr` is whitelisted by default (e.g. the zookeeper image).
+zookeeper_answers() {
+  [ "$(zk_4lw ruok)" = imok ] && return 0
+  [[ "$(zk_4lw srvr)" == "Zookeeper version:"* ]]
+}
+
+zookeeper_our_pid() { java_our_pid "$ZK_PID" "$ZK_CFG"; }
+
+zookeeper_write_config() {
+  mkdir -p "$ZK_DATA"
+  cat >"$ZK_CFG" <<CFG
+# Written by scripts/services.sh on every start; edits are lost.
+tickTime=2000
+dataDir=$ZK_DATA
+clientPort=$ZK_PORT
+clientPortAddress=$ZK_HOST
+maxSessionTimeout=60000
+# The tests open many sessions from 127.0.0.1.
+maxClientCnxns=0
+admin.enableServer=false
+4lw.commands.whitelist=*
+autopurge.snapRetainCount=3
+autopurge.purgeInterval=1
+CFG
+  log4j_file_config "$ZK_LOG4J" "$ZK_LOG"
+}
+
+zookeeper_wait_ready() {
+  local pid="$1" i
+  for ((i = 0; i < ZK_START_TIMEOUT * 4; i++)); do
+    [ "$(zk_4lw ruok)" = imok ] && return 0
+    if ! proc_alive "$pid" java; then
+      show_logs "$ZK_OUT" "$ZK_LOG"
+      die "zookeeper: the JVM exited during startup (log: $ZK_LOG)"
+    fi
+    sleep 0.25
+  done
+  show_logs "$ZK_OUT" "$ZK_LOG"
+  die "zookeeper: no answer to ruok on $ZK_HOST:$ZK_PORT after ${ZK_START_TIMEOUT}s (log: $ZK_LOG)"
+}
+
+zookeeper_up() {
+  local pid t0=$SECONDS
+  # The jars are needed by tests/services.py even when a server is reused.
+  kafka_lib_install
+
+  # 1. Our own instance from an earlier `up`.
+  if pid="$(zookeeper_our_pid)"; then
+    state_add zookeeper "$ZK_PID" "$ZK_CFG"
+    zookeeper_wait_ready "$pid"
+    log "zookeeper: already running (pid $pid, started by us), reusing"
+    return 0
+  fi
+  state_del zookeeper
+
+  # 2. Somebody else's server (docker compose, ...).
+  if tcp_open "$ZK_HOST" "$ZK_PORT"; then
+    zookeeper_answers && {
+      log "zookeeper: already running, reusing"
+      return 0
+    }
+    die "zookeeper: $ZK_HOST:$ZK_PORT is in use but does not answer ruok/srvr like ZooKeeper; stop it"
+  fi
+
+  # 3. Start a private instance.
+  zookeeper_write_config
+  log "zookeeper: starting (data dir $ZK_DATA)"
+  pid="$(java_start zookeeper "$ZK_OUT" "$ZK_PID" \
+    "${ZK_HEAP_OPTS[@]}" -XX:+UseG1GC -Djava.awt.headless=true \
+    -Dlog4j.configuration="file:$ZK_LOG4J" -Dzookeeper.log.dir="$ZK_DIR" \
+    -cp "$KAFKA_LIB/*" org.apache.zookeeper.server.ZooKeeperServerMain "$ZK_CFG")"
+  # Record before waiting, so `down` stops it even if the wait fails.
+  state_add zookeeper "$ZK_PID" "$ZK_CFG"
+  zookeeper_wait_ready "$pid"
+  log "zookeeper: started on $ZK_HOST:$ZK_PORT (pid $pid, $((SECONDS - t0))s)"
+}
+
+zookeeper_down() {
+  local pid
+  if ! state_get zookeeper >/dev/null; then
+    log "zookeeper: not started by us, leaving it alone"
+    return 0
+  fi
+  if ! pid="$(zookeeper_our_pid)"; then
+    log "zookeeper: not running"
+    state_del zookeeper
+    return 0
+  fi
+  java_stop zookeeper "$pid"
+  state_del zookeeper
+  log "zookeeper: stopped"
+}
+
+zookeeper_status() {
+  local answers=no ours=no pid=""
+  zookeeper_answers && answers=yes
+  if state_get zookeeper >/dev/null; then
+    ours=yes
+    pid="$(zookeeper_our_pid || true)"
+  fi
+  printf 'zookeeper: %s:%s answers=%s started-by-us=%s%s\n' "$ZK_HOST" "$ZK_PORT" \
+    "$answers" "$ours" "${pid:+ pid=$pid}"
+}
+
+# ===========================================================================
+# Kafka (single KRaft node, broker + controller in one JVM)
+# ===========================================================================
+KAFKA_HOST=127.0.0.1
+KAFKA_PORT=9092
+KAFKA_CONTROLLER_PORT=9093
+KAFKA_DATA="$KAFKA_DIR/data"
+KAFKA_PROPS="$KAFKA_DIR/server.properties"
+KAFKA_LOG4J="$KAFKA_DIR/log4j.properties"
+KAFKA_LOG="$KAFKA_DIR/server.log"
+KAFKA_OUT="$KAFKA_DIR/kafka.out"
+KAFKA_PID="$KAFKA_DIR/kafka.pid"
+# 2 cores, shared with the tests: a modest heap.
+KAFKA_HEAP_OPTS=(-Xms256m -Xmx512m)
+# What bin/kafka-run-class.sh uses (KAFKA_JVM_PERFORMANCE_OPTS).
+KAFKA_JVM_OPTS=(-XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:InitiatingHeapOccupancyPercent=35
+  -XX:+ExplicitGCInvokesConcurrent -XX:MaxInlineLevel=15 -Djava.awt.headless=true)
+KAFKA_START_TIMEOUT=120
+
+kafka_java() {
+  "$(java_bin)" "${KAFKA_HEAP_OPTS[@]}" "${KAFKA_JVM_OPTS[@]}" \
+    -Dlog4j.configuration="file:$KAFKA_LOG4J" -Dkafka.logs.dir="$KAFKA_DIR" \
+    -cp "$KAFKA_LIB/*" "$@"
+}
+
+# Does a Kafka broker at 127.0.0.1:9092 return metadata with >= 1 broker?
+kafka_answers() {
+  local kcat
+  kcat="$(kcat_bin)" || return 1
+  tcp_open "$KAFKA_HOST" "$KAFKA_PORT" || return 1
+  timeout 20 "$kcat" -b "$KAFKA_HOST:$KAFKA_PORT" -L -t __cellstream_probe -m 10 2>/dev/null |
+    grep -Eq '^ +broker [0-9]+ at '
+}
+
+kafka_our_pid() { java_our_pid "$KAFKA_PID" "$KAFKA_PROPS"; }
+
+kafka_write_config() {
+  mkdir -p "$KAFKA_DATA"
+  cat >"$KAFKA_PROPS" <<CFG
+# Written by scripts/services.sh on every start; edits are lost.
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
+listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$KAFKA_DATA
+num.partitions=1
+auto.create.topics.enable=false
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+min.insync.replicas=1
+default.replication.factor=1
+group.initial.rebalance.delay.ms=0
+num.network.threads=2
+num.io.threads=4
+CFG
+  log4j_file_config "$KAFKA_LOG4J" "$KAFKA_LOG" \
+    'log4j.logger.kafka.request.logger=WARN
+log4j.logger.org.apache.kafka.clients=WARN'
+}
+
+# Format the KRaft storage once (a fresh cluster id); meta.properties marks it.
+kafka_format_storage() {
+  local id fmtlog="$KAFKA_DIR/format.log"
+  [ -f "$KAFKA_DATA/meta.properties" ] && return 0
+  # Missing meta.properties = never formatted or interrupted: start over.
+  rm -rf "$KAFKA_DATA"
+  mkdir -p "$KAFKA_DATA"
+  id="$(kafka_java kafka.tools.StorageTool random-uuid 2>"$fmtlog" </dev/null 9>&- | tail -n 1)"
+  [[ "$id" =~ ^[A-Za-z0-9_-]{22}$ ]] || {
+    show_logs "$fmtlog"
+    die "kafka: StorageTool random-uuid gave '$id' (log: $fmtlog)"
+  }
+  log "kafka: formatting $KAFKA_DATA (cluster id $id)"
+  if ! kafka_java kafka.tools.StorageTool format -t "$id" -c "$KAFKA_PROPS" \
+    >>"$fmtlog" 2>&1 </dev/null 9>&-; then
+    show_logs "$fmtlog"
+    die "kafka: formatting the storage failed (log: $fmtlog)"
+  fi
+  [ -f "$KAFKA_DATA/meta.properties" ] || die "kafka: format ran but wrote no $KAFKA_DATA/meta.properties (log: $fmtlog)"
+}
+
+kafka_wait_ready() {
+  local pid="$1" t_end=$((SECONDS + KAFKA_START_TIMEOUT))
+  while [ "$SECONDS" -lt "$t_end" ]; do
+    kafka_answers && return 0
+    if ! proc_alive "$pid" java; then
+      show_logs "$KAFKA_OUT" "$KAFKA_LOG"
+      die "kafka: the JVM exited during startup (log: $KAFKA_LOG)"
+    fi
+    sleep 0.5
+  done
+  show_logs "$KAFKA_OUT" "$KAFKA_LOG"
+  die "kafka: no metadata from $KAFKA_HOST:$KAFKA_PORT after ${KAFKA_START_TIMEOUT}s (log: $KAFKA_LOG)"
+}
+
+kafka_up() {
+  local pid t0=$SECONDS
+  # Install-only steps, needed by the tests even when a broker is reused.
+  kcat_install
+  kafka_lib_install
+
+  # 1. Our own broker from an earlier `up`.
+  if pid="$(kafka_our_pid)"; then
+    state_add kafka "$KAFKA_PID" "$KAFKA_PROPS"
+    kafka_wait_ready "$pid"
+    log "kafka: already running (pid $pid, started by us), reusing"
+    return 0
+  fi
+  state_del kafka
+
+  # 2. Somebody else's broker (docker compose, ...).
+  if tcp_open "$KAFKA_HOST" "$KAFKA_PORT"; then
+    kafka_answers && {
+      log "kafka: already running, reusing"
+      return 0
+    }
+    die "kafka: $KAFKA_HOST:$KAFKA_PORT is in use but returns no Kafka metadata (kcat -L); stop it"
+  fi
+  tcp_open "$KAFKA_HOST" "$KAFKA_CONTROLLER_PORT" &&
+    die "kafka: the controller port $KAFKA_HOST:$KAFKA_CONTROLLER_PORT is in use by something else; stop it"
+
+  # 3. Start a private broker.
+  kafka_write_config
+  kafka_format_storage
+  log "kafka: starting (KRaft, data dir $KAFKA_DATA)"
+  pid="$(java_start kafka "$KAFKA_OUT" "$KAFKA_PID" \
+    "${KAFKA_HEAP_OPTS[@]}" "${KAFKA_JVM_OPTS[@]}" \
+    -Dlog4j.configuration="file:$KAFKA_LOG4J" -Dkafka.logs.dir="$KAFKA_DIR" \
+    -cp "$KAFKA_LIB/*" kafka.Kafka "$KAFKA_PROPS")"
+  state_add kafka "$KAFKA_PID" "$KAFKA_PROPS"
+  kafka_wait_ready "$pid"
+  log "kafka: started on $KAFKA_HOST:$KAFKA_PORT (controller $KAFKA_CONTROLLER_PORT, pid $pid, $((SECONDS - t0))s)"
+}
+
+kafka_down() {
+  local pid
+  if ! state_get kafka >/dev/null; then
+    log "kafka: not started by us, leaving it alone"
+    return 0
+  fi
+  if ! pid="$(kafka_our_pid)"; then
+    log "kafka: not running"
+    state_del kafka
+    return 0
+  fi
+  java_stop kafka "$pid"
+  state_del kafka
+  log "kafka: stopped"
+}
+
+kafka_status() {
+  local answers=no ours=no pid="" kcat
+  kafka_answers && answers=yes
+  if state_get kafka >/dev/null; then
+    ours=yes
+    pid="$(kafka_our_pid || true)"
+  fi
+  kcat="$(kcat_bin || echo missing)"
+  printf 'kafka: %s:%s answers=%s started-by-us=%s%s kcat=%s\n' "$KAFKA_HOST" "$KAFKA_PORT" \
+    "$answers" "$ours" "${pid:+ pid=$pid}" "$kcat"
 }
 
 # ===========================================================================

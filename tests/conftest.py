@@ -67,3 +67,40 @@ def mysql_database_factory() -> Iterator[object]:
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'store'}"
+
+
+# -- Kafka and ZooKeeper (the shared servers of scripts/services.sh) ------------------
+KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
+ZOOKEEPER = os.environ.get("CELLSTREAM_TEST_ZOOKEEPER", "127.0.0.1:2181")
+
+
+@pytest.fixture
+def zk_chroot() -> Iterator[str]:
+    """A ZooKeeper connect string with a fresh chroot (``host:port/cst-<hex>``); removed after the test."""
+    from kazoo.client import KazooClient
+    from kazoo.handlers.threading import KazooTimeoutError
+
+    chroot = f"/cst-{uuid.uuid4().hex[:12]}"
+    client = KazooClient(hosts=ZOOKEEPER, timeout=10)
+    try:
+        client.start(timeout=15)
+    except KazooTimeoutError:
+        pytest.fail(f"ZooKeeper is not reachable at {ZOOKEEPER}; run the suite with `make test`, "
+                    "which installs and starts it", pytrace=False)
+    try:
+        yield ZOOKEEPER + chroot
+    finally:
+        client.delete(chroot, recursive=True)
+        client.stop()
+        client.close()
+
+
+@pytest.fixture
+def topic_prefix() -> Iterator[str]:
+    """A fresh topic prefix on the shared Kafka; its topics are deleted after the test."""
+    from .kafka_support import delete_topics, require_kafka
+
+    require_kafka(KAFKA)
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    yield prefix
+    delete_topics(KAFKA, prefix)

@@ -324,8 +324,36 @@ class StoreContract:
     def test_corrupt_body_is_a_typed_error(self, store: logstore.Store, url: str) -> None:
         cell = store.put_cell(uuid.uuid4(), "BASE", 1, {"a": 1})
         self.corrupt_body(url, cell)
-        with pytest.raises(logstore.CorruptCellError, match="format version"):
+        with pytest.raises(logstore.CorruptCellError, match="format version") as caught:
             store.get_cell(cell.row_key, "BASE", 1)
+        assert (caught.value.row_key, caught.value.column, caught.value.ref_key) == (cell.row_key, "BASE", 1)
+        assert (caught.value.shard, caught.value.added_id) == (cell.shard, cell.added_id)
+
+    def test_a_damaged_cell_in_a_log_page_names_itself_and_carries_the_good_cells_before_it(
+        self, store: logstore.Store, url: str
+    ) -> None:
+        key = uuid.uuid4()
+        cells = [store.put_cell(key, "BASE", ref, {"ref": ref}) for ref in range(1, 6)]
+        self.corrupt_body(url, cells[2])
+        with pytest.raises(logstore.CorruptCellError) as caught:
+            store.get_cells_for_shard(cells[0].shard, 0, 100)
+        error = caught.value
+        assert error.added_id == cells[2].added_id and error.ref_key == 3
+        assert str(cells[2].row_key) in str(error) and f"added_id {cells[2].added_id}" in str(error)
+        assert [c.ref_key for c in error.cells_before] == [1, 2]
+        after, _ = store.get_cells_for_shard(cells[0].shard, cells[2].added_id, 100)
+        assert [c.ref_key for c in after] == [4, 5]
+
+    def test_count_after_counts_the_cells_a_reader_has_not_seen(self, store: logstore.Store) -> None:
+        key = uuid.uuid4()
+        cells = [store.put_cell(key, "BASE", ref, {}) for ref in range(1, 8)]
+        shard = cells[0].shard
+        assert store.count_after(shard, 0) == 7
+        assert store.count_after(shard, cells[3].added_id) == 3
+        assert store.count_after(shard, store.head(shard)) == 0
+        assert store.count_after((shard + 1) % SHARDS, 0) == 0
+        with pytest.raises(logstore.InvalidArgumentError, match="location"):
+            store.count_after(shard, -1)
 
     # -- concurrency and the no-skip guarantee ----------------------------
     def test_threads_share_one_store(self, store: logstore.Store) -> None:

@@ -1,0 +1,248 @@
+"""The tailer end to end against the raw libraries doing its two halves, in one run.
+
+    python bench/tailer_bench.py [--cells N] [--shards S] [--rate R] [--seconds T]
+
+1. raw read: pymysql paging the same cells out of the same shard tables (500 a page).
+2. raw produce: aiokafka (idempotent, acks=all) producing the tailer's very messages
+   (same keys, headers, values, partitions), pre-encoded, awaiting every ack.
+3. tailer: a fresh tailer (ZooKeeper offsets, Kafka) from the beginning of the same
+   store until every cell is acknowledged and committed.
+The throughput ratio is tailer / min(raw read, raw produce) (target >= 0.6).
+
+Latency: a `cellstream tail` process runs while this process puts cells at R cells/s
+and an aiokafka consumer reads them; latency is from put_cell returning to the
+consumer holding the message (targets p50 <= 20 ms, p99 <= 100 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pymysql
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from kazoo.client import KazooClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import logstore
+from logstore.config import MySQLTarget, parse_node_url
+from logstore.mysql import table
+from tailer.config import KafkaOptions, TailerConfig
+from tailer.kafka import KafkaPublisher
+from tailer.messages import encode_cell
+from tailer.worker import Tailer
+from tailer.zookeeper import ZooKeeperCoordinator
+
+SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
+KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
+ZOOKEEPER = os.environ.get("CELLSTREAM_TEST_ZOOKEEPER", "127.0.0.1:2181")
+P = 16
+POLL = float(os.environ.get("BENCH_POLL", "0.02"))
+
+
+def body(i: int) -> dict[str, Any]:
+    return {"rider_uuid": str(uuid.UUID(int=i)), "city": "Aarhus", "fare": round(5 + i % 50 * 0.75, 2),
+            "distance_km": (i % 300) / 10, "product": "uberX", "route": [[55.67, 12.56], [55.68, 12.57]]}
+
+
+def raw_read(url: str, shards: int) -> tuple[float, int]:
+    t = parse_node_url(url)
+    assert isinstance(t, MySQLTarget)
+    conn = pymysql.connect(host=t.host, port=t.port, user=t.user, password=t.password, database=t.database)
+    rows = 0
+    start = time.perf_counter()
+    with conn.cursor() as cur:
+        for shard in range(shards):
+            location = 0
+            while True:
+                cur.execute(f"SELECT added_id, row_key, column_name, ref_key, body, created_at FROM {table(shard)} "
+                            "WHERE added_id > %s ORDER BY added_id LIMIT 500", (location,))
+                page = cur.fetchall()
+                if not page:
+                    break
+                rows += len(page)
+                location = page[-1][0]
+    elapsed = time.perf_counter() - start
+    conn.close()
+    return elapsed, rows
+
+
+async def raw_produce(store: logstore.Store, topic: str) -> tuple[float, int]:
+    messages: list[tuple[int, Any]] = []
+    for shard in range(store.shard_count):
+        location = 0
+        while True:
+            cells, location = store.get_cells_for_shard(shard, location, 1000)
+            if not cells:
+                break
+            messages.extend((shard % P, encode_cell(c)) for c in cells)
+    await create_topic(topic)
+    producer = AIOKafkaProducer(bootstrap_servers=KAFKA, acks="all", enable_idempotence=True, linger_ms=5,
+                                max_batch_size=256 * 1024)
+    await producer.start()
+    start = time.perf_counter()
+    futures = [await producer.send(topic, m.value, key=m.key, partition=p, headers=m.headers) for p, m in messages]
+    await asyncio.gather(*futures)
+    elapsed = time.perf_counter() - start
+    await producer.stop()
+    return elapsed, len(messages)
+
+
+async def create_topic(topic: str) -> None:
+    from aiokafka.admin import NewTopic
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=KAFKA)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, P, 1)])
+    finally:
+        await admin.close()
+
+
+async def tailer_run(store: logstore.Store, zk: str, prefix: str, total: int) -> float:
+    config = TailerConfig(name="bench", topic_prefix=prefix, partitions=P)
+    tailer = Tailer(store, config, ZooKeeperCoordinator(zk, "bench", store.shard_count),
+                    KafkaPublisher(KafkaOptions(brokers=KAFKA)))
+    heads = {s: store.head(s) for s in range(store.shard_count)}
+    await create_topic(f"{prefix}.BASE")
+    await tailer.start()
+    start = time.perf_counter()
+    while True:
+        positions = tailer.positions()
+        if len(positions) == store.shard_count and all(positions[s][1] >= heads[s] for s in heads):
+            break
+        await asyncio.sleep(0.005)
+    elapsed = time.perf_counter() - start
+    await tailer.stop()
+    return elapsed
+
+
+async def latency(store_url: str, store: logstore.Store, zk: str, prefix: str, rate: float,
+                  seconds: float) -> list[float]:
+    topic = f"{prefix}.LAT"
+    await create_topic(topic)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "cellstream", "tail", "--store", store_url, "--brokers", KAFKA, "--zookeeper", zk,
+         "--name", "latency", "--prefix", prefix, "--partitions", str(P), "--columns", "LAT", "--from", "now",
+         "--poll", str(POLL)],
+        stderr=subprocess.DEVNULL)
+    consumer = AIOKafkaConsumer(bootstrap_servers=KAFKA, enable_auto_commit=False, fetch_max_wait_ms=100)
+    await consumer.start()
+    parts = [TopicPartition(topic, p) for p in range(P)]
+    consumer.assign(parts)
+    await consumer.seek_to_end(*parts)
+    put_at: dict[str, float] = {}
+    samples: list[float] = []
+    stop = threading.Event()
+
+    def write(threads: int) -> None:
+        # A durable put takes about a millisecond here, so several writers share the rate.
+        next_at = time.perf_counter()
+        i = 0
+        while not stop.is_set():
+            key = uuid.uuid4()
+            store.put_cell(key, "LAT", 1, body(i))
+            put_at[str(key)] = time.perf_counter()
+            i += 1
+            next_at += threads / rate
+            time.sleep(max(0.0, next_at - time.perf_counter()))
+
+    time.sleep(3)  # the worker joins and claims its shards
+    writers = [threading.Thread(target=write, args=(4,), daemon=True) for _ in range(4)]
+    for writer in writers:
+        writer.start()
+    started = time.perf_counter()
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for records in (await consumer.getmany(timeout_ms=50)).values():
+            now = time.perf_counter()
+            for r in records:
+                sent = put_at.get(r.key.decode())
+                if sent is not None:
+                    samples.append((now - sent) * 1000)
+    stop.set()
+    for writer in writers:
+        writer.join()
+    print(f"   wrote {len(put_at) / (time.perf_counter() - started):.0f} cells/s", flush=True)
+    await consumer.stop()
+    worker.terminate()
+    worker.wait(timeout=60)
+    return samples[len(samples) // 10:]  # drop the warm-up tenth
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cells", type=int, default=50_000)
+    parser.add_argument("--shards", type=int, default=64)
+    parser.add_argument("--rate", type=float, default=1000.0)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "tailer.json"))
+    args = parser.parse_args()
+    database = f"bench_tail_{uuid.uuid4().hex[:8]}"
+    url = f"{SERVER}/{database}"
+    chroot = f"/bench-{uuid.uuid4().hex[:8]}"
+    zk = ZOOKEEPER + chroot
+    prefix = f"bench{uuid.uuid4().hex[:6]}"
+    store = logstore.open(url, shards=args.shards)
+    try:
+        print(f"writing {args.cells} cells into {args.shards} shards ...", flush=True)
+        for start in range(0, args.cells, 1000):
+            store.put_cells([(uuid.uuid4(), "BASE", 1, body(i)) for i in range(start, min(args.cells, start + 1000))])
+        read_s, rows = raw_read(url, args.shards)
+        produce_s, sent = asyncio.run(raw_produce(store, f"{prefix}.raw"))
+        tail_s = asyncio.run(tailer_run(store, zk, prefix, args.cells))
+        assert rows == sent == args.cells, (rows, sent)
+        raw = {"read": args.cells / read_s, "produce": args.cells / produce_s}
+        tail = args.cells / tail_s
+        slower = min(raw.values())
+        print(f"raw paged SELECT   {raw['read']:10.0f} cells/s")
+        print(f"raw aiokafka send  {raw['produce']:10.0f} cells/s")
+        print(f"tailer end to end  {tail:10.0f} cells/s   ratio to the slower raw: {tail / slower:.2f} (>= 0.6)")
+        samples = asyncio.run(latency(url, store, zk, prefix, args.rate, args.seconds))
+        q = statistics.quantiles(samples, n=100)
+        p50, p99 = statistics.median(samples), q[98]
+        print(f"latency put_cell -> consumer at {args.rate:.0f} cells/s ({len(samples)} samples): "
+              f"p50 {p50:.1f} ms (<= 20), p99 {p99:.1f} ms (<= 100)")
+        results = {"cells": args.cells, "shards": args.shards, "raw_cells_per_s": raw, "tailer_cells_per_s": tail,
+                   "ratio": tail / slower, "latency_ms": {"rate": args.rate, "samples": len(samples),
+                                                          "p50": p50, "p99": p99}}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    finally:
+        store.close()
+        conn = pymysql.connect(**{k: v for k, v in parse_node_url(url).model_dump().items() if k != "database"})
+        with conn.cursor() as cur:
+            cur.execute(f"DROP DATABASE IF EXISTS `{database}`")
+        conn.close()
+        client = KazooClient(hosts=ZOOKEEPER)
+        client.start(timeout=10)
+        client.delete(chroot, recursive=True)
+        client.stop()
+        asyncio.run(_drop_topics(prefix))
+    return 0
+
+
+async def _drop_topics(prefix: str) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=KAFKA)
+    await admin.start()
+    try:
+        names = [t for t in await admin.list_topics() if t.startswith(prefix)]
+        if names:
+            await admin.delete_topics(names)
+    finally:
+        await admin.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The tailer's options, as one pydantic model shared by the CLI and library users."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from typing import Literal
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
+
+from logstore.cell import COLUMN_RE
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+_TOPIC_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
+StartFrom = Literal["beginning", "now"] | AwareDatetime
+
+
+class TailerConfig(BaseModel):
+    """One tailer (``name``): every worker started with the same name shares its shards."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="the tailer's name; its workers, assignment and offsets live under it")
+    topic_prefix: str = Field("cells", description="topics are <prefix>.<column>")
+    partitions: int = Field(16, ge=1, le=10_000, description="partitions per topic; shard s goes to s mod P")
+    replication_factor: int = Field(1, ge=1, le=32)
+    columns: tuple[str, ...] | None = Field(None, description="publish only these columns (default: all)")
+    start_from: StartFrom = Field(
+        "beginning", description="where a shard with no committed offset starts: beginning, now or a time"
+    )
+    value_format: Literal["json", "msgpack"] = "json"
+    page_size: int = Field(500, ge=1, le=10_000, description="cells read from a shard per query")
+    max_in_flight: int = Field(20_000, ge=1, description="unacknowledged messages per worker")
+    read_ahead: int = Field(4, ge=1, le=64, description="shard pages read at once while others are sent")
+    poll_interval: float = Field(0.02, gt=0, description="seconds between looks at idle shards")
+    commit_interval: float = Field(1.0, gt=0, description="seconds between offset commits")
+    lag_interval: float = Field(2.0, gt=0, description="seconds between lag measurements")
+    session_timeout: float = Field(
+        10.0, ge=4, le=40, description="ZooKeeper session timeout, seconds (within the server's default 4-40 s)"
+    )
+    lease_fraction: float = Field(
+        0.8, gt=0, lt=1,
+        description="a worker stops publishing when it has not reached ZooKeeper for this part of the session",
+    )
+    stop_timeout: float = Field(30.0, gt=0, description="seconds a graceful stop waits for acknowledgements")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME_RE.fullmatch(value):
+            raise ValueError(f"{value!r} must match ^[A-Za-z0-9][A-Za-z0-9_.-]{{0,99}}$")
+        return value
+
+    @field_validator("topic_prefix")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        if not _TOPIC_RE.fullmatch(value):
+            raise ValueError(f"{value!r} may hold only letters, digits, '.', '_' and '-'")
+        return value
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("give at least one column, or none to publish every column")
+            for column in value:
+                if not COLUMN_RE.fullmatch(column):
+                    raise ValueError(f"column {column!r} must match ^[A-Za-z_][A-Za-z0-9_]{{0,63}}$")
+        return value
+
+    @property
+    def deadletter_topic(self) -> str:
+        # '-' never appears in a column name, so this cannot collide with a cell topic.
+        return f"{self.topic_prefix}-deadletter"
+
+    def topic(self, column: str) -> str:
+        return f"{self.topic_prefix}.{column}"
+
+
+class KafkaOptions(BaseModel):
+    """How the Kafka publisher connects and batches. acks=all and idempotence are not optional."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    brokers: str = "127.0.0.1:9092"
+    client_id: str = "cellstream-tailer"
+    linger_ms: int = Field(5, ge=0)
+    max_batch_size: int = Field(256 * 1024, ge=1024)
+    max_request_size: int = Field(
+        1_000_000, ge=1024, description="messages above this are dead-lettered; keep it <= the broker's limit"
+    )
+    request_timeout_ms: int = Field(30_000, ge=1000)
+    compression: Literal["none", "gzip"] = "none"
+
+
+def parse_start(value: str) -> StartFrom:
+    """``beginning``, ``now`` or an ISO-8601 time with a zone (``Z`` accepted)."""
+    if value in ("beginning", "now"):
+        return value  # type: ignore[return-value]
+    try:
+        when = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"--from must be beginning, now or an ISO-8601 time, got {value!r}") from None
+    if when.tzinfo is None:
+        raise ValueError(f"--from time {value!r} needs a zone, e.g. {value}Z")
+    return when

@@ -1,0 +1,63 @@
+"""The tailer error hierarchy.
+
+Every error raised by the tailer is a :class:`TailerError`; ``retriable`` tells the
+caller whether the same call may succeed later. Kafka (aiokafka) errors are
+translated in :mod:`tailer.kafka` and ZooKeeper (kazoo) errors in
+:mod:`tailer.zookeeper`; neither escapes untranslated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TailerError(Exception):
+    """Root of every tailer error."""
+
+    retriable: bool = False
+
+
+class ConfigurationError(TailerError):
+    """The tailer's options, or a topic that already exists, do not fit (e.g. a partition count)."""
+
+
+class CoordinationError(TailerError):
+    """ZooKeeper cannot be reached or timed out. Retriable: owned shards keep publishing."""
+
+    retriable = True
+
+
+class FencedError(TailerError):
+    """This worker no longer owns the shard: another worker claimed it, so the commit was refused.
+
+    The worker must stop publishing the shard; its committed offset stays where the
+    new owner found it, so offsets never move backwards.
+    """
+
+    def __init__(self, shard: int, detail: str) -> None:
+        self.shard = shard
+        super().__init__(f"shard {shard}: {detail}")
+
+
+class PublishError(TailerError):
+    """A message could not be published. ``retriable`` says whether resending may work."""
+
+    def __init__(self, message: str, *, retriable: bool) -> None:
+        self.retriable = retriable
+        super().__init__(message)
+
+
+class CellRejectedError(PublishError):
+    """This cell can never be published as it is (too large for the broker, not encodable).
+
+    The tailer dead-letters it, with ``cell`` naming its coordinates, and goes on.
+    """
+
+    def __init__(self, cell: dict[str, Any], problem: str) -> None:
+        self.cell = cell
+        self.problem = problem
+        super().__init__(
+            f"cell ({cell.get('row_key')}, {cell.get('column')}, {cell.get('ref_key')}) of shard "
+            f"{cell.get('shard')} at added_id {cell.get('added_id')}: {problem}",
+            retriable=False,
+        )

@@ -1,0 +1,123 @@
+"""What the worker needs from coordination and from a message sink.
+
+Two coordinators exist: :class:`tailer.zookeeper.ZooKeeperCoordinator` (workers
+share shards through ZooKeeper) and :class:`tailer.local.LocalCoordinator` (one
+process owns every shard; offsets in a file, like Kafka Connect's standalone
+mode). Two publishers exist: :class:`tailer.kafka.KafkaPublisher` and
+:class:`tailer.local.DirectoryPublisher`. The worker (:mod:`tailer.worker`) is
+the same for all four combinations.
+
+Coordinator methods block (ZooKeeper round trips); the worker calls them from a
+thread. Publisher methods are coroutines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from .errors import PublishError
+
+
+class Claim(NamedTuple):
+    """A shard this worker now owns: where to resume, and the version that fences its commits."""
+
+    shard: int
+    location: int
+    version: int
+    token: str
+    deadlettered: int
+
+
+class Offset(NamedTuple):
+    """What a commit stores for a shard."""
+
+    location: int
+    deadlettered: int = 0
+    last_error: dict[str, Any] | None = None
+
+
+class Coordinator(ABC):
+    """Who owns which shard, and where each shard's committed offset is.
+
+    Guarantees the worker relies on: at most one worker holds a shard's claim at a
+    time; a commit succeeds only for the claim's holder (others get FencedError);
+    and while :meth:`lease_valid` is true no other worker can have claimed a shard
+    this worker holds.
+    """
+
+    worker_id: str = ""
+
+    @abstractmethod
+    def start(self, on_change: Callable[[], None]) -> None:
+        """Begin (asynchronously) to join; ``on_change`` is called from any thread when
+        the assignment, the session or the leadership changes."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Leave: release membership. Safe to call twice."""
+
+    @abstractmethod
+    def assignment(self) -> tuple[int, int, frozenset[int]]:
+        """(session generation, assignment epoch, shards assigned to this worker). Non-blocking.
+
+        A new generation means the session was lost: every claim of an older
+        generation is gone and the worker must drop those shards at once.
+        """
+
+    @abstractmethod
+    def lease_valid(self) -> bool:
+        """True while no other worker can have taken this worker's claims. Non-blocking."""
+
+    @abstractmethod
+    def is_leader(self) -> bool: ...
+
+    @abstractmethod
+    def claim(self, shard: int, initial: Callable[[], int]) -> Claim | None:
+        """Take the shard if nobody holds it; ``initial()`` gives the location when no
+        offset was ever committed. None when another worker still holds it."""
+
+    @abstractmethod
+    def commit(self, offsets: Mapping[int, tuple[Claim, Offset]]) -> dict[int, Claim | BaseException]:
+        """Store offsets; per shard the updated claim, FencedError or a retriable error."""
+
+    @abstractmethod
+    def release(self, claim: Claim) -> None:
+        """Give the shard up (after its last commit) so the next owner may take it now."""
+
+
+class Publisher(ABC):
+    """A message sink with acknowledgements, in per-partition order."""
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Flush what was sent and close. Safe to call twice."""
+
+    @abstractmethod
+    async def prepare_topic(self, topic: str, partitions: int, replication_factor: int) -> None:
+        """Create the topic, or check an existing one has ``partitions`` partitions."""
+
+    @abstractmethod
+    async def send(
+        self, topic: str, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]
+    ) -> asyncio.Future[Any]:
+        """Queue a message; the future resolves when it is acknowledged.
+
+        Raises CellRejectedError (via the worker's caller) when the message can never
+        be accepted, e.g. it is larger than the sink allows; the future fails with a
+        translated PublishError when delivery fails later.
+        """
+
+    def translate(self, exc: BaseException) -> PublishError:
+        """The tailer's error for a failed delivery; ``retriable`` False means the cell is rejected."""
+        if isinstance(exc, PublishError):
+            return exc
+        return PublishError(f"delivery failed: {type(exc).__name__} {exc}".rstrip(), retriable=True)
+
+    async def after_failure(self, exc: BaseException, future: asyncio.Future[Any]) -> None:  # noqa: B027
+        """Called when the delivery of ``future`` failed with ``exc`` (e.g. to replace a broken client)."""

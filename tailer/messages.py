@@ -1,0 +1,99 @@
+"""The Kafka message of a cell, and of a dead-lettered cell.
+
+Cell message on topic ``<prefix>.<column>``, partition ``shard mod P``:
+
+- key: the row_key as text (``str(UUID)``), so a row's cells stay on one partition;
+- headers (UTF-8 text): ``shard``, ``added_id``, ``column``, ``ref_key``, ``created_at``
+  (ISO-8601, UTC) and ``content-type`` (``application/json`` or ``application/msgpack``);
+- value: the cell as an object with ``row_key``, ``column``, ``ref_key``, ``added_id``,
+  ``shard``, ``created_at`` and ``body``, in JSON (default) or MessagePack.
+
+Dead-letter message on ``<prefix>-deadletter``: the same key and headers plus
+``error``; the value is a JSON object naming the cell (coordinates, no body),
+the topic it was meant for, the error and the tailer that gave up on it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from typing import Any, Literal, NamedTuple
+
+import msgpack
+from pydantic_core import PydanticSerializationError, to_json
+
+from logstore import Cell
+
+Headers = list[tuple[str, bytes]]
+CONTENT_TYPES = {"json": b"application/json", "msgpack": b"application/msgpack"}
+
+
+class Message(NamedTuple):
+    key: bytes
+    value: bytes
+    headers: Headers
+
+
+def coordinates(cell: Cell) -> dict[str, Any]:
+    """The cell without its body: what names it in errors and dead letters."""
+    return {
+        "row_key": str(cell.row_key), "column": cell.column, "ref_key": cell.ref_key,
+        "added_id": cell.added_id, "shard": cell.shard, "created_at": cell.created_at.isoformat(),
+    }
+
+
+def _headers(where: dict[str, Any]) -> Headers:
+    return [(name, str(where[name]).encode()) for name in ("shard", "added_id", "column", "ref_key", "created_at")]
+
+
+def _json(record: dict[str, Any]) -> bytes:
+    """Compact UTF-8 JSON. pydantic-core's serializer is several times faster than json.dumps but
+    writes NaN/Infinity as bare constants; when those bytes appear at all, json.dumps decides
+    (it refuses a real NaN with ValueError and accepts the word inside a string)."""
+    try:
+        value = to_json(record)
+    except PydanticSerializationError as exc:
+        raise ValueError(str(exc)) from None
+    if b"NaN" in value or b"Infinity" in value:
+        return json.dumps(record, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return value
+
+
+def encode_cell(cell: Cell, value_format: Literal["json", "msgpack"] = "json") -> Message:
+    """The message for ``cell``. Raises TypeError/ValueError if the body cannot be encoded."""
+    row_key, created_at = str(cell.row_key), cell.created_at.isoformat()
+    record = {"row_key": row_key, "column": cell.column, "ref_key": cell.ref_key, "added_id": cell.added_id,
+              "shard": cell.shard, "created_at": created_at, "body": cell.body}
+    value = _json(record) if value_format == "json" else msgpack.packb(record, use_bin_type=True)
+    headers = [("shard", str(cell.shard).encode()), ("added_id", str(cell.added_id).encode()),
+               ("column", cell.column.encode()), ("ref_key", str(cell.ref_key).encode()),
+               ("created_at", created_at.encode()), ("content-type", CONTENT_TYPES[value_format])]
+    return Message(row_key.encode(), value, headers)
+
+
+def encode_deadletter(
+    where: dict[str, Any], *, topic: str, error: BaseException, stage: str, tailer: str, worker: str
+) -> Message:
+    """The dead-letter message for the cell at ``where`` (its coordinates)."""
+    record = {
+        "cell": where,
+        "topic": topic,
+        "stage": stage,
+        "error": {"type": type(error).__name__, "message": str(error)},
+        "tailer": tailer,
+        "worker": worker,
+        "failed_at": dt.datetime.now(dt.UTC).isoformat(),
+    }
+    headers = [*_headers(where), ("error", type(error).__name__.encode()), ("content-type", CONTENT_TYPES["json"])]
+    return Message(str(where["row_key"]).encode(), json.dumps(record, default=str).encode(), headers)
+
+
+def decode_cell(value: bytes, headers: Headers | None = None) -> Cell:
+    """The cell a message carries (for consumers); the format comes from ``content-type``."""
+    kind = dict(headers or []).get("content-type", CONTENT_TYPES["json"])
+    record = msgpack.unpackb(value, raw=False) if kind == CONTENT_TYPES["msgpack"] else json.loads(value)
+    return Cell(
+        uuid.UUID(record["row_key"]), record["column"], record["ref_key"], record["body"],
+        record["added_id"], record["shard"], dt.datetime.fromisoformat(record["created_at"]),
+    )

@@ -1,0 +1,85 @@
+"""What ``cellstream tail status NAME`` shows: workers, leader, owners, offsets and lag per shard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import KazooException, NoNodeError
+from kazoo.handlers.threading import KazooTimeoutError
+
+from logstore import Store
+
+from .errors import ConfigurationError
+from .local import read_offsets
+from .worker import lag_of
+from .zookeeper import tailer_path, translate
+
+
+def _shard_rows(store: Store, offsets: dict[int, dict[str, Any]], owners: dict[int, str | None],
+                claims: dict[int, str | None]) -> list[dict[str, Any]]:
+    rows = []
+    for shard in range(store.shard_count):
+        doc = offsets.get(shard, {})
+        location = doc.get("location")
+        behind, seconds = lag_of(store, shard, int(location or 0))
+        rows.append({
+            "shard": shard, "assigned_to": owners.get(shard), "claimed_by": claims.get(shard),
+            "location": location, "head": store.head(shard), "lag_cells": behind, "lag_seconds": round(seconds, 3),
+            "deadlettered": int(doc.get("deadlettered", 0)), "last_error": doc.get("last_error"),
+        })
+    return rows
+
+
+def zookeeper_status(store: Store, zookeeper: str, name: str, timeout: float = 10.0) -> dict[str, Any]:
+    hosts, root = tailer_path(zookeeper, name)
+    client = KazooClient(hosts=hosts, timeout=timeout)
+    try:
+        client.start(timeout=timeout)
+    except KazooTimeoutError:
+        client.close()
+        raise translate(TimeoutError(f"no answer from {hosts} in {timeout:g}s"), "connect") from None
+    try:
+        if client.exists(root) is None:
+            raise ConfigurationError(f"no tailer named {name!r} in ZooKeeper at {zookeeper}")
+        members = sorted(client.get_children(f"{root}/workers"), key=lambda m: int(m.rsplit("-", 1)[1]))
+        workers = []
+        for index, member in enumerate(members):
+            try:
+                raw, _ = client.get(f"{root}/workers/{member}")
+            except NoNodeError:
+                continue
+            workers.append({**json.loads(raw), "member": member, "leader": index == 0})
+        raw, _ = client.get(f"{root}/assignment")
+        assignment = json.loads(raw) if raw else {}
+        owners = {s: m.rsplit("/", 1)[1] for m, shards in assignment.get("workers", {}).items() for s in shards}
+        offsets: dict[int, dict[str, Any]] = {}
+        claims: dict[int, str | None] = {}
+        for child in client.get_children(f"{root}/offsets"):
+            raw, _ = client.get(f"{root}/offsets/{child}")
+            offsets[int(child)] = json.loads(raw)
+        for child in client.get_children(f"{root}/claims"):
+            try:
+                raw, _ = client.get(f"{root}/claims/{child}")
+            except NoNodeError:
+                continue
+            claims[int(child)] = json.loads(raw)["worker"].rsplit("/", 1)[1]
+    except (KazooException, KazooTimeoutError) as exc:
+        raise translate(exc, "status read") from None
+    finally:
+        client.stop()
+        client.close()
+    return {"tailer": name, "epoch": assignment.get("epoch", 0), "workers": workers,
+            "shards": _shard_rows(store, offsets, owners, claims)}
+
+
+def standalone_status(store: Store, offsets_file: str, name: str) -> dict[str, Any]:
+    path = Path(offsets_file)
+    if not path.exists():
+        raise ConfigurationError(f"no offsets file at {path}: the standalone tailer has not committed yet")
+    offsets = {int(s): doc for s, doc in read_offsets(path).items()}
+    owners: dict[int, str | None] = dict.fromkeys(range(store.shard_count), "standalone")
+    return {"tailer": name, "epoch": None, "workers": [{"worker": "standalone", "leader": True}],
+            "shards": _shard_rows(store, offsets, owners, {})}
