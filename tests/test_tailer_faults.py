@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 
 import logstore
 from tailer.config import KafkaOptions, TailerConfig
@@ -108,8 +109,12 @@ def zk_state(zk: str, name: str) -> dict[str, Any]:
     try:
         members = client.get_children(f"{root}/workers") if client.exists(f"{root}/workers") else []
         raw = client.get(f"{root}/assignment")[0] if client.exists(f"{root}/assignment") else b"{}"
-        claims = {int(c): json.loads(client.get(f"{root}/claims/{c}")[0])["worker"]
-                  for c in (client.get_children(f"{root}/claims") if client.exists(f"{root}/claims") else [])}
+        claims = {}
+        for c in client.get_children(f"{root}/claims") if client.exists(f"{root}/claims") else []:
+            try:  # claims come and go while shards move
+                claims[int(c)] = json.loads(client.get(f"{root}/claims/{c}")[0])["worker"]
+            except NoNodeError:
+                continue
         offsets = {int(s): json.loads(client.get(f"{root}/offsets/{s}")[0])
                    for s in (client.get_children(f"{root}/offsets") if client.exists(f"{root}/offsets") else [])}
         return {"members": members, "assignment": json.loads(raw or b"{}"), "claims": claims, "offsets": offsets}
