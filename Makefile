@@ -42,7 +42,8 @@ bench: $(VENV)/.test
 	@set -euo pipefail; \
 	trap 'scripts/services.sh down' EXIT; \
 	scripts/services.sh up; \
-	$(BIN)/python bench/logstore_bench.py
+	$(BIN)/python bench/logstore_bench.py; \
+	$(BIN)/python bench/tailer_bench.py
 
 services-up:
 	scripts/services.sh up
