@@ -43,6 +43,7 @@ from tailer.kafka import KafkaPublisher
 from tailer.messages import encode_cell
 from tailer.worker import Tailer
 from tailer.zookeeper import ZooKeeperCoordinator
+from tests.kafka_support import delete_topics
 
 SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
 KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
@@ -229,19 +230,8 @@ def main() -> int:
         client.start(timeout=10)
         client.delete(chroot, recursive=True)
         client.stop()
-        asyncio.run(_drop_topics(prefix))
+        delete_topics(KAFKA, prefix)
     return 0
-
-
-async def _drop_topics(prefix: str) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=KAFKA)
-    await admin.start()
-    try:
-        names = [t for t in await admin.list_topics() if t.startswith(prefix)]
-        if names:
-            await admin.delete_topics(names)
-    finally:
-        await admin.close()
 
 
 if __name__ == "__main__":
