@@ -111,7 +111,7 @@ async def create_topic(topic: str) -> None:
         await admin.close()
 
 
-async def tailer_run(store: logstore.Store, zk: str, prefix: str, total: int) -> float:
+async def tailer_run(store: logstore.Store, zk: str, prefix: str) -> float:
     config = TailerConfig(name="bench", topic_prefix=prefix, partitions=P)
     tailer = Tailer(store, config, ZooKeeperCoordinator(zk, "bench", store.shard_count),
                     KafkaPublisher(KafkaOptions(brokers=KAFKA)))
@@ -202,7 +202,7 @@ def main() -> int:
             store.put_cells([(uuid.uuid4(), "BASE", 1, body(i)) for i in range(start, min(args.cells, start + 1000))])
         read_s, rows = raw_read(url, args.shards)
         produce_s, sent = asyncio.run(raw_produce(store, f"{prefix}.raw"))
-        tail_s = asyncio.run(tailer_run(store, zk, prefix, args.cells))
+        tail_s = asyncio.run(tailer_run(store, zk, prefix))
         assert rows == sent == args.cells, (rows, sent)
         raw = {"read": args.cells / read_s, "produce": args.cells / produce_s}
         tail = args.cells / tail_s

@@ -265,10 +265,7 @@ class Tailer:
         while any(st.inflight for st in states) and self._clock() < deadline:
             futures = [p.future for st in states for p in st.inflight]
             await asyncio.wait(futures, timeout=max(0.01, deadline - self._clock()))
-            await self._collect()
-            for st in states:  # a failed delivery rewinds; nothing more is sent while draining
-                if st.position > st.acked and not st.inflight:
-                    st.position = st.acked
+            await self._collect()  # nothing new is read while draining; a failure just rewinds
         await self._commit(states)
 
     # -- reading and sending --------------------------------------------------
@@ -496,15 +493,12 @@ class Tailer:
                 st.lag_cells, st.lag_seconds = 0, 0.0
             else:
                 try:
-                    st.lag_cells, st.lag_seconds = await asyncio.to_thread(self._lag_of, st.shard, st.acked)
+                    st.lag_cells, st.lag_seconds = await asyncio.to_thread(lag_of, self.store, st.shard, st.acked)
                 except LogstoreError as exc:
                     logger.debug("lag of shard %d unknown: %s", st.shard, exc)
                     continue
             self.metrics.lag_cells.labels(self.config.name, str(st.shard)).set(st.lag_cells)
             self.metrics.lag_seconds.labels(self.config.name, str(st.shard)).set(st.lag_seconds)
-
-    def _lag_of(self, shard: int, location: int) -> tuple[int, float]:
-        return lag_of(self.store, shard, location)
 
 
 def lag_of(store: Store, shard: int, location: int) -> tuple[int, float]:
