@@ -4,7 +4,9 @@
 
 1. raw read: pymysql paging the same cells out of the same shard tables (500 a page).
 2. raw produce: aiokafka (idempotent, acks=all) producing the tailer's very messages
-   (same keys, headers, values, partitions), pre-encoded, awaiting every ack.
+   (same keys, headers, values, partitions), pre-encoded, awaiting every ack: once with
+   one send() per message, once with a record batch per shard page (send_batch, as the
+   tailer does). The faster of the two is the raw produce figure.
 3. tailer: a fresh tailer (ZooKeeper offsets, Kafka) from the beginning of the same
    store until every cell is acknowledged and committed.
 The throughput ratio is tailer / min(raw read, raw produce) (target >= 0.6).
@@ -49,7 +51,7 @@ SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@
 KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
 ZOOKEEPER = os.environ.get("CELLSTREAM_TEST_ZOOKEEPER", "127.0.0.1:2181")
 P = 16
-POLL = float(os.environ.get("BENCH_POLL", "0.02"))
+POLL = float(os.environ.get("BENCH_POLL", "0.005"))
 
 
 def body(i: int) -> dict[str, Any]:
@@ -79,25 +81,50 @@ def raw_read(url: str, shards: int) -> tuple[float, int]:
     return elapsed, rows
 
 
-async def raw_produce(store: logstore.Store, topic: str) -> tuple[float, int]:
-    messages: list[tuple[int, Any]] = []
+async def raw_produce(store: logstore.Store, topic: str) -> dict[str, float]:
+    """cells/s of aiokafka producing the tailer's messages, pre-encoded: one send() per message,
+    and record batches of a shard page each (send_batch, what the tailer uses). Warmed up first."""
+    pages: list[tuple[int, list[Any]]] = []
     for shard in range(store.shard_count):
         location = 0
         while True:
-            cells, location = store.get_cells_for_shard(shard, location, 1000)
+            cells, location = store.get_cells_for_shard(shard, location, 500)
             if not cells:
                 break
-            messages.extend((shard % P, encode_cell(c)) for c in cells)
+            pages.append((shard % P, [encode_cell(c) for c in cells]))
+    total = sum(len(m) for _, m in pages)
     await create_topic(topic)
-    producer = AIOKafkaProducer(bootstrap_servers=KAFKA, acks="all", enable_idempotence=True, linger_ms=5,
+    producer = AIOKafkaProducer(bootstrap_servers=KAFKA, acks="all", enable_idempotence=True, linger_ms=2,
                                 max_batch_size=256 * 1024)
     await producer.start()
-    start = time.perf_counter()
-    futures = [await producer.send(topic, m.value, key=m.key, partition=p, headers=m.headers) for p, m in messages]
-    await asyncio.gather(*futures)
-    elapsed = time.perf_counter() - start
-    await producer.stop()
-    return elapsed, len(messages)
+
+    async def send_each(chunk: list[tuple[int, list[Any]]]) -> None:
+        futures = [await producer.send(topic, m.value, key=m.key, partition=p, headers=m.headers)
+                   for p, page in chunk for m in page]
+        await asyncio.gather(*futures)
+
+    async def send_batches(chunk: list[tuple[int, list[Any]]]) -> None:
+        futures = []
+        for p, page in chunk:
+            batch = producer.create_batch()
+            for m in page:
+                if batch.append(key=m.key, value=m.value, timestamp=None, headers=m.headers) is None:
+                    futures.append(await producer.send_batch(batch, topic, partition=p))
+                    batch = producer.create_batch()
+                    batch.append(key=m.key, value=m.value, timestamp=None, headers=m.headers)
+            futures.append(await producer.send_batch(batch, topic, partition=p))
+        await asyncio.gather(*futures)
+
+    out = {}
+    try:
+        await send_each(pages[:10])  # warm-up: connections, metadata, the broker's JIT
+        for name, run in (("produce_send", send_each), ("produce_batch", send_batches)):
+            start = time.perf_counter()
+            await run(pages)
+            out[name] = total / (time.perf_counter() - start)
+    finally:
+        await producer.stop()
+    return out
 
 
 async def create_topic(topic: str) -> None:
@@ -138,88 +165,119 @@ async def latency(store_url: str, store: logstore.Store, zk: str, prefix: str, r
          "--name", "latency", "--prefix", prefix, "--partitions", str(P), "--columns", "LAT", "--from", "now",
          "--poll", str(POLL)],
         stderr=subprocess.DEVNULL)
-    consumer = AIOKafkaConsumer(bootstrap_servers=KAFKA, enable_auto_commit=False, fetch_max_wait_ms=100)
-    await consumer.start()
-    parts = [TopicPartition(topic, p) for p in range(P)]
-    consumer.assign(parts)
-    await consumer.seek_to_end(*parts)
+    # The consumer runs in its own process, so the writers' threads do not delay its clock readings.
+    reader = subprocess.Popen([sys.executable, __file__, "--consume", topic, "--seconds", str(seconds + 5)],
+                              stdout=subprocess.PIPE, text=True)
+    assert reader.stdout is not None
+    assert reader.stdout.readline().strip() == "ready"
     put_at: dict[str, float] = {}
-    samples: list[float] = []
     stop = threading.Event()
 
     def write(threads: int) -> None:
-        # A durable put takes about a millisecond here, so several writers share the rate.
+        # A durable put takes a few milliseconds here, so several writers share the rate.
         next_at = time.perf_counter()
         i = 0
         while not stop.is_set():
             key = uuid.uuid4()
             store.put_cell(key, "LAT", 1, body(i))
-            put_at[str(key)] = time.perf_counter()
+            put_at[str(key)] = time.time()
             i += 1
             next_at += threads / rate
             time.sleep(max(0.0, next_at - time.perf_counter()))
 
     time.sleep(3)  # the worker joins and claims its shards
-    writers = [threading.Thread(target=write, args=(4,), daemon=True) for _ in range(4)]
+    writers = [threading.Thread(target=write, args=(8,), daemon=True) for _ in range(8)]
+    started = time.perf_counter()
     for writer in writers:
         writer.start()
-    started = time.perf_counter()
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        for records in (await consumer.getmany(timeout_ms=50)).values():
-            now = time.perf_counter()
-            for r in records:
-                sent = put_at.get(r.key.decode())
-                if sent is not None:
-                    samples.append((now - sent) * 1000)
+    time.sleep(seconds)
     stop.set()
     for writer in writers:
         writer.join()
     print(f"   wrote {len(put_at) / (time.perf_counter() - started):.0f} cells/s", flush=True)
-    await consumer.stop()
+    got: dict[str, float] = json.loads(reader.communicate()[0])
     worker.terminate()
     worker.wait(timeout=60)
+    samples = [(got[key] - at) * 1000 for key, at in sorted(put_at.items(), key=lambda kv: kv[1]) if key in got]
+    missing = len(put_at) - len(samples)
+    if missing:
+        print(f"   {missing} cells not read within the window", flush=True)
     return samples[len(samples) // 10:]  # drop the warm-up tenth
 
 
+async def consume(topic: str, seconds: float) -> None:
+    """(the --consume process) Print "ready", then {key: time.time() on receipt} as JSON after ``seconds``."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=KAFKA, enable_auto_commit=False, fetch_max_wait_ms=100)
+    await consumer.start()
+    parts = [TopicPartition(topic, p) for p in range(P)]
+    consumer.assign(parts)
+    await consumer.seek_to_end(*parts)
+    for p in parts:
+        await consumer.position(p)
+    print("ready", flush=True)
+    got: dict[str, float] = {}
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for records in (await consumer.getmany(timeout_ms=50)).values():
+            now = time.time()
+            for r in records:
+                got.setdefault(r.key.decode(), now)
+    await consumer.stop()
+    print(json.dumps(got), flush=True)
+
+
+def throughput(store: logstore.Store, url: str, zk: str, prefix: str, cells: int, shards: int) -> dict[str, Any]:
+    print(f"writing {cells} cells into {shards} shards ...", flush=True)
+    for start in range(0, cells, 1000):
+        store.put_cells([(uuid.uuid4(), "BASE", 1, body(i)) for i in range(start, min(cells, start + 1000))])
+    read_s, rows = raw_read(url, shards)
+    raw = {"read": cells / read_s, **asyncio.run(raw_produce(store, f"{prefix}.raw"))}
+    tail = cells / asyncio.run(tailer_run(store, zk, prefix))
+    assert rows == cells, (rows, cells)
+    slower = min(raw["read"], max(raw["produce_send"], raw["produce_batch"]))
+    print(f"raw paged SELECT           {raw['read']:10.0f} cells/s")
+    print(f"raw aiokafka send()        {raw['produce_send']:10.0f} cells/s")
+    print(f"raw aiokafka send_batch()  {raw['produce_batch']:10.0f} cells/s")
+    print(f"tailer end to end          {tail:10.0f} cells/s   ratio to the slower of read and the faster "
+          f"produce: {tail / slower:.2f} (>= 0.6)")
+    return {"raw_cells_per_s": raw, "tailer_cells_per_s": tail, "ratio": tail / slower}
+
+
 def main() -> int:
+    if os.environ.get("BENCH_SWITCH"):
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH"]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cells", type=int, default=50_000)
     parser.add_argument("--shards", type=int, default=64)
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--consume", help=argparse.SUPPRESS)  # the latency run's consumer process
+    parser.add_argument("--only", choices=("throughput", "latency"), help="run one half (results not saved)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "tailer.json"))
     args = parser.parse_args()
+    if args.consume:
+        asyncio.run(consume(args.consume, args.seconds))
+        return 0
     database = f"bench_tail_{uuid.uuid4().hex[:8]}"
     url = f"{SERVER}/{database}"
     chroot = f"/bench-{uuid.uuid4().hex[:8]}"
     zk = ZOOKEEPER + chroot
     prefix = f"bench{uuid.uuid4().hex[:6]}"
     store = logstore.open(url, shards=args.shards)
+    results: dict[str, Any] = {"cells": args.cells, "shards": args.shards}
     try:
-        print(f"writing {args.cells} cells into {args.shards} shards ...", flush=True)
-        for start in range(0, args.cells, 1000):
-            store.put_cells([(uuid.uuid4(), "BASE", 1, body(i)) for i in range(start, min(args.cells, start + 1000))])
-        read_s, rows = raw_read(url, args.shards)
-        produce_s, sent = asyncio.run(raw_produce(store, f"{prefix}.raw"))
-        tail_s = asyncio.run(tailer_run(store, zk, prefix))
-        assert rows == sent == args.cells, (rows, sent)
-        raw = {"read": args.cells / read_s, "produce": args.cells / produce_s}
-        tail = args.cells / tail_s
-        slower = min(raw.values())
-        print(f"raw paged SELECT   {raw['read']:10.0f} cells/s")
-        print(f"raw aiokafka send  {raw['produce']:10.0f} cells/s")
-        print(f"tailer end to end  {tail:10.0f} cells/s   ratio to the slower raw: {tail / slower:.2f} (>= 0.6)")
-        samples = asyncio.run(latency(url, store, zk, prefix, args.rate, args.seconds))
-        q = statistics.quantiles(samples, n=100)
-        p50, p99 = statistics.median(samples), q[98]
-        print(f"latency put_cell -> consumer at {args.rate:.0f} cells/s ({len(samples)} samples): "
-              f"p50 {p50:.1f} ms (<= 20), p99 {p99:.1f} ms (<= 100)")
-        results = {"cells": args.cells, "shards": args.shards, "raw_cells_per_s": raw, "tailer_cells_per_s": tail,
-                   "ratio": tail / slower, "latency_ms": {"rate": args.rate, "samples": len(samples),
-                                                          "p50": p50, "p99": p99}}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        if args.only != "latency":
+            results.update(throughput(store, url, zk, prefix, args.cells, args.shards))
+        if args.only != "throughput":
+            samples = asyncio.run(latency(url, store, zk, prefix, args.rate, args.seconds))
+            q = statistics.quantiles(samples, n=100)
+            p50, p99 = statistics.median(samples), q[98]
+            print(f"latency put_cell -> consumer at {args.rate:.0f} cells/s ({len(samples)} samples): "
+                  f"p50 {p50:.1f} ms (<= 20), p99 {p99:.1f} ms (<= 100)")
+            results["latency_ms"] = {"rate": args.rate, "samples": len(samples), "p50": p50, "p99": p99}
+        if args.only is None:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     finally:
         store.close()
         conn = pymysql.connect(**{k: v for k, v in parse_node_url(url).model_dump().items() if k != "database"})

@@ -48,7 +48,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser, usage_error: type[Exce
     p.add_argument("--partitions", type=int, default=16, help="partitions per topic; shard s -> s mod P")
     p.add_argument("--replication-factor", type=int, default=1)
     p.add_argument("--format", choices=["json", "msgpack"], default="json", help="message value format")
-    p.add_argument("--poll", type=float, default=0.02, help="seconds between looks at idle shards")
+    p.add_argument("--poll", type=float, default=0.005,
+                   help="seconds between looks at the shards while cells arrive (idle: up to 0.05 s)")
     p.add_argument("--session-timeout", type=float, default=10.0, help="ZooKeeper session timeout (s)")
     p.add_argument("--max-request-size", type=int, default=1_000_000, help="larger messages are dead-lettered")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
@@ -77,6 +78,7 @@ def _config(args: argparse.Namespace, usage_error: type[Exception]) -> TailerCon
             name=args.name, topic_prefix=args.prefix, partitions=args.partitions,
             replication_factor=args.replication_factor, columns=args.columns, start_from=start,
             value_format=args.format, session_timeout=args.session_timeout, poll_interval=args.poll,
+            idle_poll_interval=max(args.poll, 0.05) if args.poll > 0 else 0.05,
         )
     except ValidationError as exc:
         problem = exc.errors()[0]

@@ -87,6 +87,21 @@ class NodeRecorder(ABC):
     ) -> list[Cell]:
         """Up to ``limit`` cells with ``added_id > location``, in added_id order."""
 
+    def get_logs(
+        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
+    ) -> dict[int, list[Cell] | CorruptCellError]:
+        """``get_log`` of several shards of this node (shard, location pairs); a damaged
+        page comes back as its CorruptCellError (holding the cells before the damage), so
+        one bad cell does not hide the other shards' pages. Backends with a network round
+        trip per query override this to read every shard in one."""
+        out: dict[int, list[Cell] | CorruptCellError] = {}
+        for shard, location in locations:
+            try:
+                out[shard] = self.get_log(shard, location, limit, columns)
+            except CorruptCellError as exc:
+                out[shard] = exc
+        return out
+
     @abstractmethod
     def first_at(self, shard: int, when: dt.datetime) -> int | None:
         """The lowest added_id created at or after ``when`` (UTC), or None."""

@@ -6,7 +6,7 @@ import datetime as dt
 import re
 from typing import Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from logstore.cell import COLUMN_RE
 
@@ -31,8 +31,11 @@ class TailerConfig(BaseModel):
     value_format: Literal["json", "msgpack"] = "json"
     page_size: int = Field(500, ge=1, le=10_000, description="cells read from a shard per query")
     max_in_flight: int = Field(20_000, ge=1, description="unacknowledged messages per worker")
-    read_ahead: int = Field(4, ge=1, le=64, description="shard pages read at once while others are sent")
-    poll_interval: float = Field(0.02, gt=0, description="seconds between looks at idle shards")
+    read_ahead: int = Field(4, ge=1, le=64, description="read queries under way at once while pages are sent")
+    poll_interval: float = Field(0.005, gt=0, description="seconds between looks at the shards while cells arrive")
+    idle_poll_interval: float = Field(
+        0.05, gt=0, description="the longest wait between looks: the interval doubles up to it while shards are idle"
+    )
     commit_interval: float = Field(1.0, gt=0, description="seconds between offset commits")
     lag_interval: float = Field(2.0, gt=0, description="seconds between lag measurements")
     session_timeout: float = Field(
@@ -69,6 +72,13 @@ class TailerConfig(BaseModel):
                     raise ValueError(f"column {column!r} must match ^[A-Za-z_][A-Za-z0-9_]{{0,63}}$")
         return value
 
+    @model_validator(mode="after")
+    def _polls(self) -> TailerConfig:
+        if self.idle_poll_interval < self.poll_interval:
+            raise ValueError(f"idle_poll_interval ({self.idle_poll_interval}) must be >= poll_interval "
+                             f"({self.poll_interval})")
+        return self
+
     @property
     def deadletter_topic(self) -> str:
         # '-' never appears in a column name, so this cannot collide with a cell topic.
@@ -85,7 +95,7 @@ class KafkaOptions(BaseModel):
 
     brokers: str = "127.0.0.1:9092"
     client_id: str = "cellstream-tailer"
-    linger_ms: int = Field(5, ge=0)
+    linger_ms: int = Field(2, ge=0)
     max_batch_size: int = Field(256 * 1024, ge=1024)
     max_request_size: int = Field(
         1_000_000, ge=1024, description="messages above this are dead-lettered; keep it <= the broker's limit"

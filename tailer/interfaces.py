@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from .errors import PublishError
+from .messages import Message
 
 
 class Claim(NamedTuple):
@@ -113,6 +114,20 @@ class Publisher(ABC):
         translated PublishError when delivery fails later.
         """
 
+    def refuses(self, message: Message) -> PublishError | None:
+        """The non-retriable error if the sink can never accept ``message`` (e.g. too large), else None."""
+        return None
+
+    async def send_many(
+        self, topic: str, partition: int, messages: Sequence[Message]
+    ) -> list[tuple[asyncio.Future[Any], int]]:
+        """Queue messages for one partition, in order; returns (future, how many messages it covers) pairs.
+
+        Raises PublishError (some messages may be queued by then); the caller checks
+        ``refuses`` first, so a non-retriable one is unexpected.
+        """
+        return [(await self.send(topic, partition, m.key, m.value, m.headers), 1) for m in messages]
+
     def translate(self, exc: BaseException) -> PublishError:
         """The tailer's error for a failed delivery; ``retriable`` False means the cell is rejected."""
         if isinstance(exc, PublishError):
@@ -121,3 +136,4 @@ class Publisher(ABC):
 
     async def after_failure(self, exc: BaseException, future: asyncio.Future[Any]) -> None:  # noqa: B027
         """Called when the delivery of ``future`` failed with ``exc`` (e.g. to replace a broken client)."""
+

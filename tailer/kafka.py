@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -22,13 +23,17 @@ from aiokafka.errors import (
     ProducerFenced,
     RecordTooLargeError,
 )
+from aiokafka.producer.message_accumulator import BatchBuilder
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from .config import KafkaOptions
 from .errors import ConfigurationError, PublishError
 from .interfaces import Publisher
+from .messages import Message
 
 logger = logging.getLogger(__name__)
 _TOPIC_EXISTS = 36
+_BATCH_FROM = 32  # messages; fewer are sent one by one (see send_many)
 REJECTED = (MessageSizeTooLargeError, RecordTooLargeError)
 # Errors after which the idempotent producer's sequence numbers are out of step with the
 # broker (a refused batch used numbers the broker never accepted), so every later batch
@@ -154,6 +159,51 @@ class KafkaPublisher(Publisher):
             raise _translate(exc) from None
         future: asyncio.Future[Any] = inner
         self._born[future] = self._generation
+        return future
+
+    async def send_many(
+        self, topic: str, partition: int, messages: Sequence[Message]
+    ) -> list[tuple[asyncio.Future[Any], int]]:
+        """As record batches (aiokafka's send_batch): one future per batch, not per message.
+
+        A few messages go one by one instead: send() adds them to the partition's open
+        batch, while a new batch would first wait for the partition's previous one to leave.
+        """
+        if len(messages) < _BATCH_FROM:
+            return await super().send_many(topic, partition, messages)
+        producer = self._producer
+        if producer is None:
+            raise PublishError("the Kafka publisher is not started", retriable=True)
+        generation = self._generation
+        out: list[tuple[asyncio.Future[Any], int]] = []
+        batch, count = producer.create_batch(), 0
+        try:
+            for m in messages:
+                if batch.append(key=m.key, value=m.value, timestamp=None, headers=m.headers) is None:
+                    out.append((await self._submit(producer, batch, topic, partition, generation), count))
+                    batch, count = producer.create_batch(), 0
+                    batch.append(key=m.key, value=m.value, timestamp=None, headers=m.headers)  # fits an empty batch
+                count += 1
+            if count:
+                out.append((await self._submit(producer, batch, topic, partition, generation), count))
+        except _RESTART as exc:
+            await self.restart(generation)
+            raise _translate(exc) from None
+        except KafkaError as exc:
+            raise _translate(exc) from None
+        return out
+
+    def refuses(self, message: Message) -> PublishError | None:
+        size = DefaultRecordBatchBuilder.estimate_size_in_bytes(message.key, message.value, message.headers)
+        if size > self.options.max_request_size:  # what aiokafka's send() refuses before sending
+            return PublishError(f"the broker refuses the message: MessageSizeTooLargeError: it is {size} bytes, "
+                                f"over max_request_size {self.options.max_request_size}", retriable=False)
+        return None
+
+    async def _submit(self, producer: AIOKafkaProducer, batch: BatchBuilder, topic: str, partition: int,
+                      generation: int) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = await producer.send_batch(batch, topic, partition=partition)
+        self._born[future] = generation
         return future
 
     def translate(self, exc: BaseException) -> PublishError:

@@ -20,6 +20,7 @@ from typing import IO, Any
 
 from .errors import ConfigurationError, PublishError
 from .interfaces import Claim, Coordinator, Offset, Publisher
+from .messages import Message
 
 
 class LocalCoordinator(Coordinator):
@@ -135,14 +136,21 @@ class DirectoryPublisher(Publisher):
         folder.mkdir(parents=True, exist_ok=True)
         marker.write_text(str(partitions))
 
+    def refuses(self, message: Message) -> PublishError | None:
+        size = len(message.value) + len(message.key)
+        if size > self.max_message_bytes:
+            return PublishError(f"message of {size} bytes is over the {self.max_message_bytes}-byte limit",
+                                retriable=False)
+        return None
+
     async def send(
         self, topic: str, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]
     ) -> asyncio.Future[Any]:
         if not self._running:
             raise PublishError("the directory publisher is not started", retriable=True)
-        if len(value) + len(key) > self.max_message_bytes:
-            raise PublishError(f"message of {len(value) + len(key)} bytes is over the "
-                               f"{self.max_message_bytes}-byte limit", retriable=False)
+        refused = self.refuses(Message(key, value, headers))
+        if refused is not None:
+            raise refused
         kind = dict(headers).get("content-type", b"application/json")
         record = {"key": key.decode(), "headers": {k: v.decode() for k, v in headers},
                   "value": json.loads(value) if kind == b"application/json" else base64.b64encode(value).decode()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from pathlib import Path
 from typing import Any
@@ -10,11 +11,10 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import KazooException, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
 
-from logstore import Store
+from logstore import CorruptCellError, Store
 
 from .errors import ConfigurationError
 from .local import read_offsets
-from .worker import lag_of
 from .zookeeper import tailer_path, translate
 
 
@@ -83,3 +83,18 @@ def standalone_status(store: Store, offsets_file: str, name: str) -> dict[str, A
     owners: dict[int, str | None] = dict.fromkeys(range(store.shard_count), "standalone")
     return {"tailer": name, "epoch": None, "workers": [{"worker": "standalone", "leader": True}],
             "shards": _shard_rows(store, offsets, owners, {})}
+
+
+def lag_of(store: Store, shard: int, location: int) -> tuple[int, float]:
+    """(cells after ``location``, seconds since the first of them was created) of a shard."""
+    behind = store.count_after(shard, location)
+    if not behind:
+        return 0, 0.0
+    try:
+        cells, _ = store.get_cells_for_shard(shard, location, 1)
+        created = cells[0].created_at if cells else None
+    except CorruptCellError as exc:
+        created = exc.created_at
+    if created is None:
+        return behind, 0.0
+    return behind, max(0.0, (dt.datetime.now(dt.UTC) - created).total_seconds())

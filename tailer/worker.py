@@ -30,20 +30,27 @@ from logstore.retry import RetryPolicy
 from .config import TailerConfig
 from .errors import FencedError, PublishError, TailerError
 from .interfaces import Claim, Coordinator, Offset, Publisher
-from .messages import coordinates, encode_cell, encode_deadletter
+from .messages import Message, coordinates, encode_cell, encode_deadletter
 from .metrics import TailerMetrics
+from .status import lag_of
 
 logger = logging.getLogger(__name__)
 _BACKOFF = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)
 _CLAIM_RETRY = 0.5
 
 
+# A read's result per shard: its page, or the error that ended it (a CorruptCellError holds the cells before).
+_Pages = dict[int, list[Cell] | LogstoreError]
+_Look = tuple[dict[int, int] | None, _Pages]  # (every shard's cell count, if read; pages of the shards that moved)
+
+
 class _Pending(NamedTuple):
-    added_id: int
+    added_id: int  # of the last cell the future covers
     future: asyncio.Future[Any]
-    source: Cell | dict[str, Any]  # the cell, or a dead letter's coordinates
+    source: Cell | dict[str, Any]  # the first cell, or a dead letter's coordinates
     topic: str
     deadletter: bool
+    messages: int = 1  # how many the future covers (a record batch)
 
     @property
     def where(self) -> dict[str, Any]:
@@ -66,9 +73,10 @@ class _Shard:
     drained: bool = False
     lag_cells: int = 0
     lag_seconds: float = 0.0
-    reading: asyncio.Future[tuple[list[Cell], BaseException | None]] | None = None
+    reading: asyncio.Future[_Pages] | None = None  # the read batch this shard's next page is in
     read_from: int = 0
     read_limit: int = 0
+    read_reserved: int = 0
 
     @property
     def shard(self) -> int:
@@ -97,17 +105,19 @@ class Tailer:
         self._generation: int | None = None
         self._claim_after: dict[int, float] = {}
         self._counts: dict[int, int] = {}
-        self._counts_at = 0.0
+        self._looked_at = -1e9
+        self._looking: asyncio.Future[_Look] | None = None
         self._wakeup = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._lag_task: asyncio.Task[None] | None = None
+        self._commit_task: asyncio.Task[None] | None = None
+        self._batches: set[asyncio.Future[_Pages]] = set()
+        self._poll = config.poll_interval
         self._stopping = False
         self._state = "new"
         self._paused = False
         self._topics: set[str] = set()
-        self._reads = 0  # page reads under way, and messages in flight or about to be (this pass)
-        self._in_flight = 0
         self.error: BaseException | None = None
 
     # -- lifecycle ------------------------------------------------------------
@@ -134,8 +144,9 @@ class Tailer:
         self._wakeup.set()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._lag_task is not None:
-            await asyncio.gather(self._lag_task, return_exceptions=True)
+        for task in (self._lag_task, self._commit_task):
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
         if was_running:
             await self._drain(self.config.stop_timeout)
             for shard in list(self._shards):
@@ -190,15 +201,16 @@ class Tailer:
                     self._paused = True
                 busy = await self._collect() or busy
                 now = self._clock()
-                if now >= next_commit:
-                    await self._commit()
+                if now >= next_commit and (self._commit_task is None or self._commit_task.done()):
+                    # In the background: a slow or unreachable ZooKeeper must not hold up publishing.
+                    self._commit_task = asyncio.create_task(self._commit())
                     next_commit = now + self.config.commit_interval
                 if now >= next_lag and (self._lag_task is None or self._lag_task.done()):
                     self._lag_task = asyncio.create_task(self._measure_lag())
                     next_lag = now + self.config.lag_interval
                 if not busy:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wakeup.wait(), self.config.poll_interval)
+                        await asyncio.wait_for(self._wakeup.wait(), self._poll)
         except Exception as exc:
             self.error = exc
             logger.exception("tailer worker failed")
@@ -266,6 +278,8 @@ class Tailer:
             futures = [p.future for st in states for p in st.inflight]
             await asyncio.wait(futures, timeout=max(0.01, deadline - self._clock()))
             await self._collect()  # nothing new is read while draining; a failure just rewinds
+        if self._commit_task is not None:
+            await asyncio.gather(self._commit_task, return_exceptions=True)  # one commit at a time
         await self._commit(states)
 
     # -- reading and sending --------------------------------------------------
@@ -274,71 +288,125 @@ class Tailer:
             await self.publisher.prepare_topic(topic, self.config.partitions, self.config.replication_factor)
             self._topics.add(topic)
 
-    async def _refresh_counts(self) -> None:
-        if self._clock() - self._counts_at < self.config.poll_interval:
-            return
-        try:
-            stats = await asyncio.to_thread(self.store.shard_stats)
-        except LogstoreError as exc:
-            logger.warning("cannot read shard counts: %s", exc)
-            return
-        self._counts_at = self._clock()
-        self._counts = {info.shard: info.cells for info in stats}
-
     async def _read_and_send(self) -> bool:
-        """Start page reads (several shards at once, off the event loop) and send the pages that arrived."""
+        """Send the pages that arrived, then start the reads and the look at idle shards that are due."""
         if not self._shards:
             return False
-        await self._refresh_counts()
         busy = False
-        now = self._clock()
-        self._reads = sum(1 for s in self._shards.values() if s.reading is not None)
-        self._in_flight = sum(len(s.inflight) for s in self._shards.values())
         for st in list(self._shards.values()):
             if st.reading is not None and st.reading.done():
-                self._reads -= 1
-                task, st.reading = st.reading, None
+                pages, st.reading = st.reading.result(), None
+                if st.shard not in pages:  # a look that found nothing new: still drained
+                    continue
+                if st.drained:  # its count moved: the look read its new cells
+                    st.drained, st.count_seen = False, self._counts.get(st.shard)
                 if st.read_from == st.position and st.shard in self._shards:  # else a rewind made it stale
-                    busy = await self._send_page(st, *task.result()) or busy
-            self._maybe_read(st, now)
+                    busy = await self._send_page(st, *_page(pages, st.shard)) or busy
+        now = self._clock()
+        self._start_reads(now)
+        if now - self._looked_at >= self._poll and (self._looking is None or self._looking.done()):
+            self._look(now)
         return busy
 
-    def _maybe_read(self, st: _Shard, now: float) -> None:
-        if st.reading is not None or st.retry_at > now or self._stopping:
+    def _look(self, now: float) -> None:
+        """Read the shard counts and, in the same trip, the new cells of every drained shard whose count moved."""
+        idle = {st.shard: (st.count_seen, st.position) for st in self._shards.values()
+                if st.drained and st.reading is None and st.retry_at <= now}
+        self._looked_at = now
+        self._looking = asyncio.ensure_future(asyncio.to_thread(self._counts_and_pages, idle))
+        pages: asyncio.Future[_Pages] = asyncio.get_running_loop().create_future()
+        self._looking.add_done_callback(lambda done: self._looked(done, pages))
+        for shard, (_seen, position) in idle.items():
+            st = self._shards[shard]
+            st.reading, st.read_from, st.read_limit, st.read_reserved = pages, position, self.config.page_size, 0
+
+    def _looked(self, done: asyncio.Future[_Look], pages: asyncio.Future[_Pages]) -> None:
+        self._wakeup.set()
+        if done.cancelled() or done.exception() is not None:  # a bug, not a store error: stop the worker
+            pages.set_exception(done.exception() or asyncio.CancelledError())
             return
-        in_flight = self._in_flight
-        if self._reads >= self.config.read_ahead or in_flight >= self.config.max_in_flight:
-            return
-        count = self._counts.get(st.shard)
-        if st.drained and count == st.count_seen:
-            return
-        if st.drained:  # new cells committed since the last drain
-            st.drained, st.count_seen = False, count
-        elif st.count_seen is None:
-            st.count_seen = count
+        counts, found = done.result()
+        if counts is not None:
+            self._counts = counts
+        busy = bool(found) or any(not st.drained or st.inflight for st in self._shards.values())
+        self._poll = self.config.poll_interval if busy else min(self._poll * 2, self.config.idle_poll_interval)
+        pages.set_result(found)
+
+    def _counts_and_pages(self, idle: dict[int, tuple[int | None, int]]) -> _Look:
+        """(in a worker thread) The cell count of every shard, and pages of the idle shards whose count moved."""
+        try:
+            counts = {info.shard: info.cells for info in self.store.shard_stats()}
+        except LogstoreError as exc:
+            logger.warning("cannot read shard counts: %s", exc)
+            return None, {}
+        moved = {shard: position for shard, (seen, position) in idle.items() if counts.get(shard) != seen}
+        return counts, (self._fetch(moved, self.config.page_size) if moved else {})
+
+    def _start_reads(self, now: float) -> None:
+        """Read the next page of every shard that is not drained, several shards per query.
+
+        A shard reserves a page (at its first read, no more than its cell count), and
+        shards are grouped until a query reserves about a page: a busy shard is read
+        alone, many small ones together. At most ``read_ahead`` queries run at once,
+        within ``max_in_flight`` messages. Drained shards are left to ``_look``.
+        """
+        self._batches = {b for b in self._batches if not b.done()}
+        in_flight = sum(len(st.inflight) + (st.read_reserved if st.reading else 0) for st in self._shards.values())
+        batch: dict[int, int] = {}
+        singles: dict[int, int] = {}
+        reserved = 0
+        for st in self._shards.values():
+            if len(self._batches) >= self.config.read_ahead or in_flight >= self.config.max_in_flight:
+                break
+            expected = self._next_read(st, now)
+            if expected is None:
+                continue
+            if st.acked < st.singles_until:  # isolating a refused cell: one message at a time
+                if not st.inflight:
+                    singles[st.shard] = st.position
+                continue
+            batch[st.shard] = st.position
+            st.read_reserved = min(expected, self.config.page_size)
+            reserved += st.read_reserved
+            in_flight += st.read_reserved
+            if reserved >= self.config.page_size:
+                self._launch(batch, self.config.page_size)
+                batch, reserved = {}, 0
+        if batch:
+            self._launch(batch, self.config.page_size)
+        if singles:
+            self._launch(singles, 1)
+
+    def _next_read(self, st: _Shard, now: float) -> int | None:
+        """How many cells a read of the shard may bring (None: not now)."""
+        if st.reading is not None or st.drained or st.retry_at > now or self._stopping:
+            return None
+        if st.count_seen is None:  # its first read, once the first look has counted the shards
+            if st.shard not in self._counts:
+                return None
+            count = st.count_seen = self._counts[st.shard]
             if count == 0:  # an empty shard: nothing to read until its count moves
                 st.drained = True
-                return
-        limit = min(self.config.page_size, self.config.max_in_flight - in_flight)
-        if st.acked < st.singles_until:  # isolating a refused cell: one message at a time
-            if st.inflight:
-                return
-            limit = 1
-        st.read_from, st.read_limit = st.position, limit
-        self._reads += 1
-        self._in_flight += limit
-        st.reading = asyncio.ensure_future(asyncio.to_thread(self._fetch, st.shard, st.position, limit))
-        st.reading.add_done_callback(lambda _t: self._wakeup.set())
+                return None
+            return count
+        return self.config.page_size
 
-    def _fetch(self, shard: int, location: int, limit: int) -> tuple[list[Cell], BaseException | None]:
-        """A page of the shard's log (in a worker thread); a damaged cell or a read error comes back, not raised."""
+    def _launch(self, positions: dict[int, int], limit: int) -> None:
+        future = asyncio.ensure_future(asyncio.to_thread(self._fetch, positions, limit))
+        future.add_done_callback(lambda _f: self._wakeup.set())
+        self._batches.add(future)
+        for shard, position in positions.items():
+            st = self._shards[shard]
+            st.reading, st.read_from, st.read_limit = future, position, limit
+            if limit == 1:
+                st.read_reserved = 1
+
+    def _fetch(self, positions: dict[int, int], limit: int) -> _Pages:
+        """(in a worker thread) Pages of several shards; a failed read comes back as each shard's error."""
         try:
-            cells, _ = self.store.get_cells_for_shard(shard, location, limit, columns=self.config.columns)
-        except CorruptCellError as exc:
-            return exc.cells_before, exc
+            return dict(self.store.get_cells_for_shards(positions, limit, columns=self.config.columns))
         except LogstoreError as exc:
-            return [], exc
-        return cells, None
+            return dict.fromkeys(positions, exc)
 
     async def _send_page(self, st: _Shard, cells: list[Cell], problem: BaseException | None) -> bool:
         if problem is not None and not isinstance(problem, CorruptCellError):
@@ -347,9 +415,8 @@ class Tailer:
         if not cells and problem is None:
             st.drained = True
             return False
-        for cell in cells:
-            if not await self._send_cell(st, cell):
-                return True
+        if not await self._send_cells(st, cells):
+            return True
         if isinstance(problem, CorruptCellError):
             where = {"row_key": str(problem.row_key), "column": problem.column, "ref_key": problem.ref_key,
                      "added_id": problem.added_id, "shard": st.shard,
@@ -358,32 +425,63 @@ class Tailer:
             await self._send_deadletter(st, where, self.config.topic(problem.column or "unknown"), problem, "decode")
         elif len(cells) < st.read_limit:
             st.drained = True
-        else:
-            self._maybe_read(st, self._clock())  # more is waiting: read ahead while this page goes out
         return True
 
-    async def _send_cell(self, st: _Shard, cell: Cell) -> bool:
-        topic = self.config.topic(cell.column)
+    async def _send_cells(self, st: _Shard, cells: list[Cell]) -> bool:
+        """Publish cells in order: each run of cells for one topic as record batches, and a cell
+        that cannot be encoded or sent as a dead letter in its place. False once the shard failed."""
+        run: list[tuple[Cell, Message]] = []
+        for cell in cells:
+            topic = self.config.topic(cell.column)
+            if run and run[0][0].column != cell.column:
+                if not await self._send_run(st, run):
+                    return False
+                run = []
+            problem: BaseException | None = None
+            try:
+                if topic not in self._topics:
+                    await self._topic(topic)
+                message = encode_cell(cell, self.config.value_format)
+                problem = self.publisher.refuses(message)
+            except TailerError as exc:
+                self._failed(st, exc, "topic")
+                return False
+            except (TypeError, ValueError) as exc:
+                problem = exc
+            if problem is None:
+                run.append((cell, message))
+                continue
+            if not await self._send_run(st, run):
+                return False
+            run = []
+            stage = "publish" if isinstance(problem, PublishError) else "encode"
+            logger.error("shard %d: cell at added_id %d cannot be published (%s); dead-lettered",
+                         st.shard, cell.added_id, problem)
+            if not await self._send_deadletter(st, coordinates(cell), topic, problem, stage):
+                return False
+        return await self._send_run(st, run)
+
+    async def _send_run(self, st: _Shard, run: list[tuple[Cell, Message]]) -> bool:
+        if not run:
+            return True
+        first, topic = run[0][0], self.config.topic(run[0][0].column)
         try:
-            if topic not in self._topics:
-                await self._topic(topic)
-            message = encode_cell(cell, self.config.value_format)
-        except TailerError as exc:
-            self._failed(st, exc, "topic")
-            return False
-        except (TypeError, ValueError) as exc:
-            return await self._send_deadletter(st, coordinates(cell), topic, exc, "encode")
-        try:
-            future = await self.publisher.send(
-                topic, cell.shard % self.config.partitions, message.key, message.value, message.headers
-            )
+            sent = await self.publisher.send_many(topic, st.shard % self.config.partitions, [m for _, m in run])
         except PublishError as exc:
             if exc.retriable:
                 self._failed(st, exc, "publish")
                 return False
-            logger.error("shard %d: cell at added_id %d rejected (%s); dead-lettered", st.shard, cell.added_id, exc)
-            return await self._send_deadletter(st, coordinates(cell), topic, exc, "publish")
-        self._track(st, _Pending(cell.added_id, future, cell, topic, False))
+            if len(run) == 1:
+                logger.error("shard %d: cell at added_id %d rejected (%s); dead-lettered", st.shard,
+                             first.added_id, exc)
+                return await self._send_deadletter(st, coordinates(first), topic, exc, "publish")
+            st.singles_until = max(st.singles_until, run[-1][0].added_id)  # find the culprit alone
+            self._failed(st, exc, "publish")
+            return False
+        at = 0
+        for future, count in sent:
+            self._track(st, _Pending(run[at + count - 1][0].added_id, future, run[at][0], topic, False, count))
+            at += count
         return True
 
     async def _send_deadletter(
@@ -445,7 +543,7 @@ class Tailer:
                         st.deadlettered += 1
                         self.metrics.deadlettered.labels(self.config.name).inc()
                     else:
-                        published += 1
+                        published += pending.messages
                     continue
                 await self.publisher.after_failure(exc, future)
                 error = self.publisher.translate(exc)
@@ -501,16 +599,12 @@ class Tailer:
             self.metrics.lag_seconds.labels(self.config.name, str(st.shard)).set(st.lag_seconds)
 
 
-def lag_of(store: Store, shard: int, location: int) -> tuple[int, float]:
-    """(cells after ``location``, seconds since the first of them was created) of a shard."""
-    behind = store.count_after(shard, location)
-    if not behind:
-        return 0, 0.0
-    try:
-        cells, _ = store.get_cells_for_shard(shard, location, 1)
-        created = cells[0].created_at if cells else None
-    except CorruptCellError as exc:
-        created = exc.created_at
-    if created is None:
-        return behind, 0.0
-    return behind, max(0.0, (dt.datetime.now(dt.UTC) - created).total_seconds())
+def _page(pages: _Pages, shard: int) -> tuple[list[Cell], BaseException | None]:
+    """A shard's page of a read as (good cells, what ended it early)."""
+    page = pages[shard]
+    if isinstance(page, CorruptCellError):
+        return page.cells_before, page
+    if isinstance(page, LogstoreError):
+        return [], page
+    return page, None
+

@@ -344,6 +344,44 @@ class StoreContract:
         after, _ = store.get_cells_for_shard(cells[0].shard, cells[2].added_id, 100)
         assert [c.ref_key for c in after] == [4, 5]
 
+    def test_many_shard_pages_in_one_read_match_single_reads(self, store: logstore.Store) -> None:
+        for i in range(120):
+            store.put_cell(uuid.uuid4(), random.choice(["BASE", "STATUS"]), i, {"i": i})
+        locations = {shard: random.choice([0, 0, store.head(shard) // 2, store.head(shard)]) for shard in range(SHARDS)}
+        for limit, columns in ((1000, None), (3, None), (1000, ["STATUS"]), (2, ["BASE"])):
+            pages = store.get_cells_for_shards(locations, limit, columns=columns)
+            assert set(pages) == set(locations)
+            for shard, location in locations.items():
+                assert pages[shard] == store.get_cells_for_shard(shard, location, limit, columns=columns)[0]
+        assert store.get_cells_for_shards({}) == {}
+        with pytest.raises(InvalidArgumentError, match="shard must be"):
+            store.get_cells_for_shards({0: 0, SHARDS: 0})
+        with pytest.raises(InvalidArgumentError, match="limit"):
+            store.get_cells_for_shards({0: 0, 1: 0}, 0)
+
+    def test_many_shard_read_reaches_shards_never_written(self, url: str) -> None:
+        # Shards without storage yet (no table on MySQL) read as empty, beside shards with cells.
+        with logstore.open(url, shards=SHARDS) as store:
+            key = uuid.uuid4()
+            cell = store.put_cell(key, "BASE", 1, {})
+            pages = store.get_cells_for_shards({shard: 0 for shard in range(SHARDS)})
+            assert pages[cell.shard] == [cell]
+            assert all(page == [] for shard, page in pages.items() if shard != cell.shard)
+
+    def test_a_damaged_cell_spoils_only_its_own_shard_page_of_a_many_shard_read(
+        self, store: logstore.Store, url: str
+    ) -> None:
+        [bad_key] = _keys_in_shard(store, 2, 1)
+        [good_key] = _keys_in_shard(store, 5, 1)
+        bad = [store.put_cell(bad_key, "BASE", ref, {"ref": ref}) for ref in range(1, 4)]
+        good = [store.put_cell(good_key, "BASE", ref, {"ref": ref}) for ref in range(1, 4)]
+        self.corrupt_body(url, bad[1])
+        pages = store.get_cells_for_shards({2: 0, 5: 0})
+        assert pages[5] == good
+        error = pages[2]
+        assert isinstance(error, logstore.CorruptCellError) and error.added_id == bad[1].added_id
+        assert error.cells_before == bad[:1]
+
     def test_count_after_counts_the_cells_a_reader_has_not_seen(self, store: logstore.Store) -> None:
         key = uuid.uuid4()
         cells = [store.put_cell(key, "BASE", ref, {}) for ref in range(1, 8)]
