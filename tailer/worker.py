@@ -113,6 +113,7 @@ class Tailer:
         self._lag_task: asyncio.Task[None] | None = None
         self._commit_task: asyncio.Task[None] | None = None
         self._batches: set[asyncio.Future[_Pages]] = set()
+        self._read_turn = 0
         self._poll = config.poll_interval
         self._stopping = False
         self._state = "new"
@@ -355,7 +356,9 @@ class Tailer:
         batch: dict[int, int] = {}
         singles: dict[int, int] = {}
         reserved = 0
-        for st in self._shards.values():
+        states = list(self._shards.values())
+        first = self._read_turn % len(states)  # round robin: busy shards early in the map must not starve the rest
+        for turn, st in enumerate(states[first:] + states[:first], start=first + 1):
             if len(self._batches) >= self.config.read_ahead or in_flight >= self.config.max_in_flight:
                 break
             expected = self._next_read(st, now)
@@ -366,6 +369,7 @@ class Tailer:
                     singles[st.shard] = st.position
                 continue
             batch[st.shard] = st.position
+            self._read_turn = turn
             st.read_reserved = min(expected, self.config.page_size)
             reserved += st.read_reserved
             in_flight += st.read_reserved

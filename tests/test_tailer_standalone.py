@@ -242,3 +242,15 @@ def test_cli_tail_refuses_bad_options_with_one_line(sqlite_url: str, capsys: pyt
     assert main(["tail", "--store", sqlite_url, "--name", "x", "--out", "d", "--offsets", "f",
                  "--from", "yesterday"]) == 2
     assert "--from" in capsys.readouterr().err
+
+
+def test_busy_shards_take_turns_so_none_waits_for_another_to_be_drained(
+    store: logstore.Store, tmp_path: Path
+) -> None:
+    cells = put_many(store, 400)  # about 50 a shard, ten pages each
+    busy = {c.shard for c in cells}
+    root = tmp_path / "topics"
+    tailer = make(store, tmp_path, partitions=1, page_size=5, read_ahead=1)
+    asyncio.run(run_until(tailer, lambda: len(topic_cells(root, "cells.BASE")) >= 400))
+    first_pages = [record["value"]["shard"] for _, record in topic_cells(root, "cells.BASE")[: 5 * len(busy)]]
+    assert set(first_pages) == busy  # one page of every shard before a second page of any
