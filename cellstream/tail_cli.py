@@ -78,7 +78,7 @@ def _config(args: argparse.Namespace, usage_error: type[Exception]) -> TailerCon
             name=args.name, topic_prefix=args.prefix, partitions=args.partitions,
             replication_factor=args.replication_factor, columns=args.columns, start_from=start,
             value_format=args.format, session_timeout=args.session_timeout, poll_interval=args.poll,
-            idle_poll_interval=max(args.poll, 0.05) if args.poll > 0 else 0.05,
+            idle_poll_interval=max(args.poll, 0.05),
         )
     except ValidationError as exc:
         problem = exc.errors()[0]

@@ -136,4 +136,3 @@ class Publisher(ABC):
 
     async def after_failure(self, exc: BaseException, future: asyncio.Future[Any]) -> None:  # noqa: B027
         """Called when the delivery of ``future`` failed with ``exc`` (e.g. to replace a broken client)."""
-
