@@ -478,15 +478,21 @@ mariadb_down() {
   log "mariadb: stopped"
 }
 
-mariadb_status() {
-  local answers=no ours=no pid=""
-  mariadb_answers && answers=yes
-  if state_get mariadb >/dev/null; then
+# "NAME: HOST:PORT answers=.. started-by-us=.. [pid=..]" (no newline) for a service that
+# has NAME_answers and NAME_our_pid.
+service_status() {
+  local name="$1" host="$2" port="$3" answers=no ours=no pid=""
+  "${name}_answers" && answers=yes
+  if state_get "$name" >/dev/null; then
     ours=yes
-    pid="$(mariadb_our_pid || true)"
+    pid="$("${name}_our_pid" || true)"
   fi
-  printf 'mariadb: %s:%s answers=%s started-by-us=%s%s\n' "$MARIADB_HOST" "$MARIADB_PORT" \
-    "$answers" "$ours" "${pid:+ pid=$pid}"
+  printf '%s: %s:%s answers=%s started-by-us=%s%s' "$name" "$host" "$port" "$answers" "$ours" "${pid:+ pid=$pid}"
+}
+
+mariadb_status() {
+  service_status mariadb "$MARIADB_HOST" "$MARIADB_PORT"
+  echo
 }
 
 # ===========================================================================
@@ -750,14 +756,8 @@ zookeeper_down() {
 }
 
 zookeeper_status() {
-  local answers=no ours=no pid=""
-  zookeeper_answers && answers=yes
-  if state_get zookeeper >/dev/null; then
-    ours=yes
-    pid="$(zookeeper_our_pid || true)"
-  fi
-  printf 'zookeeper: %s:%s answers=%s started-by-us=%s%s\n' "$ZK_HOST" "$ZK_PORT" \
-    "$answers" "$ours" "${pid:+ pid=$pid}"
+  service_status zookeeper "$ZK_HOST" "$ZK_PORT"
+  echo
 }
 
 # ===========================================================================
@@ -916,15 +916,8 @@ kafka_down() {
 }
 
 kafka_status() {
-  local answers=no ours=no pid="" kcat
-  kafka_answers && answers=yes
-  if state_get kafka >/dev/null; then
-    ours=yes
-    pid="$(kafka_our_pid || true)"
-  fi
-  kcat="$(kcat_bin || echo missing)"
-  printf 'kafka: %s:%s answers=%s started-by-us=%s%s kcat=%s\n' "$KAFKA_HOST" "$KAFKA_PORT" \
-    "$answers" "$ours" "${pid:+ pid=$pid}" "$kcat"
+  service_status kafka "$KAFKA_HOST" "$KAFKA_PORT"
+  printf ' kcat=%s\n' "$(kcat_bin || echo missing)"
 }
 
 # ===========================================================================

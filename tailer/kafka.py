@@ -34,6 +34,8 @@ from .messages import Message
 logger = logging.getLogger(__name__)
 _TOPIC_EXISTS = 36
 _BATCH_FROM = 32  # messages; fewer are sent one by one (see send_many)
+# More than a record batch's header and a record's length varints ever add to key, value and headers.
+_RECORD_OVERHEAD = 1024
 REJECTED = (MessageSizeTooLargeError, RecordTooLargeError)
 # Errors after which the idempotent producer's sequence numbers are out of step with the
 # broker (a refused batch used numbers the broker never accepted), so every later batch
@@ -194,6 +196,9 @@ class KafkaPublisher(Publisher):
         return out
 
     def refuses(self, message: Message) -> PublishError | None:
+        raw = len(message.key) + len(message.value) + sum(len(k) + len(v) for k, v in message.headers)
+        if raw + _RECORD_OVERHEAD <= self.options.max_request_size:  # clearly fits: skip the exact estimate
+            return None
         size = DefaultRecordBatchBuilder.estimate_size_in_bytes(message.key, message.value, message.headers)
         if size > self.options.max_request_size:  # what aiokafka's send() refuses before sending
             return PublishError(f"the broker refuses the message: MessageSizeTooLargeError: it is {size} bytes, "
