@@ -43,7 +43,8 @@ bench: $(VENV)/.test
 	trap 'scripts/services.sh down' EXIT; \
 	scripts/services.sh up; \
 	$(BIN)/python bench/logstore_bench.py; \
-	$(BIN)/python bench/tailer_bench.py
+	$(BIN)/python bench/tailer_bench.py; \
+	$(BIN)/python bench/app_bench.py
 
 services-up:
 	scripts/services.sh up

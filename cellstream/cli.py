@@ -3,7 +3,7 @@
 Exit codes (also in the README):
   0 success - 1 not found - 2 bad input or usage - 3 cell conflict -
   4 configuration error - 5 storage, Kafka or ZooKeeper unavailable (retriable) -
-  6 other storage or publishing error - 130 interrupted.
+  6 other storage or publishing error - 7 a handler stalled (``run``) - 130 interrupted.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, NoReturn, TextIO
 import logstore
 from logstore import Cell, Store
 
-from . import tail_cli
+from . import app_cli, tail_cli
 
 logger = logging.getLogger(__name__)
 
@@ -251,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_shards)
 
     tail_cli.add_parser(sub, common, UsageError)
+    app_cli.add_parsers(sub, common)
 
     # The demo ignores CELLSTREAM_STORE: it writes demo data, so only an explicit --store is used.
     p = sub.add_parser("demo", help="run the pipeline demo (a throwaway embedded store by default)")
@@ -270,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Output(args.json, out_stream)
         if getattr(args, "demo", False):
             return cmd_demo(args, out)
+        if getattr(args, "app_func", None) is not None:
+            return app_cli.run_app(args, out)
         if not args.store:
             raise UsageError("no store given: pass --store URL or set CELLSTREAM_STORE")
         if getattr(args, "limit", None) is not None and args.limit < 1:

@@ -1,8 +1,9 @@
 """``cellstream demo``: the pipeline on the embedded default, no server needed.
 
 Each capability adds its part here: the logstore (trips written as cells, read
-back, immutability and typed errors, a shard log paged) and the tailer (every
-shard published to topics, offsets committed after acks, resume, dead letters).
+back, immutability and typed errors, a shard log paged), the tailer (every
+shard published to topics, offsets committed after acks, resume, dead letters) and
+the stream-processing runtime (a trigger, a poison cell dead-lettered and replayed).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TextIO
 
 import logstore
 
+from .demo_app import app_demo
 from .demo_tailer import tailer_demo
 
 DEMO_SHARDS = 16
@@ -41,7 +43,7 @@ def _demo(url: str, out: TextIO, shards: int | None) -> int:
         _say(out, "\n== 1. write trips: a BASE cell each, STATUS versions by ref_key")
         trips = [uuid.UUID(int=(0x5EED << 112) | i) for i in range(1, 13)]
         base = store.put_cells([
-            (trip, "BASE", 1, {"city": CITIES[i % len(CITIES)], "driver": f"driver-{i % 4}",
+            (trip, "BASE", 1, {"city": CITIES[i % len(CITIES)], "driver": f"driver-{i % 4}", "rider": f"rider-{i % 5}",
                                "fare": round(9.5 + i * 1.25, 2), "trip_created_at": f"2026-11-21T10:{i:02d}:00Z"})
             for i, trip in enumerate(trips)
         ])
@@ -101,5 +103,6 @@ def _demo(url: str, out: TextIO, shards: int | None) -> int:
         _say(out, f"\n== 5. {sum(s.cells for s in busy)} cells in {len(busy)} of {store.shard_count} shards; "
                   "busiest: " + ", ".join(f"shard {s.shard}={s.cells}" for s in busy[:4]))
         tailer_demo(store, out)
+        app_demo(store, out, blocked="rider-3")
     _say(out, "\ndemo finished")
     return 0

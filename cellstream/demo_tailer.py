@@ -60,7 +60,7 @@ def tailer_demo(store: logstore.Store, out: TextIO) -> None:
 
         _say(out, "\n== 7. stop, write more (one cell too large to publish), start again: it resumes")
         trip = uuid.UUID(int=(0x5EED << 112) | 99)
-        store.put_cell(trip, "BASE", 1, {"city": "Aarhus", "fare": 12.5})
+        store.put_cell(trip, "BASE", 1, {"city": "Aarhus", "rider": "rider-1", "fare": 12.5})
         big = store.put_cell(trip, "NOTES", 1, {"text": "x" * 30_000})
         store.put_cell(trip, "STATUS", 1, {"is_completed": True})
         before = sum(counts.values())

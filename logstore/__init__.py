@@ -35,7 +35,7 @@ from .errors import (
     StorageError,
     StorageUnavailableError,
 )
-from .persistence import NodeRecorder
+from .persistence import NodeRecorder, OffsetRecord
 from .store import ShardInfo, Store, node_meta
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidCellError",
     "LogstoreError",
+    "OffsetRecord",
     "ShardInfo",
     "StorageError",
     "StorageUnavailableError",

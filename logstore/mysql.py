@@ -38,10 +38,12 @@ from .persistence import (
     Coordinates,
     NodeMeta,
     NodeRecorder,
+    OffsetRecord,
     PendingCell,
     check_meta,
     decode_log,
     make_cell,
+    offset_record,
     ordered_result,
     split_existing,
 )
@@ -69,7 +71,17 @@ _SCHEMA = (
     " value VARCHAR(255) NOT NULL) ENGINE=InnoDB",
     "CREATE TABLE IF NOT EXISTS cellstream_shards ("
     " shard INT NOT NULL PRIMARY KEY, cells BIGINT NOT NULL DEFAULT 0) ENGINE=InnoDB",
+    "CREATE TABLE IF NOT EXISTS cellstream_offsets ("
+    " consumer VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, shard INT NOT NULL,"
+    " owner VARCHAR(200) NOT NULL, location BIGINT NULL, doc TEXT NOT NULL,"
+    " commits BIGINT NOT NULL DEFAULT 0, PRIMARY KEY (consumer, shard)) ENGINE=InnoDB",
 )
+_CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES (%s, %s, %s, '{}')"
+          " ON DUPLICATE KEY UPDATE owner = VALUES(owner)")
+# commits + 1 makes every matched row "affected", so rowcount tells a fenced shard from an unchanged one.
+_COMMIT = ("UPDATE cellstream_offsets SET location = %s, doc = %s, commits = commits + 1"
+           " WHERE consumer = %s AND shard = %s AND owner = %s")
+_OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = %s ORDER BY shard"
 _SHARD_TABLE = (
     "CREATE TABLE IF NOT EXISTS {t} ("
     " added_id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,"
@@ -552,6 +564,33 @@ class MySQLRecorder(NodeRecorder):
             cur.execute("SELECT shard, cells FROM cellstream_shards")
             return {int(s): int(n) for s, n in cur.fetchall()}
         return self._call("read", run)
+
+    # -- consumer offsets -----------------------------------------------------------
+    def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
+        wanted = set(shards)
+
+        def run(cur: pymysql.cursors.Cursor) -> list[OffsetRecord]:
+            cur.executemany(_CLAIM, [(consumer, shard, owner) for shard in shards])
+            cur.execute(_OFFSETS, (consumer,))
+            return [offset_record(*row) for row in cur.fetchall() if row[0] in wanted]
+        return self._call("claim offsets", run)
+
+    def commit_offsets(self, consumer: str, owner: str, offsets: dict[int, tuple[int, str]]) -> set[int]:
+        def run(cur: pymysql.cursors.Cursor) -> set[int]:
+            fenced = set()
+            cur.execute("START TRANSACTION")
+            for shard, (location, doc) in offsets.items():
+                if cur.execute(_COMMIT, (location, doc, consumer, shard, owner)) != 1:
+                    fenced.add(shard)
+            cur.execute("COMMIT")
+            return fenced
+        return self._call("commit offsets", run)
+
+    def read_offsets(self, consumer: str) -> list[OffsetRecord]:
+        def run(cur: pymysql.cursors.Cursor) -> list[OffsetRecord]:
+            cur.execute(_OFFSETS, (consumer,))
+            return [offset_record(*row) for row in cur.fetchall()]
+        return self._call("read offsets", run)
 
     def close(self) -> None:
         self._pool.close()

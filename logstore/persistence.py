@@ -16,6 +16,7 @@ Contract every recorder keeps (tests/logstore_contract.py checks it on each one)
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -50,6 +51,15 @@ class NodeMeta(NamedTuple):
     shard_count: int
     first: int
     last: int
+
+
+class OffsetRecord(NamedTuple):
+    """A consumer's committed position in one shard; ``location`` None when it never committed."""
+
+    shard: int
+    location: int | None
+    owner: str
+    doc: dict[str, Any]
 
 
 class NodeRecorder(ABC):
@@ -118,8 +128,27 @@ class NodeRecorder(ABC):
     def shard_counts(self) -> dict[int, int]:
         """Cells per shard, for every shard of the node."""
 
+    # Consumer offsets: the one mutable table. A consumer (a tailer or an app) keeps
+    # its position per shard on the node holding the shard; the owner column fences
+    # a process that lost the shards to another (its commits change nothing).
+    @abstractmethod
+    def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
+        """Make ``owner`` the holder of the consumer's offsets of ``shards`` (creating them); return them."""
+
+    @abstractmethod
+    def commit_offsets(self, consumer: str, owner: str, offsets: dict[int, tuple[int, str]]) -> set[int]:
+        """Store (location, JSON doc) per shard where ``owner`` still holds it, atomically; return the
+        shards another owner holds (fenced)."""
+
+    @abstractmethod
+    def read_offsets(self, consumer: str) -> list[OffsetRecord]: ...
+
     @abstractmethod
     def close(self) -> None: ...
+
+
+def offset_record(shard: int, location: int | None, owner: str, doc: str | bytes) -> OffsetRecord:
+    return OffsetRecord(int(shard), None if location is None else int(location), owner, json.loads(doc))
 
 
 def check_meta(node: str, found: NodeMeta, wanted: NodeMeta) -> None:

@@ -26,10 +26,12 @@ from .persistence import (
     Coordinates,
     NodeMeta,
     NodeRecorder,
+    OffsetRecord,
     PendingCell,
     check_meta,
     decode_log,
     make_cell,
+    offset_record,
     ordered_result,
     split_existing,
 )
@@ -53,6 +55,15 @@ _SCHEMA = (
     )""",
     "CREATE INDEX IF NOT EXISTS cells_log ON cells (shard, added_id)",
     "CREATE INDEX IF NOT EXISTS cells_created ON cells (shard, created_at)",
+    """CREATE TABLE IF NOT EXISTS cellstream_offsets (
+        consumer TEXT NOT NULL,
+        shard INTEGER NOT NULL,
+        owner TEXT NOT NULL,
+        location INTEGER,
+        doc TEXT NOT NULL DEFAULT '{}',
+        commits INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (consumer, shard)
+    )""",
 )
 _COLS = "added_id, shard, row_key, column_name, ref_key, body, created_at"
 _SELECT_CELL = f"SELECT {_COLS} FROM cells WHERE row_key = ? AND column_name = ? AND ref_key = ?"
@@ -68,6 +79,11 @@ _INSERT = (
     " ON CONFLICT DO NOTHING"
 )
 _COUNT = "UPDATE cellstream_shards SET cells = cells + ? WHERE shard = ?"
+_CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner) VALUES (?, ?, ?)"
+          " ON CONFLICT (consumer, shard) DO UPDATE SET owner = excluded.owner")
+_COMMIT = ("UPDATE cellstream_offsets SET location = ?, doc = ?, commits = commits + 1"
+           " WHERE consumer = ? AND shard = ? AND owner = ?")
+_OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = ? ORDER BY shard"
 
 
 class _ThreadConnection:
@@ -261,6 +277,26 @@ class SQLiteRecorder(NodeRecorder):
     def shard_counts(self) -> dict[int, int]:
         with self._errors("read"):
             return dict(self._conn().execute("SELECT shard, cells FROM cellstream_shards").fetchall())
+
+    # -- consumer offsets -------------------------------------------------
+    def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
+        wanted = set(shards)
+        with self._write() as conn:
+            conn.executemany(_CLAIM, [(consumer, shard, owner) for shard in shards])
+            rows = conn.execute(_OFFSETS, (consumer,)).fetchall()
+        return [offset_record(*row) for row in rows if row[0] in wanted]
+
+    def commit_offsets(self, consumer: str, owner: str, offsets: dict[int, tuple[int, str]]) -> set[int]:
+        fenced = set()
+        with self._write() as conn:
+            for shard, (location, doc) in offsets.items():
+                if conn.execute(_COMMIT, (location, doc, consumer, shard, owner)).rowcount != 1:
+                    fenced.add(shard)
+        return fenced
+
+    def read_offsets(self, consumer: str) -> list[OffsetRecord]:
+        with self._errors("read offsets"):
+            return [offset_record(*row) for row in self._conn().execute(_OFFSETS, (consumer,)).fetchall()]
 
     def close(self) -> None:
         with self._all_lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,7 +22,7 @@ from .cell import (
 )
 from .config import ClusterConfig, NodeConfig, StoreOptions
 from .errors import CellConflictError, CorruptCellError, InvalidArgumentError, InvalidCellError, StorageError
-from .persistence import Coordinates, NodeMeta, NodeRecorder, PendingCell
+from .persistence import Coordinates, NodeMeta, NodeRecorder, OffsetRecord, PendingCell
 
 logger = logging.getLogger(__name__)
 MAX_PAGE = 100_000
@@ -244,6 +245,58 @@ class Store:
             counts = self._recorders[node.name].shard_counts()
             out.extend(ShardInfo(s, node.name, counts.get(s, 0)) for s in range(node.first, node.last + 1))
         return out
+
+    # -- consumer offsets ---------------------------------------------------
+    def claim_offsets(self, consumer: str, owner: str, shards: Iterable[int] | None = None) -> dict[int, OffsetRecord]:
+        """Make ``owner`` the holder of the consumer's positions in ``shards`` (default: all).
+
+        Commits by the previous holder are refused from then on (see commit_offsets).
+        """
+        wanted = range(self.shard_count) if shards is None else sorted({self._check_shard(s) for s in shards})
+        self._check_consumer(consumer, owner)
+        out: dict[int, OffsetRecord] = {}
+        for node, group in self._by_node(wanted).items():
+            out.update((r.shard, r) for r in self._recorders[node].claim_offsets(consumer, owner, group))
+        return out
+
+    def commit_offsets(self, consumer: str, owner: str, offsets: Mapping[int, tuple[int, dict[str, Any]]]) -> set[int]:
+        """Store (location, doc) per shard while ``owner`` holds it; return the shards it no longer holds.
+
+        Atomic per storage node. ``doc`` is a small JSON object kept beside the location.
+        """
+        self._check_consumer(consumer, owner)
+        rows: dict[int, tuple[int, str]] = {}
+        for shard, (location, doc) in offsets.items():
+            self._check_shard(shard)
+            if type(location) is not int or not 0 <= location < 1 << 63:
+                raise InvalidArgumentError(f"location must be an integer in [0, 2^63), got {location!r}")
+            rows[shard] = (location, json.dumps(doc, separators=(",", ":"), default=str))
+        fenced: set[int] = set()
+        for node, group in self._by_node(rows).items():
+            fenced |= self._recorders[node].commit_offsets(consumer, owner, {s: rows[s] for s in group})
+        return fenced
+
+    def read_offsets(self, consumer: str) -> dict[int, OffsetRecord]:
+        """Every committed position of ``consumer``, by shard."""
+        self._check_consumer(consumer, "-")
+        out: dict[int, OffsetRecord] = {}
+        for recorder in self._recorders.values():
+            out.update((r.shard, r) for r in recorder.read_offsets(consumer))
+        return out
+
+    def _by_node(self, shards: Iterable[int]) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {}
+        for shard in shards:
+            groups.setdefault(self._node_of[shard].name, []).append(shard)
+        if self._closed:
+            raise StorageError("the store is closed")
+        return groups
+
+    @staticmethod
+    def _check_consumer(consumer: object, owner: object) -> None:
+        for what, value in (("consumer", consumer), ("owner", owner)):
+            if not isinstance(value, str) or not 1 <= len(value) <= 200 or not value.isprintable():
+                raise InvalidArgumentError(f"{what} must be 1-200 printable characters, got {value!r}")
 
     # -- lifecycle --------------------------------------------------------
     def close(self) -> None:

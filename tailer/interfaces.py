@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
+
+from logstore import Cell
 
 from .errors import PublishError
-from .messages import Message
+from .messages import Message, encode_cell
 
 
 class Claim(NamedTuple):
@@ -113,6 +115,14 @@ class Publisher(ABC):
         be accepted, e.g. it is larger than the sink allows; the future fails with a
         translated PublishError when delivery fails later.
         """
+
+    def encode(self, cell: Cell, value_format: Literal["json", "msgpack"]) -> Message:
+        """The message for ``cell``; raises TypeError/ValueError when it cannot be encoded."""
+        return encode_cell(cell, value_format)
+
+    def abandon(self, partition: int) -> None:  # noqa: B027
+        """Give up messages of ``partition`` queued but not yet under way (the worker is about to
+        stop or hand the shard over): their futures fail, so the cells are sent again later."""
 
     def refuses(self, message: Message) -> PublishError | None:
         """The non-retriable error if the sink can never accept ``message`` (e.g. too large), else None."""

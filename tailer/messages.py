@@ -33,6 +33,7 @@ class Message(NamedTuple):
     key: bytes
     value: bytes
     headers: Headers
+    cell: Cell | None = None  # set by publishers that take cells as they are (no encoding)
 
 
 def coordinates(cell: Cell) -> dict[str, Any]:

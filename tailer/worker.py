@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import datetime as dt
 import logging
 import time
-from collections import deque
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 from logstore import CorruptCellError, LogstoreError, Store
 from logstore.cell import Cell
@@ -30,57 +27,14 @@ from logstore.retry import RetryPolicy
 from .config import TailerConfig
 from .errors import FencedError, PublishError, TailerError
 from .interfaces import Claim, Coordinator, Offset, Publisher
-from .messages import Message, coordinates, encode_cell, encode_deadletter
+from .messages import Message, coordinates, encode_deadletter
 from .metrics import TailerMetrics
+from .shardstate import Look, Pages, Pending, ShardState, page_of
 from .status import lag_of
 
 logger = logging.getLogger(__name__)
 _BACKOFF = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)
 _CLAIM_RETRY = 0.5
-
-
-# A read's result per shard: its page, or the error that ended it (a CorruptCellError holds the cells before).
-_Pages = dict[int, list[Cell] | LogstoreError]
-_Look = tuple[dict[int, int] | None, _Pages]  # (every shard's cell count, if read; pages of the shards that moved)
-
-
-class _Pending(NamedTuple):
-    added_id: int  # of the last cell the future covers
-    future: asyncio.Future[Any]
-    source: Cell | dict[str, Any]  # the first cell, or a dead letter's coordinates
-    topic: str
-    deadletter: bool
-    messages: int = 1  # how many the future covers (a record batch)
-
-    @property
-    def where(self) -> dict[str, Any]:
-        return coordinates(self.source) if isinstance(self.source, Cell) else self.source
-
-
-@dataclasses.dataclass
-class _Shard:
-    claim: Claim
-    position: int
-    acked: int
-    committed: int
-    deadlettered: int
-    inflight: deque[_Pending] = dataclasses.field(default_factory=deque)
-    last_error: dict[str, Any] | None = None
-    retry_at: float = 0.0
-    backoff: Iterator[float] | None = None
-    singles_until: int = 0  # after a refused batch: one message at a time until this is acked
-    count_seen: int | None = None
-    drained: bool = False
-    lag_cells: int = 0
-    lag_seconds: float = 0.0
-    reading: asyncio.Future[_Pages] | None = None  # the read batch this shard's next page is in
-    read_from: int = 0
-    read_limit: int = 0
-    read_reserved: int = 0
-
-    @property
-    def shard(self) -> int:
-        return self.claim.shard
 
 
 class Tailer:
@@ -101,18 +55,19 @@ class Tailer:
         self.publisher = publisher
         self.metrics = metrics or TailerMetrics(config.name)
         self._clock = clock
-        self._shards: dict[int, _Shard] = {}
+        self._shards: dict[int, ShardState] = {}
         self._generation: int | None = None
         self._claim_after: dict[int, float] = {}
         self._counts: dict[int, int] = {}
         self._looked_at = -1e9
-        self._looking: asyncio.Future[_Look] | None = None
+        self._counts_at = -1e9  # when the look that read self._counts started
+        self._looking: asyncio.Future[Look] | None = None
         self._wakeup = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._lag_task: asyncio.Task[None] | None = None
         self._commit_task: asyncio.Task[None] | None = None
-        self._batches: set[asyncio.Future[_Pages]] = set()
+        self._batches: set[asyncio.Future[Pages]] = set()
         self._read_turn = 0
         self._poll = config.poll_interval
         self._stopping = False
@@ -149,6 +104,8 @@ class Tailer:
             if task is not None:
                 await asyncio.gather(task, return_exceptions=True)
         if was_running:
+            for shard in self._shards:
+                self.publisher.abandon(shard % self.config.partitions)
             await self._drain(self.config.stop_timeout)
             for shard in list(self._shards):
                 await asyncio.to_thread(self.coordinator.release, self._shards.pop(shard).claim)
@@ -175,6 +132,15 @@ class Tailer:
     @property
     def owned(self) -> frozenset[int]:
         return frozenset(self._shards)
+
+    def caught_up(self, since: float) -> bool:
+        """True when every assigned shard is owned and acknowledged up to the end of its log as
+        counted by a look that started at or after ``since`` (a ``clock()`` reading)."""
+        _generation, _epoch, desired = self.coordinator.assignment()
+        if self._counts_at < since or set(desired) != set(self._shards):
+            return False
+        return all(st.drained and not st.inflight and st.reading is None and st.acked == st.position
+                   and st.count_seen == self._counts.get(shard) for shard, st in self._shards.items())
 
     def positions(self) -> dict[int, tuple[int, int, int]]:
         """(position, acked, committed) of every owned shard."""
@@ -227,7 +193,8 @@ class Tailer:
                 self._forget(shard)
             self._generation = generation
         for shard in [s for s in self._shards if s not in desired]:
-            await self._release(shard)
+            if shard in self._shards:  # a fenced commit may drop it while another shard is released
+                await self._release(shard)
         wanted = [s for s in sorted(desired) if s not in self._shards
                   and self._claim_after.get(s, 0.0) <= self._clock()]
         if wanted and self.coordinator.lease_valid() and not self._stopping:
@@ -256,7 +223,8 @@ class Tailer:
 
     def _adopt(self, claim: Claim) -> None:
         self._claim_after.pop(claim.shard, None)
-        self._shards[claim.shard] = _Shard(claim, claim.location, claim.location, claim.location, claim.deadlettered)
+        at = claim.location
+        self._shards[claim.shard] = ShardState(claim, at, at, at, claim.deadlettered)
         logger.info("shard %d claimed at location %d", claim.shard, claim.location)
 
     def _forget(self, shard: int) -> None:
@@ -266,13 +234,14 @@ class Tailer:
     async def _release(self, shard: int) -> None:
         """Hand the shard over: wait for its acknowledgements, commit, drop the claim."""
         st = self._shards[shard]
+        self.publisher.abandon(shard % self.config.partitions)
         await self._drain(self.config.stop_timeout, only=st)
         if st.shard in self._shards:
             await asyncio.to_thread(self.coordinator.release, st.claim)
             self._forget(shard)
             logger.info("shard %d released at location %d", shard, st.committed)
 
-    async def _drain(self, timeout: float, only: _Shard | None = None) -> None:
+    async def _drain(self, timeout: float, only: ShardState | None = None) -> None:
         states = [only] if only is not None else list(self._shards.values())
         deadline = self._clock() + timeout
         while any(st.inflight for st in states) and self._clock() < deadline:
@@ -302,7 +271,7 @@ class Tailer:
                 if st.drained:  # its count moved: the look read its new cells
                     st.drained, st.count_seen = False, self._counts.get(st.shard)
                 if st.read_from == st.position and st.shard in self._shards:  # else a rewind made it stale
-                    busy = await self._send_page(st, *_page(pages, st.shard)) or busy
+                    busy = await self._send_page(st, *page_of(pages, st.shard)) or busy
         now = self._clock()
         self._start_reads(now)
         if now - self._looked_at >= self._poll and (self._looking is None or self._looking.done()):
@@ -315,25 +284,25 @@ class Tailer:
                 if st.drained and st.reading is None and st.retry_at <= now}
         self._looked_at = now
         self._looking = asyncio.ensure_future(asyncio.to_thread(self._counts_and_pages, idle))
-        pages: asyncio.Future[_Pages] = asyncio.get_running_loop().create_future()
-        self._looking.add_done_callback(lambda done: self._looked(done, pages))
+        pages: asyncio.Future[Pages] = asyncio.get_running_loop().create_future()
+        self._looking.add_done_callback(lambda done: self._looked(done, pages, now))
         for shard, (_seen, position) in idle.items():
             st = self._shards[shard]
             st.reading, st.read_from, st.read_limit, st.read_reserved = pages, position, self.config.page_size, 0
 
-    def _looked(self, done: asyncio.Future[_Look], pages: asyncio.Future[_Pages]) -> None:
+    def _looked(self, done: asyncio.Future[Look], pages: asyncio.Future[Pages], started: float) -> None:
         self._wakeup.set()
         if done.cancelled() or done.exception() is not None:  # a bug, not a store error: stop the worker
             pages.set_exception(done.exception() or asyncio.CancelledError())
             return
         counts, found = done.result()
         if counts is not None:
-            self._counts = counts
+            self._counts, self._counts_at = counts, started
         busy = bool(found) or any(not st.drained or st.inflight for st in self._shards.values())
         self._poll = self.config.poll_interval if busy else min(self._poll * 2, self.config.idle_poll_interval)
         pages.set_result(found)
 
-    def _counts_and_pages(self, idle: dict[int, tuple[int | None, int]]) -> _Look:
+    def _counts_and_pages(self, idle: dict[int, tuple[int | None, int]]) -> Look:
         """(in a worker thread) The cell count of every shard, and pages of the idle shards whose count moved."""
         try:
             counts = {info.shard: info.cells for info in self.store.shard_stats()}
@@ -381,7 +350,7 @@ class Tailer:
         if singles:
             self._launch(singles, 1)
 
-    def _next_read(self, st: _Shard, now: float) -> int | None:
+    def _next_read(self, st: ShardState, now: float) -> int | None:
         """How many cells a read of the shard may bring (None: not now)."""
         if st.reading is not None or st.drained or st.retry_at > now or self._stopping:
             return None
@@ -405,14 +374,14 @@ class Tailer:
             if limit == 1:
                 st.read_reserved = 1
 
-    def _fetch(self, positions: dict[int, int], limit: int) -> _Pages:
+    def _fetch(self, positions: dict[int, int], limit: int) -> Pages:
         """(in a worker thread) Pages of several shards; a failed read comes back as each shard's error."""
         try:
             return dict(self.store.get_cells_for_shards(positions, limit, columns=self.config.columns))
         except LogstoreError as exc:
             return dict.fromkeys(positions, exc)
 
-    async def _send_page(self, st: _Shard, cells: list[Cell], problem: BaseException | None) -> bool:
+    async def _send_page(self, st: ShardState, cells: list[Cell], problem: BaseException | None) -> bool:
         if problem is not None and not isinstance(problem, CorruptCellError):
             self._failed(st, problem, "read")
             return False
@@ -431,7 +400,7 @@ class Tailer:
             st.drained = True
         return True
 
-    async def _send_cells(self, st: _Shard, cells: list[Cell]) -> bool:
+    async def _send_cells(self, st: ShardState, cells: list[Cell]) -> bool:
         """Publish cells in order: each run of cells for one topic as record batches, and a cell
         that cannot be encoded or sent as a dead letter in its place. False once the shard failed."""
         run: list[tuple[Cell, Message]] = []
@@ -445,7 +414,7 @@ class Tailer:
             try:
                 if topic not in self._topics:
                     await self._topic(topic)
-                message = encode_cell(cell, self.config.value_format)
+                message = self.publisher.encode(cell, self.config.value_format)
                 problem = self.publisher.refuses(message)
             except TailerError as exc:
                 self._failed(st, exc, "topic")
@@ -465,7 +434,7 @@ class Tailer:
                 return False
         return await self._send_run(st, run)
 
-    async def _send_run(self, st: _Shard, run: list[tuple[Cell, Message]]) -> bool:
+    async def _send_run(self, st: ShardState, run: list[tuple[Cell, Message]]) -> bool:
         if not run:
             return True
         first, topic = run[0][0], self.config.topic(run[0][0].column)
@@ -484,12 +453,12 @@ class Tailer:
             return False
         at = 0
         for future, count in sent:
-            self._track(st, _Pending(run[at + count - 1][0].added_id, future, run[at][0], topic, False, count))
+            self._track(st, Pending(run[at + count - 1][0].added_id, future, run[at][0], topic, False, count))
             at += count
         return True
 
     async def _send_deadletter(
-        self, st: _Shard, where: dict[str, Any], topic: str, error: BaseException, stage: str
+        self, st: ShardState, where: dict[str, Any], topic: str, error: BaseException, stage: str
     ) -> bool:
         message = encode_deadletter(where, topic=topic, error=error, stage=stage, tailer=self.config.name,
                                     worker=self.coordinator.worker_id)
@@ -501,10 +470,10 @@ class Tailer:
             return False
         st.last_error = {"added_id": where["added_id"], "stage": stage, "error": f"{type(error).__name__}: {error}",
                          "at": dt.datetime.now(dt.UTC).isoformat()}
-        self._track(st, _Pending(int(where["added_id"]), future, where, topic, True))
+        self._track(st, Pending(int(where["added_id"]), future, where, topic, True))
         return True
 
-    def _track(self, st: _Shard, pending: _Pending) -> None:
+    def _track(self, st: ShardState, pending: Pending) -> None:
         st.inflight.append(pending)
         st.position = pending.added_id
         pending.future.add_done_callback(self._settled)
@@ -514,7 +483,7 @@ class Tailer:
             future.exception()  # retrieved here: a rewind may drop the future unread
         self._wakeup.set()
 
-    def _failed(self, st: _Shard, exc: BaseException, stage: str) -> None:
+    def _failed(self, st: ShardState, exc: BaseException, stage: str) -> None:
         """Back off and resend this shard from its last acknowledged cell."""
         if st.backoff is None:
             st.backoff = _BACKOFF.delays()
@@ -568,7 +537,7 @@ class Tailer:
             self.metrics.published.labels(self.config.name).inc(published)
         return progressed
 
-    async def _commit(self, states: list[_Shard] | None = None) -> None:
+    async def _commit(self, states: list[ShardState] | None = None) -> None:
         todo = {st.shard: (st.claim, Offset(st.acked, st.deadlettered, st.last_error))
                 for st in (states if states is not None else self._shards.values())
                 if st.acked > st.committed or st.deadlettered != st.claim.deadlettered}
@@ -601,14 +570,4 @@ class Tailer:
                     continue
             self.metrics.lag_cells.labels(self.config.name, str(st.shard)).set(st.lag_cells)
             self.metrics.lag_seconds.labels(self.config.name, str(st.shard)).set(st.lag_seconds)
-
-
-def _page(pages: _Pages, shard: int) -> tuple[list[Cell], BaseException | None]:
-    """A shard's page of a read as (good cells, what ended it early)."""
-    page = pages[shard]
-    if isinstance(page, CorruptCellError):
-        return page.cells_before, page
-    if isinstance(page, LogstoreError):
-        return [], page
-    return page, None
 

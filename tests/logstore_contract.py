@@ -393,6 +393,35 @@ class StoreContract:
         with pytest.raises(logstore.InvalidArgumentError, match="location"):
             store.count_after(shard, -1)
 
+    # -- consumer offsets -------------------------------------------------
+    def test_consumer_offsets_are_claimed_committed_and_read_back(self, store: logstore.Store) -> None:
+        claimed = store.claim_offsets("billing", "worker-a")
+        assert sorted(claimed) == list(range(SHARDS))
+        assert all(r.location is None and r.owner == "worker-a" and r.doc == {} for r in claimed.values())
+        assert store.commit_offsets("billing", "worker-a", {0: (17, {"deadlettered": 2}), 3: (5, {})}) == set()
+        assert store.commit_offsets("billing", "worker-a", {0: (17, {"deadlettered": 2})}) == set()  # unchanged
+        found = store.read_offsets("billing")
+        assert (found[0].location, found[0].doc) == (17, {"deadlettered": 2})
+        assert found[3].location == 5 and found[1].location is None
+        assert store.read_offsets("other") == {}
+
+    def test_a_new_owner_fences_the_old_ones_commits(self, store: logstore.Store) -> None:
+        store.claim_offsets("billing", "worker-a")
+        store.commit_offsets("billing", "worker-a", {1: (10, {})})
+        again = store.claim_offsets("billing", "worker-b", [1, 2])
+        assert again[1].location == 10 and again[1].owner == "worker-b" and sorted(again) == [1, 2]
+        assert store.commit_offsets("billing", "worker-a", {1: (99, {}), 3: (4, {})}) == {1}
+        assert store.read_offsets("billing")[1].location == 10
+        assert store.read_offsets("billing")[3].location == 4  # worker-a still holds shard 3
+
+    def test_offset_arguments_are_checked(self, store: logstore.Store) -> None:
+        with pytest.raises(logstore.InvalidArgumentError, match="consumer"):
+            store.claim_offsets("", "w")
+        with pytest.raises(logstore.InvalidArgumentError, match="shard"):
+            store.claim_offsets("c", "w", [SHARDS])
+        with pytest.raises(logstore.InvalidArgumentError, match="location"):
+            store.commit_offsets("c", "w", {0: (-1, {})})
+
     # -- concurrency and the no-skip guarantee ----------------------------
     def test_threads_share_one_store(self, store: logstore.Store) -> None:
         keys = _keys_in_shard(store, 0, 4)

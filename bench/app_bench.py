@@ -1,0 +1,160 @@
+"""Stream-processing runtime benchmark, direct mode (python bench/app_bench.py [--store URL]).
+
+1. Latency: writer threads put BASE cells at 1,000 cells/s for ``--seconds``; the app
+   runs in its own process, where a no-op async handler records now - the write time
+   carried in the body. Prints p50/p99 against the target (direct mode p99 <= 50 ms).
+2. Throughput: ``--cells`` cells written first; ``app.drain`` with a no-op handler
+   against the raw paged read of the same cells (Store.get_cells_for_shards, no
+   handler) in the same run; prints cells/s and the ratio.
+
+Results go to bench/results/app.json. Default store: a fresh SQLite directory (the
+embedded default); pass a mysql:// URL of an empty database for MariaDB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import logstore
+from indexer import App
+from logstore import Cell
+
+SHARDS = 64
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def serve_latency(url: str, out: str, expected: int) -> None:
+    """(the app process) Run the app until ``expected`` cells were handled; write the latencies to ``out``."""
+    samples: list[float] = []
+    with logstore.open(url) as store:
+        app = App("bench-latency", store=store, start_from="now")
+
+        @app.trigger("BASE")
+        async def noop(cell: Cell) -> None:
+            samples.append(time.time() - cell.body["t"])
+
+        async def scenario() -> None:
+            stop = asyncio.Event()
+            running = asyncio.create_task(app.run_async(stop))
+            Path(out + ".ready").touch()
+            deadline = time.monotonic() + 120
+            while len(samples) < expected and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            stop.set()
+            await running
+
+        asyncio.run(scenario())
+        app.close()
+    Path(out).write_text(json.dumps(samples))
+
+
+def latency(store: logstore.Store, url: str, rate: int, seconds: float, tmp: str) -> dict[str, Any]:
+    """Writers in this process, the app in its own (as in production: they share no GIL)."""
+    threads = 8
+    total = int(rate * seconds) // threads * threads
+    out = f"{tmp}/latency.json"
+    child = subprocess.Popen([sys.executable, __file__, "--serve-latency", out, "--store", url,
+                              "--expected", str(total)])
+    while not Path(out + ".ready").exists():
+        assert child.poll() is None, "the app process died"
+        time.sleep(0.05)
+    time.sleep(1.0)  # claimed and polling
+
+    def writer(index: int) -> None:
+        interval = threads / rate
+        start = time.monotonic()
+        for n in range(total // threads):
+            pause = start + n * interval - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            store.put_cell(uuid.uuid4(), "BASE", 1, {"t": time.time(), "w": index})
+
+    workers = [threading.Thread(target=writer, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    child.wait(180)
+    ms = [s * 1000 for s in json.loads(Path(out).read_text())]
+    return {"cells": len(ms), "rate": rate, "p50_ms": round(percentile(ms, 0.5), 2),
+            "p99_ms": round(percentile(ms, 0.99), 2), "max_ms": round(max(ms), 2),
+            "mean_ms": round(statistics.fmean(ms), 2)}
+
+
+def throughput(store: logstore.Store, cells: int) -> dict[str, Any]:
+    for start in range(0, cells, 1000):
+        store.put_cells([(uuid.uuid4(), "TPUT", 1, {"n": n, "city": "Aarhus", "fare": 12.5})
+                         for n in range(start, min(cells, start + 1000))])
+    started = time.perf_counter()
+    positions = dict.fromkeys(range(store.shard_count), 0)
+    read = 0
+    while positions:
+        pages = store.get_cells_for_shards(positions, 500, columns=["TPUT"])
+        for shard, page in pages.items():
+            assert isinstance(page, list)
+            read += len(page)
+            if len(page) < 500:
+                del positions[shard]
+            else:
+                positions[shard] = page[-1].added_id
+    raw_seconds = time.perf_counter() - started
+    app = App("bench-throughput", store=store)
+    app.trigger("TPUT")(_noop)
+    started = time.perf_counter()
+    counts = app.drain(timeout=600)
+    app_seconds = time.perf_counter() - started
+    app.close()
+    assert counts.processed == cells == read, (counts, cells, read)
+    raw, handled = cells / raw_seconds, cells / app_seconds
+    return {"cells": cells, "raw_read_cells_per_s": round(raw), "app_cells_per_s": round(handled),
+            "ratio": round(handled / raw, 3)}
+
+
+async def _noop(cell: Cell) -> None:
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--store", help="a mysql:// URL of an empty database (default: a fresh SQLite directory)")
+    parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--cells", type=int, default=50_000)
+    parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "app.json"))
+    parser.add_argument("--serve-latency", help=argparse.SUPPRESS)
+    parser.add_argument("--expected", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_latency:
+        serve_latency(args.store, args.serve_latency, args.expected)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="cellstream-bench-") as tmp:
+        url = args.store or f"sqlite:///{tmp}/store"
+        with logstore.open(url, shards=SHARDS) as store:
+            lat = latency(store, url, args.rate, args.seconds, tmp)
+            print(f"latency put_cell -> handler at {args.rate}/s: p50 {lat['p50_ms']} ms, p99 {lat['p99_ms']} ms "
+                  f"(target p99 <= 50 ms: {'met' if lat['p99_ms'] <= 50 else 'MISSED'})")
+            tput = throughput(store, args.cells)
+            print(f"throughput, no-op handler: {tput['app_cells_per_s']} cells/s; raw paged read "
+                  f"{tput['raw_read_cells_per_s']} cells/s; ratio {tput['ratio']}")
+    result = {"store": "sqlite" if not args.store else "mysql", "shards": SHARDS, "latency": lat, "throughput": tput}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""An app's options, as one pydantic model (``App(name, store=..., **options)``)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from logstore.retry import RetryPolicy
+from tailer.config import _NAME_RE, StartFrom
+
+from .policy import DEFAULT_BACKOFF
+
+
+class AppConfig(BaseModel):
+    """How an app consumes the cell stream. Apps with the same ``name`` share their shards and offsets."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="the app's name: its offsets, dead letters and consumer group live under it")
+    stall_threshold: int = Field(
+        100, ge=1, description="a handler stops when dead-lettering another cell would leave more open entries"
+    )
+    backoff: RetryPolicy = Field(DEFAULT_BACKOFF, description="pauses between a handler's attempts at one cell")
+    concurrency: int = Field(8, ge=1, le=256, description="threads running synchronous handlers (shards in parallel)")
+    start_from: StartFrom = Field("beginning", description="where a shard with no committed offset starts")
+    page_size: int = Field(500, ge=1, le=10_000)
+    max_in_flight: int = Field(10_000, ge=1, description="cells read but not yet handled, per process")
+    commit_interval: float = Field(1.0, gt=0, description="seconds between offset commits")
+    poll_interval: float = Field(0.005, gt=0, description="seconds between looks at the log while cells arrive")
+    idle_poll_interval: float = Field(0.05, gt=0, description="the longest wait between looks while the log is idle")
+    stop_timeout: float = Field(30.0, gt=0, description="seconds a stop waits for handlers already running")
+    zookeeper: str | None = Field(None, description="host:port[/chroot]: share shards between processes (direct mode)")
+    session_timeout: float = Field(10.0, ge=4, le=40, description="ZooKeeper session timeout, seconds")
+    topic_prefix: str = Field("cells", description="Kafka mode: the tailer's topics are <prefix>.<column>")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME_RE.fullmatch(value):
+            raise ValueError(f"{value!r} must match ^[A-Za-z0-9][A-Za-z0-9_.-]{{0,99}}$")
+        return value
+
+    @model_validator(mode="after")
+    def _polls(self) -> AppConfig:
+        if self.idle_poll_interval < self.poll_interval:
+            raise ValueError("idle_poll_interval must be >= poll_interval")
+        return self

@@ -1,0 +1,77 @@
+"""The indexer error hierarchy.
+
+Every error the runtime raises is an :class:`IndexerError`; ``retriable`` tells the
+caller whether the same call may succeed later. Handlers raise what they like: the
+retry policy (:mod:`indexer.policy`) decides from ``retriable`` (an exception without
+the attribute is retried), and :class:`NonRetriableError` is the one users raise to
+send a cell to the dead-letter queue at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IndexerError(Exception):
+    """Root of every indexer error."""
+
+    retriable: bool = False
+
+
+class ConfigurationError(IndexerError):
+    """The app's options or handlers do not fit (a bad name, no handler for a column, ...)."""
+
+
+class NonRetriableError(IndexerError):
+    """Raise it (or a subclass) in a handler when retrying cannot help: the cell is dead-lettered at once."""
+
+
+class RetriableError(IndexerError):
+    """Raise it in a handler for a failure that may pass (the default for exceptions without ``retriable``)."""
+
+    retriable = True
+
+
+class HandlerStalledError(IndexerError):
+    """A handler has more open dead letters than the app allows: it stopped instead of adding more.
+
+    Offsets stay before the cell that would have exceeded the threshold, so after the
+    cause is fixed (and entries replayed or discarded) a restart carries on from there.
+    """
+
+    def __init__(self, app: str, handler: str, open_entries: int, threshold: int, error: str) -> None:
+        self.app, self.handler, self.open_entries, self.threshold = app, handler, open_entries, threshold
+        super().__init__(
+            f"app {app}: handler {handler} stopped: {open_entries} open dead letters already, the stall "
+            f"threshold is {threshold} (last error: {error}); triage with `cellstream dlq --app ... stats`"
+        )
+
+
+class TakenOverError(IndexerError):
+    """Another process of the same app took this one's shards over (started with the same name)."""
+
+
+class DrainTimeoutError(IndexerError):
+    """``drain`` did not reach the end of the log in time; ``counts`` says what was done."""
+
+    retriable = True
+
+    def __init__(self, timeout: float, counts: Any) -> None:
+        self.counts = counts
+        super().__init__(f"the log was not drained within {timeout:g}s ({counts})")
+
+
+class EntryNotFoundError(IndexerError):
+    """No dead-letter entry of this app has that id."""
+
+
+class EntryStateError(IndexerError):
+    """The entry's status does not allow the operation (e.g. discarding a resolved entry)."""
+
+
+class InvalidFilterError(IndexerError, ValueError):
+    """A dead-letter filter names an unknown field or gives a bad value."""
+
+
+class HandlerMissingError(IndexerError):
+    """A dead letter names a handler the app no longer has, so it cannot be replayed."""

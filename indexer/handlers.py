@@ -1,0 +1,169 @@
+"""Handlers and the processor that runs them: retries, dead letters and the stall threshold.
+
+The processor is the same for both modes and for replays; the modes only differ in
+where cells come from and how a position is acknowledged. For each cell it runs every
+handler of the cell's column in turn (each with its own retries and dead letters), and
+returns only when each handler has either succeeded or dead-lettered the cell: only
+then may the source advance past it. The one exception is a stall, which leaves the
+cell unacknowledged and stops the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import datetime as dt
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from logstore import Cell
+from tailer.messages import coordinates
+
+from .config import AppConfig
+from .deadletters import OPEN_STATES, DeadLetter, DeadLetterStore
+from .errors import HandlerStalledError
+from .metrics import AppMetrics
+from .policy import Failure, Outcome, deliver, qualified_name
+
+logger = logging.getLogger(__name__)
+Handler = Callable[[Cell], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Trigger:
+    """A handler subscribed to one column."""
+
+    name: str
+    column: str
+    fn: Handler
+    max_attempts: int
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn)
+
+
+class Counts(NamedTuple):
+    """What a run did: cells handled successfully, failed attempts retried, cells dead-lettered."""
+
+    processed: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+
+    def __sub__(self, other: tuple[int, ...]) -> Counts:
+        return Counts(*(a - b for a, b in zip(self, other, strict=True)))
+
+
+class Processor:
+    """Runs an app's handlers on cells (see the module docstring). Use from one event loop."""
+
+    def __init__(self, config: AppConfig, triggers: list[Trigger], deadletters: DeadLetterStore,
+                 metrics: AppMetrics) -> None:
+        self.config = config
+        self.triggers = triggers
+        self.by_column: dict[str, list[Trigger]] = {}
+        for trigger in triggers:
+            self.by_column.setdefault(trigger.column, []).append(trigger)
+        self.deadletters = deadletters
+        self.metrics = metrics
+        self.counts = Counts()
+        self.stalled: HandlerStalledError | None = None
+        self.open: dict[str, int] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.concurrency, thread_name_prefix="handler")
+
+    def load_open_counts(self) -> None:
+        """(blocking) Count the open dead letters per handler, for the stall threshold."""
+        self.open = dict.fromkeys((t.name for t in self.triggers), 0)
+        for entry in self.deadletters.entries():
+            if entry.status in OPEN_STATES:
+                self.open[entry.handler] = self.open.get(entry.handler, 0) + 1
+        for handler, count in self.open.items():
+            self.metrics.dlq_open.labels(self.config.name, handler).set(count)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- one cell ---------------------------------------------------------------
+    async def process(self, cell: Cell, source: dict[str, Any]) -> bool:
+        """Run the column's handlers on ``cell``; False when a handler stalled (do not acknowledge)."""
+        for trigger in self.by_column.get(cell.column, ()):
+            if self.stalled is not None:
+                return False
+            outcome = await self.run(trigger, cell)
+            if not outcome.ok and not await self._deadletter(trigger, source, coordinates(cell), cell.body, outcome):
+                return False
+        return True
+
+    async def undecodable(self, where: dict[str, Any], source: dict[str, Any], error: Failure) -> bool:
+        """A cell that cannot be decoded goes to the DLQ of every handler of its column, with no attempt."""
+        now = dt.datetime.now(dt.UTC)
+        outcome = Outcome(False, 1, error, now, now)
+        for trigger in self.by_column.get(str(where.get("column")), ()):
+            if not await self._deadletter(trigger, source, where, None, outcome):
+                return False
+        return True
+
+    async def run(self, trigger: Trigger, cell: Cell) -> Outcome:
+        """The handler's attempts at ``cell`` under the retry policy."""
+        labels = (self.config.name, trigger.name)
+
+        def retrying(exc: BaseException, attempt: int, delay: float) -> None:
+            self.counts = self.counts._replace(retried=self.counts.retried + 1)
+            self.metrics.retried.labels(*labels).inc()
+            logger.warning("%s: attempt %d at %s/%s/%d failed (%s: %s); retrying in %.2fs", trigger.name, attempt,
+                           cell.row_key, cell.column, cell.ref_key, qualified_name(type(exc)), exc, delay)
+
+        started = time.perf_counter()
+        outcome = await deliver(functools.partial(self._call, trigger, cell), trigger.max_attempts,
+                                self.config.backoff, on_retry=retrying)
+        if outcome.ok:
+            self.counts = self.counts._replace(processed=self.counts.processed + 1)
+            self.metrics.processed.labels(*labels).inc()
+            self.metrics.seconds.labels(*labels).observe(time.perf_counter() - started)
+        return outcome
+
+    async def _call(self, trigger: Trigger, cell: Cell) -> None:
+        if trigger.is_async:
+            await trigger.fn(cell)
+        else:
+            await asyncio.get_running_loop().run_in_executor(self._pool, trigger.fn, cell)
+
+    async def _deadletter(self, trigger: Trigger, source: dict[str, Any], where: dict[str, Any],
+                          body: dict[str, Any] | None, outcome: Outcome) -> bool:
+        assert outcome.failure is not None
+        labels = (self.config.name, trigger.name)
+        opened = self.open.get(trigger.name, 0)
+        if opened + 1 > self.config.stall_threshold:
+            self.stalled = HandlerStalledError(self.config.name, trigger.name, opened, self.config.stall_threshold,
+                                               f"{outcome.failure.error_type}: {outcome.failure.message}")
+            self.metrics.stalled.labels(*labels).set(1)
+            logger.error("%s", self.stalled)
+            return False
+        # Count the entry before the write: handlers of other shards check the threshold meanwhile.
+        self.open[trigger.name] = opened + 1
+        try:
+            entry: DeadLetter = await asyncio.to_thread(
+                self.deadletters.record, trigger.name, trigger.column, source, where, body, outcome)
+        except BaseException:
+            self.open[trigger.name] -= 1
+            raise
+        if len(entry.history) > 1 and entry.history[-2].status in OPEN_STATES:
+            self.open[trigger.name] -= 1  # another failure of an entry that was open already
+        self.metrics.dlq_open.labels(*labels).set(self.open[trigger.name])
+        self.counts = self.counts._replace(dead_lettered=self.counts.dead_lettered + 1)
+        self.metrics.deadlettered.labels(*labels).inc()
+        logger.error("%s: cell %s/%s/%d dead-lettered after %d attempts (%s: %s) as %s", trigger.name,
+                     where.get("row_key"), where.get("column"), where.get("ref_key"), outcome.attempts,
+                     outcome.failure.error_type, outcome.failure.message, entry.id)
+        return True
+
+    def entry_closed(self, handler: str) -> None:
+        """An open entry of ``handler`` was resolved or discarded (by a replay or triage in this process)."""
+        self.open[handler] = max(0, self.open.get(handler, 0) - 1)
+        self.metrics.dlq_open.labels(self.config.name, handler).set(self.open[handler])
+

@@ -1,0 +1,28 @@
+"""Prometheus metrics of an app (prometheus-client), one registry per app."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class AppMetrics:
+    """The app's handler metrics; ``serve(port)`` exposes them (and the source's) on ``/metrics``."""
+
+    def __init__(self, app: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.app = app
+        labels = ["app", "handler"]
+        self.processed = Counter("cellstream_app_processed", "Cells a handler processed successfully", labels,
+                                 registry=r)
+        self.retried = Counter("cellstream_app_retried", "Handler attempts that failed and were retried", labels,
+                               registry=r)
+        self.deadlettered = Counter("cellstream_app_deadlettered", "Cells dead-lettered by a handler", labels,
+                                    registry=r)
+        self.dlq_open = Gauge("cellstream_app_dlq_open", "Open dead-letter entries of a handler", labels, registry=r)
+        self.stalled = Gauge("cellstream_app_handler_stalled",
+                             "1 when a handler stopped because of too many open dead letters", labels, registry=r)
+        self.seconds = Histogram("cellstream_app_handler_seconds", "Time of one successful handler call", labels,
+                                 registry=r, buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,69 @@
+"""The worker's bookkeeping per owned shard, and the shape of its reads (see :mod:`tailer.worker`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from logstore import CorruptCellError, LogstoreError
+from logstore.cell import Cell
+
+from .interfaces import Claim
+from .messages import coordinates
+
+# A read's result per shard: its page, or the error that ended it (a CorruptCellError holds the cells before).
+Pages = dict[int, list[Cell] | LogstoreError]
+Look = tuple[dict[int, int] | None, Pages]  # (every shard's cell count, if read; pages of the shards that moved)
+
+
+class Pending(NamedTuple):
+    added_id: int  # of the last cell the future covers
+    future: asyncio.Future[Any]
+    source: Cell | dict[str, Any]  # the first cell, or a dead letter's coordinates
+    topic: str
+    deadletter: bool
+    messages: int = 1  # how many the future covers (a record batch)
+
+    @property
+    def where(self) -> dict[str, Any]:
+        return coordinates(self.source) if isinstance(self.source, Cell) else self.source
+
+
+@dataclasses.dataclass
+class ShardState:
+    claim: Claim
+    position: int
+    acked: int
+    committed: int
+    deadlettered: int
+    inflight: deque[Pending] = dataclasses.field(default_factory=deque)
+    last_error: dict[str, Any] | None = None
+    retry_at: float = 0.0
+    backoff: Iterator[float] | None = None
+    singles_until: int = 0  # after a refused batch: one message at a time until this is acked
+    count_seen: int | None = None
+    drained: bool = False
+    lag_cells: int = 0
+    lag_seconds: float = 0.0
+    reading: asyncio.Future[Pages] | None = None  # the read batch this shard's next page is in
+    read_from: int = 0
+    read_limit: int = 0
+    read_reserved: int = 0
+
+    @property
+    def shard(self) -> int:
+        return self.claim.shard
+
+
+def page_of(pages: Pages, shard: int) -> tuple[list[Cell], BaseException | None]:
+    """A shard's page of a read as (good cells, what ended it early)."""
+    page = pages[shard]
+    if isinstance(page, CorruptCellError):
+        return page.cells_before, page
+    if isinstance(page, LogstoreError):
+        return [], page
+    return page, None
+

@@ -1,0 +1,48 @@
+"""A stream-processing app process for the fault tests: ``python tests/app_worker.py CONFIG_JSON``.
+
+Its handler appends ``worker shard added_id row_key`` to the log file for each cell
+of column BASE (one line, flushed, before returning), and on a cell whose body has
+``"hang": true`` the first process to get there (with ``hang`` set in the config)
+writes the marker file and blocks forever: the test SIGKILLs it there, mid-handler.
+Later deliveries of that cell find the marker and go through.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from indexer import App
+from logstore import Cell
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    log = Path(config["log"])
+    lock = threading.Lock()
+    app = App(config["name"], store=config["store"], zookeeper=config.get("zookeeper"),
+              session_timeout=config.get("session_timeout", 10.0), commit_interval=0.2)
+
+    @app.trigger("BASE", max_attempts=3)
+    def record(cell: Cell) -> None:
+        marker = Path(config["marker"])
+        if cell.body.get("hang") and config.get("hang") and not marker.exists():
+            marker.write_text(f"{os.getpid()} {cell.shard} {cell.added_id}")
+            while True:  # until SIGKILL
+                time.sleep(1)
+        with lock, open(log, "a") as fh:
+            fh.write(f"{os.getpid()} {cell.shard} {cell.added_id} {cell.row_key}\n")
+            fh.flush()
+
+    if config.get("drain"):
+        app.drain(timeout=120)
+    else:
+        app.run()
+
+
+if __name__ == "__main__":
+    main()

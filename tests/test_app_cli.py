@@ -1,0 +1,86 @@
+"""``cellstream run`` and ``cellstream dlq`` against an app module written for the test (embedded store)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+import logstore
+from cellstream.cli import main
+
+APP = '''
+from indexer import App
+from logstore.retry import RetryPolicy
+
+FIXED = {fixed!r}
+app = App("cli", store={url!r}, backoff=RetryPolicy(initial=0.001, maximum=0.002, deadline=None))
+
+@app.trigger("BASE", max_attempts=2)
+def charge(cell):
+    if cell.body.get("bad") and not FIXED:
+        raise ValueError("card declined")
+'''
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_run_drain_then_triage_from_the_command_line(sqlite_url: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with logstore.open(sqlite_url, shards=8) as store:
+        store.put_cells([(uuid.uuid4(), "BASE", 1, {"bad": i < 2}) for i in range(6)])
+    module = tmp_path / "cliapp.py"
+    module.write_text(APP.format(url=sqlite_url, fixed=False))
+    spec = f"{module}:app"
+
+    code, out, _ = run(capsys, "run", spec, "--drain", "--json")
+    assert code == 0 and json.loads(out) == {"processed": 4, "retried": 2, "dead_lettered": 2}
+
+    code, out, _ = run(capsys, "dlq", "--app", spec, "list", "--json", "--status", "open")
+    entries = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and len(entries) == 2 and {e["error_type"] for e in entries} == {"ValueError"}
+    first, second = (e["id"] for e in entries)
+
+    code, out, _ = run(capsys, "dlq", "--app", spec, "stats", "--json")
+    [group] = [json.loads(line) for line in out.splitlines()]
+    assert (group["handler"], group["count"], group["open"]) == ("charge", 2, 2)
+
+    code, out, _ = run(capsys, "dlq", "--app", spec, "show", first, "--json")
+    shown = json.loads(out)
+    assert code == 0 and shown["body"] == {"bad": True} and "card declined" in shown["traceback"]
+
+    code, out, _ = run(capsys, "dlq", "--app", spec, "discard", second, "--reason", "test card")
+    assert code == 0 and "discarded" in out
+
+    module.write_text(APP.format(url=sqlite_url, fixed=True))  # the fix is deployed
+    code, out, _ = run(capsys, "dlq", "--app", spec, "replay", "--match", "handler=charge", "--dry-run")
+    assert code == 0 and out.count("would replay") == 1
+    code, out, _ = run(capsys, "dlq", "--app", spec, "replay", "--match", "handler=charge", "--json")
+    assert [json.loads(line)["after"] for line in out.splitlines()] == ["resolved"]
+    code, out, _ = run(capsys, "dlq", "--app", spec, "list", "--status", "open")
+    assert code == 0 and "no dead letters match" in out
+
+
+def test_bad_input_is_one_line_and_a_documented_exit_code(sqlite_url: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    module = tmp_path / "cliapp2.py"
+    module.write_text(APP.format(url=sqlite_url, fixed=False))
+    spec = f"{module}:app"
+    code, _, err = run(capsys, "dlq", "--app", spec, "show", str(uuid.uuid4()))
+    assert code == 1 and err.count("\n") == 1 and "no dead letter" in err
+    code, _, err = run(capsys, "dlq", "--app", spec, "replay", "--match", "color=red")
+    assert code == 2 and "color" in err
+    code, _, err = run(capsys, "dlq", "--app", spec, "replay")
+    assert code == 2 and "--match" in err
+    code, _, err = run(capsys, "dlq", "--app", "no_such_module_xyz:app", "list")
+    assert code == 4 and "cannot import" in err
+    code, _, err = run(capsys, "dlq", "--app", f"{module}:missing", "list")
+    assert code == 4 and "not an indexer.App" in err
+    code, _, err = run(capsys, "run", spec, "--workers", "2")
+    assert code == 4 and "--workers > 1" in err
