@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from logstore.retry import RetryPolicy
-from tailer.config import _NAME_RE, StartFrom
+from tailer.config import StartFrom, check_name, check_polls
 
 from .policy import DEFAULT_BACKOFF
 
@@ -35,12 +35,9 @@ class AppConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not _NAME_RE.fullmatch(value):
-            raise ValueError(f"{value!r} must match ^[A-Za-z0-9][A-Za-z0-9_.-]{{0,99}}$")
-        return value
+        return check_name(value)
 
     @model_validator(mode="after")
     def _polls(self) -> AppConfig:
-        if self.idle_poll_interval < self.poll_interval:
-            raise ValueError("idle_poll_interval must be >= poll_interval")
+        check_polls(self.poll_interval, self.idle_poll_interval)
         return self

@@ -15,6 +15,18 @@ _TOPIC_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 StartFrom = Literal["beginning", "now"] | AwareDatetime
 
 
+def check_name(value: str) -> str:
+    """A tailer's or an app's name: it becomes part of ZooKeeper paths and consumer names."""
+    if not _NAME_RE.fullmatch(value):
+        raise ValueError(f"{value!r} must match ^[A-Za-z0-9][A-Za-z0-9_.-]{{0,99}}$")
+    return value
+
+
+def check_polls(poll_interval: float, idle_poll_interval: float) -> None:
+    if idle_poll_interval < poll_interval:
+        raise ValueError(f"idle_poll_interval ({idle_poll_interval}) must be >= poll_interval ({poll_interval})")
+
+
 class TailerConfig(BaseModel):
     """One tailer (``name``): every worker started with the same name shares its shards."""
 
@@ -50,9 +62,7 @@ class TailerConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not _NAME_RE.fullmatch(value):
-            raise ValueError(f"{value!r} must match ^[A-Za-z0-9][A-Za-z0-9_.-]{{0,99}}$")
-        return value
+        return check_name(value)
 
     @field_validator("topic_prefix")
     @classmethod
@@ -74,9 +84,7 @@ class TailerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _polls(self) -> TailerConfig:
-        if self.idle_poll_interval < self.poll_interval:
-            raise ValueError(f"idle_poll_interval ({self.idle_poll_interval}) must be >= poll_interval "
-                             f"({self.poll_interval})")
+        check_polls(self.poll_interval, self.idle_poll_interval)
         return self
 
     @property
