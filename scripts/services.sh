@@ -668,6 +668,23 @@ zookeeper_answers() {
   [[ "$(zk_4lw srvr)" == "Zookeeper version:"* ]]
 }
 
+# Stop a Java service `up` started (NAME_our_pid finds it); leave one we did not start alone.
+java_service_down() {
+  local name="$1" pid
+  if ! state_get "$name" >/dev/null; then
+    log "$name: not started by us, leaving it alone"
+    return 0
+  fi
+  if ! pid="$("${name}_our_pid")"; then
+    log "$name: not running"
+    state_del "$name"
+    return 0
+  fi
+  java_stop "$name" "$pid"
+  state_del "$name"
+  log "$name: stopped"
+}
+
 zookeeper_our_pid() { java_our_pid "$ZK_PID" "$ZK_CFG"; }
 
 zookeeper_write_config() {
@@ -739,21 +756,7 @@ zookeeper_up() {
   log "zookeeper: started on $ZK_HOST:$ZK_PORT (pid $pid, $((SECONDS - t0))s)"
 }
 
-zookeeper_down() {
-  local pid
-  if ! state_get zookeeper >/dev/null; then
-    log "zookeeper: not started by us, leaving it alone"
-    return 0
-  fi
-  if ! pid="$(zookeeper_our_pid)"; then
-    log "zookeeper: not running"
-    state_del zookeeper
-    return 0
-  fi
-  java_stop zookeeper "$pid"
-  state_del zookeeper
-  log "zookeeper: stopped"
-}
+zookeeper_down() { java_service_down zookeeper; }
 
 zookeeper_status() {
   service_status zookeeper "$ZK_HOST" "$ZK_PORT"
@@ -899,21 +902,7 @@ kafka_up() {
   log "kafka: started on $KAFKA_HOST:$KAFKA_PORT (controller $KAFKA_CONTROLLER_PORT, pid $pid, $((SECONDS - t0))s)"
 }
 
-kafka_down() {
-  local pid
-  if ! state_get kafka >/dev/null; then
-    log "kafka: not started by us, leaving it alone"
-    return 0
-  fi
-  if ! pid="$(kafka_our_pid)"; then
-    log "kafka: not running"
-    state_del kafka
-    return 0
-  fi
-  java_stop kafka "$pid"
-  state_del kafka
-  log "kafka: stopped"
-}
+kafka_down() { java_service_down kafka; }
 
 kafka_status() {
   service_status kafka "$KAFKA_HOST" "$KAFKA_PORT"
