@@ -27,6 +27,7 @@ from .errors import (
     InvalidFilterError,
     NonRetriableError,
     RetriableError,
+    SourceUnavailableError,
     TakenOverError,
 )
 from .handlers import Counts, Trigger
@@ -49,6 +50,7 @@ __all__ = [
     "NonRetriableError",
     "ReplayResult",
     "RetriableError",
+    "SourceUnavailableError",
     "TakenOverError",
     "Trigger",
 ]

@@ -8,7 +8,9 @@ Counts(processed=..., retried=..., dead_lettered=...)
 
 Direct mode (no ``brokers``) tails the logstore (:mod:`indexer.direct`), embedded
 (offsets in the store) or shared between processes through ZooKeeper. Kafka mode
-(consuming the tailer's topics) is not available yet. Every mode runs the same
+(``brokers="host:port"``) consumes the tailer's topics as a faust-streaming app
+(:mod:`indexer.kafka`), sharing partitions through the consumer group ``app.<name>``;
+the store is still needed there, for the dead letters. Every mode runs the same
 :class:`~indexer.handlers.Processor`, so retries, dead letters and the stall
 threshold behave alike.
 """
@@ -59,8 +61,14 @@ class App:
             first = exc.errors()[0]
             raise ConfigurationError(f"app option {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
         if brokers is not None:
-            # Said plainly rather than half-built: consuming the tailer's topics (faust) is the next step.
-            raise ConfigurationError("Kafka mode (brokers=...) is not available yet; run the app in direct mode")
+            if not isinstance(brokers, str) or not brokers.strip():
+                raise ConfigurationError(f"brokers must be 'host:port[,host:port...]', got {brokers!r}")
+            if self.config.zookeeper:
+                raise ConfigurationError("zookeeper= is for direct mode; in Kafka mode the consumer group "
+                                         "shares the partitions")
+            if self.config.start_from not in ("beginning", "now"):
+                raise ConfigurationError("Kafka mode starts a new consumer group at the beginning or now, "
+                                         "not at a time")
         self.name = name
         self.brokers = brokers
         self._target = store
@@ -113,6 +121,10 @@ class App:
 
     def _runner(self) -> Runner:
         processor = self.processor
+        if self.brokers is not None:
+            from .kafka import KafkaRunner  # faust is imported only in Kafka mode
+
+            return KafkaRunner(self.config, self.brokers, processor, self.metrics)
         from .direct import DirectRunner
 
         return DirectRunner(self.store, self.config, processor, self.source_metrics)

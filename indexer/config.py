@@ -31,6 +31,7 @@ class AppConfig(BaseModel):
     zookeeper: str | None = Field(None, description="host:port[/chroot]: share shards between processes (direct mode)")
     session_timeout: float = Field(10.0, ge=4, le=40, description="ZooKeeper session timeout, seconds")
     topic_prefix: str = Field("cells", description="Kafka mode: the tailer's topics are <prefix>.<column>")
+    replication_factor: int = Field(1, ge=1, le=32, description="Kafka mode: replicas of the <name>.dlq topic")
 
     @field_validator("name")
     @classmethod

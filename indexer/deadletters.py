@@ -88,9 +88,13 @@ class DeadLetterStore:
         self.app = app
         self.shard = shard_of(uuid.uuid5(_NAMESPACE, f"dlq:{app}"), store.shard_count)
 
-    def entry_id(self, handler: str, cell: dict[str, Any]) -> str:
-        """The id of ``handler``'s entry for the cell: deterministic, and in the app's DLQ shard."""
-        base = f"{self.app}\x00{handler}\x00{cell['row_key']}\x00{cell['column']}\x00{cell['ref_key']}"
+    def entry_id(self, handler: str, cell: dict[str, Any], source: dict[str, Any]) -> str:
+        """The id of ``handler``'s entry for the cell: deterministic, and in the app's DLQ shard. A message
+        that names no cell (not written by a tailer) is known by its source position instead."""
+        if all(cell.get(name) not in (None, "") for name in ("row_key", "column", "ref_key")):
+            base = f"{self.app}\x00{handler}\x00{cell['row_key']}\x00{cell['column']}\x00{cell['ref_key']}"
+        else:
+            base = f"{self.app}\x00{handler}\x00" + ",".join(f"{k}={source[k]}" for k in sorted(source))
         for n in itertools.count():
             key = uuid.uuid5(_NAMESPACE, f"{base}\x00{n}")
             if shard_of(key, self.store.shard_count) == self.shard:
@@ -126,7 +130,7 @@ class DeadLetterStore:
         """Dead-letter the cell for ``handler``: a new open entry, or the next version of its existing one."""
         failure = outcome.failure
         assert failure is not None and outcome.first_failure and outcome.last_failure
-        entry_id = self.entry_id(handler, cell)
+        entry_id = self.entry_id(handler, cell, source)
         for _ in range(_WRITE_TRIES):
             try:
                 current = self.get(entry_id)

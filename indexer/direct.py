@@ -29,8 +29,7 @@ from tailer.storecoord import StoreCoordinator
 from tailer.worker import Tailer
 
 from .config import AppConfig
-from .handlers import Processor
-from .policy import Failure
+from .handlers import Processor, tailer_deadletter
 
 logger = logging.getLogger(__name__)
 _MAX_PARTITIONS = 10_000  # TailerConfig's limit; shards beyond it share a queue (still in order)
@@ -141,11 +140,7 @@ class HandlerPublisher(Publisher):
             cell = item.cell
             return await self.processor.process(cell, {"mode": "direct", "shard": cell.shard,
                                                        "added_id": cell.added_id})
-        record = item.deadletter or {}
-        where, error = record.get("cell", {}), record.get("error", {})
-        failure = Failure(str(error.get("type")), str(error.get("message")), f"{record.get('stage')} failed in the "
-                          f"tailer worker: {error.get('type')}: {error.get('message')}",
-                          f"{record.get('stage')}:{error.get('type')}", False)
+        where, failure = tailer_deadletter(item.deadletter or {})
         source = {"mode": "direct", "shard": where.get("shard"), "added_id": where.get("added_id")}
         return await self.processor.undecodable(where, source, failure)
 

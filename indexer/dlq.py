@@ -186,6 +186,9 @@ class DeadLetterQueue:
 
     def _cell_of(self, entry: DeadLetter) -> Cell:
         where = entry.cell
+        if any(where.get(name) in (None, "") for name in ("row_key", "column", "ref_key")):
+            raise LogstoreError(f"entry {entry.id} names no cell (a message no tailer wrote, at {entry.source}); "
+                                "there is nothing to replay: discard it")
         if entry.body is not None:
             return Cell(uuid.UUID(where["row_key"]), where["column"], int(where["ref_key"]), entry.body,
                         int(where.get("added_id") or 0), int(where.get("shard") or 0),

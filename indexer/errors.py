@@ -51,6 +51,12 @@ class TakenOverError(IndexerError):
     """Another process of the same app took this one's shards over (started with the same name)."""
 
 
+class SourceUnavailableError(IndexerError):
+    """The cell source (the Kafka cluster in Kafka mode) cannot be reached or refused a request."""
+
+    retriable = True
+
+
 class DrainTimeoutError(IndexerError):
     """``drain`` did not reach the end of the log in time; ``counts`` says what was done."""
 

@@ -18,7 +18,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 from logstore import Cell
@@ -32,6 +32,16 @@ from .policy import Failure, Outcome, deliver, qualified_name
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[Cell], Any]
+
+
+def tailer_deadletter(record: dict[str, Any]) -> tuple[dict[str, Any], Failure]:
+    """The cell coordinates and the failure in the tailer's dead-letter record of a cell it could not
+    read or publish (:func:`tailer.messages.encode_deadletter`): such a cell reaches no handler, so each
+    handler of its column dead-letters it without an attempt."""
+    where, error = record.get("cell") or {}, record.get("error") or {}
+    stage, kind, message = record.get("stage"), error.get("type"), error.get("message")
+    return where, Failure(str(kind), str(message), f"{stage} failed in the tailer worker: {kind}: {message}",
+                          f"{stage}:{kind}", False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +84,8 @@ class Processor:
         self.counts = Counts()
         self.stalled: HandlerStalledError | None = None
         self.open: dict[str, int] = {}
+        # Kafka mode mirrors each recorded entry to the app's DLQ topic before the cell is acknowledged.
+        self.on_deadletter: Callable[[DeadLetter], Awaitable[None]] | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(config.concurrency, thread_name_prefix="handler")
 
     def load_open_counts(self) -> None:
@@ -155,9 +167,11 @@ class Processor:
         if len(entry.history) > 1 and entry.history[-2].status in OPEN_STATES:
             self.open[trigger.name] -= 1  # another failure of an entry that was open already
         self.metrics.dlq_open.labels(*labels).set(self.open[trigger.name])
+        if self.on_deadletter is not None:
+            await self.on_deadletter(entry)
         self.counts = self.counts._replace(dead_lettered=self.counts.dead_lettered + 1)
         self.metrics.deadlettered.labels(*labels).inc()
-        logger.error("%s: cell %s/%s/%d dead-lettered after %d attempts (%s: %s) as %s", trigger.name,
+        logger.error("%s: cell %s/%s/%s dead-lettered after %d attempts (%s: %s) as %s", trigger.name,
                      where.get("row_key"), where.get("column"), where.get("ref_key"), outcome.attempts,
                      outcome.failure.error_type, outcome.failure.message, entry.id)
         return True

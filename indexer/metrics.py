@@ -24,5 +24,8 @@ class AppMetrics:
         self.seconds = Histogram("cellstream_app_handler_seconds", "Time of one successful handler call", labels,
                                  registry=r, buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
 
+        self.lag = Gauge("cellstream_app_kafka_lag", "Kafka mode: messages of an assigned partition not yet handled",
+                         ["app", "topic", "partition"], registry=r)
+
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

@@ -4,7 +4,8 @@ Its handler appends ``worker shard added_id row_key`` to the log file for each c
 of column BASE (one line, flushed, before returning), and on a cell whose body has
 ``"hang": true`` the first process to get there (with ``hang`` set in the config)
 writes the marker file and blocks forever: the test SIGKILLs it there, mid-handler.
-Later deliveries of that cell find the marker and go through.
+Later deliveries of that cell find the marker and go through. With ``brokers`` in
+the config the app runs in Kafka mode on the topics ``<topic_prefix>.<column>``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ def main() -> None:
     config = json.loads(sys.argv[1])
     log = Path(config["log"])
     lock = threading.Lock()
-    app = App(config["name"], store=config["store"], zookeeper=config.get("zookeeper"),
-              session_timeout=config.get("session_timeout", 10.0), commit_interval=0.2)
+    options = {"brokers": config["brokers"], "topic_prefix": config["topic_prefix"]} if config.get("brokers") else {
+        "zookeeper": config.get("zookeeper")}
+    app = App(config["name"], store=config["store"], session_timeout=config.get("session_timeout", 10.0),
+              commit_interval=0.2, **options)
 
     @app.trigger("BASE", max_attempts=3)
     def record(cell: Cell) -> None:
