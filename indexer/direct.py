@@ -155,7 +155,7 @@ class DirectRunner:
             name=consumer, topic_prefix="app", partitions=min(store.shard_count, _MAX_PARTITIONS), columns=columns,
             start_from=config.start_from, page_size=config.page_size, max_in_flight=config.max_in_flight,
             poll_interval=config.poll_interval, idle_poll_interval=config.idle_poll_interval,
-            commit_interval=config.commit_interval, stop_timeout=config.stop_timeout,
+            commit_interval=config.commit_every(kafka=False), stop_timeout=config.stop_timeout,
             session_timeout=config.session_timeout,
         )
         self.coordinator: Coordinator

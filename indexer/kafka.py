@@ -173,7 +173,7 @@ class KafkaRunner:
             self.group, broker=f"kafka://{self.brokers}", web_enabled=False, datadir=self._datadir,
             autodiscover=False, topic_disable_leader=True, stream_wait_empty=True,
             consumer_auto_offset_reset="earliest" if self.config.start_from == "beginning" else "latest",
-            broker_commit_interval=self.config.commit_interval,
+            broker_commit_interval=self.config.commit_every(kafka=True),
             broker_session_timeout=self.config.session_timeout,
         )
         app.transport.Consumer = _Consumer  # type: ignore[misc]  # read when faust builds its consumer
@@ -181,9 +181,9 @@ class KafkaRunner:
         app.agent(source, name=f"{self.group}.cells")(self._agent)
         app.on_partitions_assigned.connect(self._on_assigned)
         self._app = app
-        await app.start()
-        self._watcher = asyncio.create_task(self._watch(), name=f"{self.group}-watch")
         self.processor.on_deadletter = self._mirror
+        await app.start()  # events may arrive before it returns: they are handled like any other
+        self._watcher = asyncio.create_task(self._watch(), name=f"{self.group}-watch")
 
     async def stop(self) -> None:
         """Finish the cells being handled (up to stop_timeout), abandon the queued ones, commit, close."""
@@ -222,6 +222,10 @@ class KafkaRunner:
             shutil.rmtree(self._datadir, ignore_errors=True)
         self._state = "stopped"
 
+    @property
+    def _stopping(self) -> bool:
+        return self._state in ("stopping", "stopped")
+
     def failed(self) -> BaseException | None:
         if self._error is None and self._app is not None and self._app.crash_reason is not None:
             reason = self._app.crash_reason
@@ -252,7 +256,7 @@ class KafkaRunner:
 
     async def _agent(self, stream: Any) -> None:
         async for event in stream.noack().events():
-            if self._state != "running":
+            if self._stopping:
                 continue  # not acknowledged: delivered again after the restart
             while self._queued >= self.config.max_in_flight:
                 self._room.clear()
@@ -299,8 +303,8 @@ class KafkaRunner:
             try:
                 return await self._handle(event.message)
             except Exception as exc:
-                if self._state != "running":
-                    raise asyncio.CancelledError from None  # stopping: abandon it, unacknowledged
+                if self._stopping:
+                    raise asyncio.CancelledError from None  # abandon it, unacknowledged
                 if not getattr(exc, "retriable", False):
                     raise  # not a passing outage: the runner fails rather than retry a bug forever
                 delay = next(delays)
@@ -337,7 +341,7 @@ class KafkaRunner:
                 await future
                 return
             except PublishError as exc:
-                if not exc.retriable or self._state != "running":
+                if not exc.retriable or self._stopping:
                     raise
                 delay = next(delays)
                 logger.warning("dead letter %s not mirrored to %s (%s); again in %.1fs", entry.id, self.dlq_topic,

@@ -29,6 +29,7 @@ from indexer import App, ConfigurationError, HandlerStalledError, SourceUnavaila
 from logstore.retry import RetryPolicy
 from tailer.config import KafkaOptions, TailerConfig
 from tailer.kafka import KafkaPublisher
+from tailer.messages import coordinates, encode_deadletter
 from tailer.storecoord import StoreCoordinator
 from tailer.worker import Tailer
 
@@ -114,6 +115,11 @@ def test_poison_cells_are_dead_lettered_with_their_kafka_position_mirrored_and_p
     publish(store, topic_prefix)
     # A message no tailer wrote: it must reach the DLQ too, not be skipped or crash the app.
     produce(f"{topic_prefix}.BASE", 1, b"not-a-uuid", b"\xff not json")
+    # A cell the tailer gave up on (its dead-letter record): each BASE handler dead-letters it.
+    lost = store.put_cell(uuid.uuid4(), "BASE", 1, {"n": -1})
+    record = encode_deadletter(coordinates(lost), topic=f"{topic_prefix}.BASE", error=ValueError("body too large"),
+                               stage="encode", tailer="tl", worker="w1")
+    produce(f"{topic_prefix}-deadletter", lost.shard % P, record.key, record.value)
 
     seen: list[logstore.Cell] = []
     active: dict[int, int] = defaultdict(int)
@@ -139,7 +145,8 @@ def test_poison_cells_are_dead_lettered_with_their_kafka_position_mirrored_and_p
 
     with app:
         counts = app.drain(timeout=90)
-        assert counts == (200, 3, 4)  # 3 poison cells retried once each; they and the foreign message dead-lettered
+        # 3 poison cells retried once each; they, the foreign message and the tailer's dead letter dead-lettered
+        assert counts == (200, 3, 5)
         assert overlap == [], "two cells of one partition were handled at once"
         by_shard: dict[int, list[int]] = defaultdict(list)
         for cell in seen:
@@ -148,7 +155,11 @@ def test_poison_cells_are_dead_lettered_with_their_kafka_position_mirrored_and_p
         assert {(c.shard, c.added_id) for c in seen} == {(c.shard, c.added_id) for c in good}
 
         entries = {e.cell.get("row_key"): e for e in app.dlq.list()}
-        assert len(entries) == 4
+        assert len(entries) == 5
+        tailer_gave_up = entries[str(lost.row_key)]
+        assert tailer_gave_up.body is None and tailer_gave_up.error_type == "ValueError"
+        assert tailer_gave_up.source["topic"] == f"{topic_prefix}-deadletter"
+        assert tailer_gave_up.cell["added_id"] == lost.added_id
         for cell in poison:
             entry = entries[str(cell.row_key)]
             assert entry.handler == "bill" and entry.error_type == "ValueError" and entry.attempts == 2
@@ -165,14 +176,14 @@ def test_poison_cells_are_dead_lettered_with_their_kafka_position_mirrored_and_p
         for m in mirrored:
             entry = app.dlq.show(m.key)
             assert m.headers["handler"] == "bill" and m.headers["error_type"] == entry.error_type
-            assert m.headers["source_topic"] == f"{topic_prefix}.BASE"
+            assert m.headers["source_topic"] == entry.source["topic"]
             assert int(m.headers["source_offset"]) == entry.source["offset"]
             assert m.headers["cell_row_key"] == entry.cell["row_key"] and m.headers["status"] == "open"
             assert m.headers["traceback"] and m.value["id"] == entry.id and m.value["body"] == entry.body
 
         # Offsets advanced past every cell, handled or dead-lettered: nothing comes back.
         ends = end_offsets(f"{topic_prefix}.BASE")
-        assert sum(ends.values()) == 204
+        assert sum(ends.values()) == 204  # the 203 published cells and the foreign message
         group = committed(f"app.{topic_prefix}-app")
         assert {tp: group.get(tp) for tp in ends} == ends
         assert app.drain(timeout=60) == (0, 0, 0)
