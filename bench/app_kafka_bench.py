@@ -38,22 +38,19 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pymysql
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from kazoo.client import KazooClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
+from bench.scratch import scratch
 from indexer import App
 from logstore import Cell
-from logstore.config import parse_node_url
 from tailer.config import KafkaOptions, TailerConfig
 from tailer.kafka import KafkaPublisher
 from tailer.messages import decode_cell
 from tailer.storecoord import StoreCoordinator
 from tailer.worker import Tailer
-from tests.kafka_support import delete_topics
 
 SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
 KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
@@ -309,42 +306,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.consume:
         consume_latency(args.prefix, args.consume, args.column, args.seconds)
         return 0
-    prefix = f"bench{uuid.uuid4().hex[:8]}"
     result: dict[str, Any] = {"shards": SHARDS, "partitions": P}
-    try:
+    with scratch(SERVER, ZOOKEEPER, KAFKA, "app") as (url, zk, prefix):
         if args.only in (None, "latency"):
-            database, chroot = f"bench_app_{uuid.uuid4().hex[:8]}", f"/bench-{uuid.uuid4().hex[:8]}"
-            url = f"{SERVER}/{database}"
-            try:
-                with logstore.open(url, shards=SHARDS) as store:
-                    for consumer in CONSUMERS:
-                        samples = latency(store, url, ZOOKEEPER + chroot, prefix, consumer, args.rate, args.seconds)
-                        q = statistics.quantiles(samples, n=100)
-                        lat = {"samples": len(samples), "p50_ms": round(statistics.median(samples), 1),
-                               "p99_ms": round(q[98], 1), "max_ms": round(max(samples), 1)}
-                        result[f"latency_{consumer}"] = lat
-                        print(f"latency put_cell -> {consumer} at {args.rate:.0f} cells/s ({lat['samples']} "
-                              f"samples): p50 {lat['p50_ms']} ms, p99 {lat['p99_ms']} ms", flush=True)
-                p99 = result["latency_app"]["p99_ms"]
-                print(f"Kafka-mode target p99 <= 100 ms: {'met' if p99 <= 100 else 'MISSED'}")
-            finally:
-                conn = pymysql.connect(**{k: v for k, v in parse_node_url(url).model_dump().items()
-                                          if k != "database"})
-                with conn.cursor() as cur:
-                    cur.execute(f"DROP DATABASE IF EXISTS `{database}`")
-                conn.close()
-                client = KazooClient(hosts=ZOOKEEPER)
-                client.start(timeout=10)
-                client.delete(chroot, recursive=True)
-                client.stop()
+            with logstore.open(url, shards=SHARDS) as store:
+                for consumer in CONSUMERS:
+                    samples = latency(store, url, zk, prefix, consumer, args.rate, args.seconds)
+                    q = statistics.quantiles(samples, n=100)
+                    lat = {"samples": len(samples), "p50_ms": round(statistics.median(samples), 1),
+                           "p99_ms": round(q[98], 1), "max_ms": round(max(samples), 1)}
+                    result[f"latency_{consumer}"] = lat
+                    print(f"latency put_cell -> {consumer} at {args.rate:.0f} cells/s ({lat['samples']} "
+                          f"samples): p50 {lat['p50_ms']} ms, p99 {lat['p99_ms']} ms", flush=True)
+            p99 = result["latency_app"]["p99_ms"]
+            print(f"Kafka-mode target p99 <= 100 ms: {'met' if p99 <= 100 else 'MISSED'}")
         if args.only in (None, "throughput"):
             tput = result["throughput"] = throughput(prefix, args.cells)
             print(f"throughput, no-op handler: {tput['app_cells_per_s']} cells/s; raw aiokafka "
                   f"{tput['raw_aiokafka_per_s']}/s (ratio {tput['ratio_vs_raw_aiokafka']}, target >= 0.5: "
                   f"{'met' if tput['ratio_vs_raw_aiokafka'] >= 0.5 else 'MISSED'}); bare faust "
                   f"{tput['bare_faust_per_s']}/s (ratio {tput['ratio_vs_bare_faust']})")
-    finally:
-        delete_topics(KAFKA, prefix)
     if args.only is None:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -34,10 +34,10 @@ from typing import Any
 import pymysql
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from kazoo.client import KazooClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
+from bench.scratch import scratch
 from logstore.config import MySQLTarget, parse_node_url
 from logstore.mysql import table
 from tailer.config import KafkaOptions, TailerConfig
@@ -45,7 +45,6 @@ from tailer.kafka import KafkaPublisher
 from tailer.messages import encode_cell
 from tailer.worker import Tailer
 from tailer.zookeeper import ZooKeeperCoordinator
-from tests.kafka_support import delete_topics
 
 SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
 KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
@@ -258,14 +257,9 @@ def main() -> int:
     if args.consume:
         asyncio.run(consume(args.consume, args.seconds))
         return 0
-    database = f"bench_tail_{uuid.uuid4().hex[:8]}"
-    url = f"{SERVER}/{database}"
-    chroot = f"/bench-{uuid.uuid4().hex[:8]}"
-    zk = ZOOKEEPER + chroot
-    prefix = f"bench{uuid.uuid4().hex[:6]}"
-    store = logstore.open(url, shards=args.shards)
-    results: dict[str, Any] = {"cells": args.cells, "shards": args.shards}
-    try:
+    with scratch(SERVER, ZOOKEEPER, KAFKA, "tail") as (url, zk, prefix), \
+            logstore.open(url, shards=args.shards) as store:
+        results: dict[str, Any] = {"cells": args.cells, "shards": args.shards}
         if args.only != "latency":
             results.update(throughput(store, url, zk, prefix, args.cells, args.shards))
         if args.only != "throughput":
@@ -278,17 +272,6 @@ def main() -> int:
         if args.only is None:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    finally:
-        store.close()
-        conn = pymysql.connect(**{k: v for k, v in parse_node_url(url).model_dump().items() if k != "database"})
-        with conn.cursor() as cur:
-            cur.execute(f"DROP DATABASE IF EXISTS `{database}`")
-        conn.close()
-        client = KazooClient(hosts=ZOOKEEPER)
-        client.start(timeout=10)
-        client.delete(chroot, recursive=True)
-        client.stop()
-        delete_topics(KAFKA, prefix)
     return 0
 
 

@@ -62,7 +62,7 @@ _WATCH_INTERVAL = 1.0  # positions for the lag metric
 _DRAIN_WATCH_INTERVAL = 0.1  # while drain() waits for the end
 FETCH_MAX_WAIT_MS = 100  # measured against 5, 20 and 50 ms (bench/app_kafka_bench.py): the lowest p99
 _UNSETTLED = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)  # until it works or the app stops
-_HEADER_TEXT = 8_000  # bytes of one text header (messages, tracebacks) in the DLQ topic
+_HEADER_TEXT = 8_000  # characters of one text header (messages, tracebacks) in the DLQ topic
 
 
 class _ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
@@ -111,7 +111,7 @@ def deadletter_headers(entry: DeadLetter) -> list[tuple[str, bytes]]:
     }
     fields.update({f"cell_{k}": v for k, v in entry.cell.items()})
     fields.update({f"source_{k}": v for k, v in entry.source.items()})
-    headers = [(name, str(value).encode()[:_HEADER_TEXT]) for name, value in fields.items() if value is not None]
+    headers = [(name, str(value)[:_HEADER_TEXT].encode()) for name, value in fields.items() if value is not None]
     return [*headers, ("content-type", CONTENT_TYPES["json"])]
 
 

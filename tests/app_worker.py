@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from indexer import App
 from logstore import Cell
@@ -45,6 +48,27 @@ def main() -> None:
         app.drain(timeout=120)
     else:
         app.run()
+
+
+def kill_mid_handler_then_drain(config: dict[str, Any], timeout: float = 90) -> tuple[int, list[list[str]]]:
+    """Run a worker with ``hang`` set, SIGKILL it in the handler of the hanging cell, then drain with a
+    second worker; return the killed process's pid and the log's lines (pid, shard, added_id, row_key)."""
+    marker = Path(config["marker"])
+    proc = subprocess.Popen([sys.executable, __file__, json.dumps({**config, "hang": True})])
+    try:
+        deadline = time.monotonic() + timeout
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the worker never reached the cell"
+            time.sleep(0.05)
+        time.sleep(1.0)  # let it commit what it finished
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    subprocess.run([sys.executable, __file__, json.dumps({**config, "drain": True})], check=True,
+                   timeout=timeout * 2)
+    return proc.pid, [line.split() for line in Path(config["log"]).read_text().splitlines()]
 
 
 if __name__ == "__main__":

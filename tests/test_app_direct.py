@@ -8,11 +8,7 @@ SIGKILLed mid-handler.
 from __future__ import annotations
 
 import asyncio
-import json
-import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -36,9 +32,10 @@ from indexer import (
 )
 from logstore.retry import RetryPolicy
 
+from .app_worker import kill_mid_handler_then_drain
+
 SHARDS = 8
 FAST = RetryPolicy(initial=0.001, maximum=0.005, deadline=None)
-WORKER = Path(__file__).with_name("app_worker.py")
 
 
 @pytest.fixture
@@ -310,23 +307,9 @@ def test_sigkill_mid_handler_delivers_the_cell_again(store: logstore.Store, sqli
     hung = store.put_cell(uuid.uuid4(), "BASE", 1, {"hang": True})
     cells += write(store, 10)
     config = {"name": "killed", "store": sqlite_url, "log": str(tmp_path / "log"),
-              "marker": str(tmp_path / "marker"), "hang": True}
-    proc = subprocess.Popen([sys.executable, str(WORKER), json.dumps(config)])
-    try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "marker").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the worker never reached the cell"
-            time.sleep(0.05)
-        time.sleep(0.5)  # let it commit what it finished
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    config.update(drain=True)
-    subprocess.run([sys.executable, str(WORKER), json.dumps(config)], check=True, timeout=120)
-    lines = [line.split() for line in (tmp_path / "log").read_text().splitlines()]
-    again = [(int(s), int(a)) for pid, s, a, _ in lines if pid != str(proc.pid)]
+              "marker": str(tmp_path / "marker")}
+    killed, lines = kill_mid_handler_then_drain(config)
+    again = [(int(s), int(a)) for pid, s, a, _ in lines if pid != str(killed)]
     assert again.count((hung.shard, hung.added_id)) == 1  # delivered again
     delivered = {int(added_id) for _, _, added_id, _ in lines}
     assert delivered == {c.added_id for c in cells} | {hung.added_id}

@@ -9,7 +9,6 @@ aiokafka's admin client, not through the runtime.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import subprocess
 import sys
@@ -33,13 +32,13 @@ from tailer.messages import coordinates, encode_deadletter
 from tailer.storecoord import StoreCoordinator
 from tailer.worker import Tailer
 
+from .app_worker import kill_mid_handler_then_drain
 from .conftest import KAFKA
 from .kafka_support import kcat_read
 
 SHARDS = 8
 P = 4
 FAST = RetryPolicy(initial=0.001, maximum=0.005, deadline=None)
-WORKER = Path(__file__).with_name("app_worker.py")
 
 
 @pytest.fixture
@@ -202,24 +201,10 @@ def test_sigkill_mid_handler_delivers_the_cell_again_from_the_committed_offset(
     cells += write(store, 20)
     publish(store, topic_prefix)
     config = {"name": f"{topic_prefix}-killed", "store": sqlite_url, "log": str(tmp_path / "log"),
-              "marker": str(tmp_path / "marker"), "hang": True, "brokers": KAFKA, "topic_prefix": topic_prefix,
+              "marker": str(tmp_path / "marker"), "brokers": KAFKA, "topic_prefix": topic_prefix,
               "session_timeout": 6}
-    proc = subprocess.Popen([sys.executable, str(WORKER), json.dumps(config)])
-    try:
-        deadline = time.monotonic() + 90
-        while not (tmp_path / "marker").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the worker never reached the cell"
-            time.sleep(0.05)
-        time.sleep(1.0)  # let it commit what it finished
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    config.update(drain=True)
-    subprocess.run([sys.executable, str(WORKER), json.dumps(config)], check=True, timeout=180)
-    lines = [line.split() for line in (tmp_path / "log").read_text().splitlines()]
-    again = [(int(s), int(a)) for pid, s, a, _ in lines if pid != str(proc.pid)]
+    killed, lines = kill_mid_handler_then_drain(config)
+    again = [(int(s), int(a)) for pid, s, a, _ in lines if pid != str(killed)]
     assert again.count((hung.shard, hung.added_id)) == 1  # delivered again, to the next process
     assert {(int(s), int(a)) for _, s, a, _ in lines} == {(c.shard, c.added_id) for c in [*cells, hung]}
     first: dict[int, list[int]] = defaultdict(list)

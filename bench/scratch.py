@@ -1,0 +1,40 @@
+"""A fresh MariaDB database, ZooKeeper chroot and Kafka topic prefix for one benchmark run, removed after."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import pymysql
+from kazoo.client import KazooClient
+
+from logstore.config import parse_node_url
+from tests.kafka_support import delete_topics
+
+
+class Scratch(NamedTuple):
+    url: str  # mysql://.../<database>
+    zookeeper: str  # host:port/<chroot>
+    prefix: str  # topic prefix
+
+
+@contextlib.contextmanager
+def scratch(server: str, zookeeper: str, kafka: str, name: str) -> Iterator[Scratch]:
+    """``server`` is a mysql:// URL without a database; everything made under ``name`` is dropped on exit."""
+    tag = uuid.uuid4().hex[:8]
+    database, chroot = f"bench_{name}_{tag}", f"/bench-{tag}"
+    url = f"{server}/{database}"
+    try:
+        yield Scratch(url, zookeeper + chroot, f"bench{tag}")
+    finally:
+        conn = pymysql.connect(**{k: v for k, v in parse_node_url(url).model_dump().items() if k != "database"})
+        with conn.cursor() as cur:
+            cur.execute(f"DROP DATABASE IF EXISTS `{database}`")
+        conn.close()
+        client = KazooClient(hosts=zookeeper)
+        client.start(timeout=10)
+        client.delete(chroot, recursive=True)
+        client.stop()
+        delete_topics(kafka, f"bench{tag}")
