@@ -331,7 +331,8 @@ class KafkaRunner:
         return await self.processor.process(cell, source)
 
     async def _mirror(self, entry: DeadLetter) -> None:
-        """Send the entry to the DLQ topic and wait for acks=all; retried until it is taken or the app stops."""
+        """Send the entry to the DLQ topic and wait for acks=all; retried until it is taken or the app stops.
+        If the broker refuses it as too large, the body and history are left out (the store has them)."""
         value = entry.model_dump_json().encode()
         headers = deadletter_headers(entry)
         delays = _UNSETTLED.delays()
@@ -341,8 +342,18 @@ class KafkaRunner:
                 await future
                 return
             except PublishError as exc:
-                if not exc.retriable or self._stopping:
+                if self._stopping:
                     raise
+                if not exc.retriable:
+                    smaller = entry.model_copy(update={"body": None, "history": [], "traceback": ""})
+                    smaller_value = smaller.model_dump_json().encode()
+                    if smaller_value == value:
+                        raise
+                    value = smaller_value
+                    headers = [*deadletter_headers(smaller), ("omitted", b"body,history,traceback")]
+                    logger.warning("dead letter %s is too large for %s; mirrored without its body", entry.id,
+                                   self.dlq_topic)
+                    continue
                 delay = next(delays)
                 logger.warning("dead letter %s not mirrored to %s (%s); again in %.1fs", entry.id, self.dlq_topic,
                                exc, delay)

@@ -331,3 +331,23 @@ def test_kafka_mode_options_are_checked_and_an_unreachable_cluster_is_a_typed_er
     with app, pytest.raises(SourceUnavailableError, match=r"127\.0\.0\.1:1"):
         app.drain(timeout=60)
     assert time.monotonic() - started < 60
+
+
+def test_a_dead_letter_too_large_for_the_dlq_topic_is_mirrored_without_its_body(
+    store: logstore.Store, topic_prefix: str
+) -> None:
+    big = store.put_cell(uuid.uuid4(), "BASE", 1, {"blob": "x" * 990_000})  # fits a message, not with a traceback
+    publish(store, topic_prefix)
+    app = App(f"{topic_prefix}-big", store=store, brokers=KAFKA, topic_prefix=topic_prefix, backoff=FAST)
+
+    @app.trigger("BASE", max_attempts=1)
+    def refuse(cell: logstore.Cell) -> None:
+        raise ValueError("x" * 5000)
+
+    with app:
+        assert app.drain(timeout=60) == (0, 0, 1)
+        [entry] = app.dlq.list()
+        assert entry.body == big.body  # the store keeps everything
+    [mirrored] = kcat_read(KAFKA, f"{topic_prefix}-big.dlq")
+    assert mirrored.key == entry.id and mirrored.headers["omitted"] == "body,history,traceback"
+    assert mirrored.value["body"] is None and mirrored.headers["error_type"] == "ValueError"
