@@ -43,6 +43,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
+from logstore import Cell
 from logstore.retry import RetryPolicy
 from tailer.config import KafkaOptions
 from tailer.errors import PublishError
@@ -315,20 +316,35 @@ class KafkaRunner:
 
     async def _handle(self, m: Any) -> bool:
         source = {"mode": "kafka", "topic": m.topic, "partition": m.partition, "offset": m.offset}
-        if m.topic == self.tailer_deadletters:
-            where, failure = tailer_deadletter(json.loads(m.value))
-            return await self.processor.undecodable(where, source, failure)
+        where = {name: value.decode(errors="replace") for name, value in m.headers or ()
+                 if name in ("shard", "added_id", "column", "ref_key", "created_at")}
+        where["row_key"] = (m.key or b"").decode(errors="replace")
+        cell: Cell | None = None
         try:
-            cell = decode_cell(m.value, m.headers)
+            if m.topic == self.tailer_deadletters:  # a cell the tailer gave up on: no attempt, straight to the DLQ
+                record = json.loads(m.value)
+                if not isinstance(record, dict):
+                    raise ValueError(f"not a tailer dead-letter record: {type(record).__name__}")
+                where, failure = tailer_deadletter(record)
+            else:
+                cell = decode_cell(m.value, m.headers)
         except Exception as exc:  # anything a foreign producer wrote: dead-letter it, never skip it
-            where = {name: value.decode(errors="replace") for name, value in m.headers or ()
-                     if name in ("shard", "added_id", "column", "ref_key", "created_at")}
-            where["column"] = m.topic[len(self.config.topic_prefix) + 1:]
-            where["row_key"] = (m.key or b"").decode(errors="replace")
             text = "".join(traceback.format_exception(exc))
             failure = Failure(qualified_name(type(exc)), f"undecodable message: {exc}", text, fingerprint(exc), False)
+            if m.topic != self.tailer_deadletters:
+                where["column"] = m.topic[len(self.config.topic_prefix) + 1:]
+        if cell is not None:
+            return await self.processor.process(cell, source)
+        return await self._undecodable(where, source, failure)
+
+    async def _undecodable(self, where: dict[str, Any], source: dict[str, Any], failure: Failure) -> bool:
+        """Dead-letter for the handlers of the cell's column; for all of them when the column is unknown."""
+        if where.get("column"):
             return await self.processor.undecodable(where, source, failure)
-        return await self.processor.process(cell, source)
+        for column in self.processor.by_column:
+            if not await self.processor.undecodable({**where, "column": column}, source, failure):
+                return False
+        return True
 
     async def _mirror(self, entry: DeadLetter) -> None:
         """Send the entry to the DLQ topic and wait for acks=all; retried until it is taken or the app stops.

@@ -119,6 +119,8 @@ def test_poison_cells_are_dead_lettered_with_their_kafka_position_mirrored_and_p
     record = encode_deadletter(coordinates(lost), topic=f"{topic_prefix}.BASE", error=ValueError("body too large"),
                                stage="encode", tailer="tl", worker="w1")
     produce(f"{topic_prefix}-deadletter", lost.shard % P, record.key, record.value)
+    # A garbled record there: whose cell it was is unknown, so every handler gets an entry.
+    produce(f"{topic_prefix}-deadletter", 0, b"junk", b"[1, 2]")
 
     seen: list[logstore.Cell] = []
     active: dict[int, int] = defaultdict(int)
@@ -144,8 +146,8 @@ def test_poison_cells_are_dead_lettered_with_their_kafka_position_mirrored_and_p
 
     with app:
         counts = app.drain(timeout=90)
-        # 3 poison cells retried once each; they, the foreign message and the tailer's dead letter dead-lettered
-        assert counts == (200, 3, 5)
+        # 3 poison cells retried once each; they, the foreign message and both tailer dead letters dead-lettered
+        assert counts == (200, 3, 6)
         assert overlap == [], "two cells of one partition were handled at once"
         by_shard: dict[int, list[int]] = defaultdict(list)
         for cell in seen:
@@ -154,7 +156,10 @@ def test_poison_cells_are_dead_lettered_with_their_kafka_position_mirrored_and_p
         assert {(c.shard, c.added_id) for c in seen} == {(c.shard, c.added_id) for c in good}
 
         entries = {e.cell.get("row_key"): e for e in app.dlq.list()}
-        assert len(entries) == 5
+        assert len(entries) == 6
+        garbled = entries["junk"]
+        assert garbled.source["topic"] == f"{topic_prefix}-deadletter" and garbled.column == "BASE"
+        assert "not a tailer dead-letter record" in garbled.message
         tailer_gave_up = entries[str(lost.row_key)]
         assert tailer_gave_up.body is None and tailer_gave_up.error_type == "ValueError"
         assert tailer_gave_up.source["topic"] == f"{topic_prefix}-deadletter"
