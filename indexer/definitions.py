@@ -100,9 +100,8 @@ class IndexDefinition(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> IndexDefinition:
         names = [f.name for f in self.fields]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"fields: {', '.join(duplicates)} declared more than once")
+        if _twice(names):
+            raise ValueError(f"fields: {', '.join(_twice(names))} declared more than once")
         by_name = {f.name: f for f in self.fields}
         shard = by_name.get(self.shard_field)
         if shard is None:
@@ -143,10 +142,13 @@ class IndexFile(BaseModel):
     @model_validator(mode="after")
     def _unique(self) -> IndexFile:
         names = [i.name for i in self.indexes]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"indexes: {', '.join(duplicates)} defined more than once")
+        if _twice(names):
+            raise ValueError(f"indexes: {', '.join(_twice(names))} defined more than once")
         return self
+
+
+def _twice(names: list[str]) -> list[str]:
+    return sorted({n for n in names if names.count(n) > 1})
 
 
 def _convert(index: str, f: IndexField, value: Any) -> Any:
@@ -255,22 +257,23 @@ def _locate(root: yaml.Node | None, loc: tuple[Any, ...], message: str) -> tuple
     return line, ".".join(path), message
 
 
-def _key(node: yaml.Node | None, name: str) -> yaml.Node | None:
+def _entry(node: yaml.Node | None, name: Any) -> tuple[yaml.Node, yaml.Node] | None:
+    """The (key, value) nodes of ``name`` in a mapping node."""
     if isinstance(node, yaml.MappingNode):
-        for key, _value in node.value:
+        for key, value in node.value:
             if key.value == name:
-                found: yaml.Node = key
-                return found
+                return key, value
     return None
+
+
+def _key(node: yaml.Node | None, name: str) -> yaml.Node | None:
+    found = _entry(node, name)
+    return found[0] if found else None
 
 
 def _child(node: yaml.Node | None, part: Any) -> yaml.Node | None:
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            if key.value == part:
-                found: yaml.Node = value
-                return found
     if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
         child: yaml.Node = node.value[part]
         return child
-    return None
+    found = _entry(node, part)
+    return found[1] if found else None
