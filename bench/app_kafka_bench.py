@@ -32,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -43,6 +42,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
+from bench.pacing import latencies, paced_puts
 from bench.scratch import scratch
 from indexer import App
 from logstore import Cell
@@ -151,36 +151,14 @@ def latency(store: logstore.Store, url: str, zk: str, prefix: str, consumer: str
             assert time.monotonic() < deadline and reader.poll() is None, "the consumer did not join its group"
             time.sleep(0.2)
         time.sleep(2)  # positioned and fetching; the tailer has claimed its shards
-        put_at: dict[str, float] = {}
-        stop = threading.Event()
-
-        def write(threads: int) -> None:
-            next_at = time.perf_counter()
-            while not stop.is_set():
-                key = uuid.uuid4()
-                store.put_cell(key, column, 1, {"city": "Aarhus", "fare": 12.5})
-                put_at[str(key)] = time.time()
-                next_at += threads / rate
-                time.sleep(max(0.0, next_at - time.perf_counter()))
-
-        writers = [threading.Thread(target=write, args=(8,), daemon=True) for _ in range(8)]
-        for writer in writers:
-            writer.start()
-        time.sleep(seconds)
-        stop.set()
-        for writer in writers:
-            writer.join()
+        put_at = paced_puts(store, column, rate, seconds, lambda _i: {"city": "Aarhus", "fare": 12.5})
         got: dict[str, float] = json.loads(reader.communicate(timeout=120)[0])
     finally:
         for proc in (reader, tailer):
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(60)
-    samples = [(got[key] - at) * 1000 for key, at in sorted(put_at.items(), key=lambda kv: kv[1]) if key in got]
-    missing = len(put_at) - len(samples)
-    if missing:
-        print(f"   {consumer}: {missing} cells not received within the window", flush=True)
-    return samples[len(samples) // 10:]  # drop the warm-up tenth
+    return latencies(put_at, got, consumer)
 
 
 async def _topic_exists(topic: str) -> bool:

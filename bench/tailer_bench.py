@@ -25,7 +25,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -37,6 +36,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
+from bench.pacing import latencies, paced_puts
 from bench.scratch import scratch
 from logstore.config import MySQLTarget, parse_node_url
 from logstore.mysql import table
@@ -169,39 +169,14 @@ async def latency(store_url: str, store: logstore.Store, zk: str, prefix: str, r
                               stdout=subprocess.PIPE, text=True)
     assert reader.stdout is not None
     assert reader.stdout.readline().strip() == "ready"
-    put_at: dict[str, float] = {}
-    stop = threading.Event()
-
-    def write(threads: int) -> None:
-        # A durable put takes a few milliseconds here, so several writers share the rate.
-        next_at = time.perf_counter()
-        i = 0
-        while not stop.is_set():
-            key = uuid.uuid4()
-            store.put_cell(key, "LAT", 1, body(i))
-            put_at[str(key)] = time.time()
-            i += 1
-            next_at += threads / rate
-            time.sleep(max(0.0, next_at - time.perf_counter()))
-
     time.sleep(3)  # the worker joins and claims its shards
-    writers = [threading.Thread(target=write, args=(8,), daemon=True) for _ in range(8)]
     started = time.perf_counter()
-    for writer in writers:
-        writer.start()
-    time.sleep(seconds)
-    stop.set()
-    for writer in writers:
-        writer.join()
+    put_at = paced_puts(store, "LAT", rate, seconds, body)
     print(f"   wrote {len(put_at) / (time.perf_counter() - started):.0f} cells/s", flush=True)
     got: dict[str, float] = json.loads(reader.communicate()[0])
     worker.terminate()
     worker.wait(timeout=60)
-    samples = [(got[key] - at) * 1000 for key, at in sorted(put_at.items(), key=lambda kv: kv[1]) if key in got]
-    missing = len(put_at) - len(samples)
-    if missing:
-        print(f"   {missing} cells not read within the window", flush=True)
-    return samples[len(samples) // 10:]  # drop the warm-up tenth
+    return latencies(put_at, got, "consumer")
 
 
 async def consume(topic: str, seconds: float) -> None:

@@ -229,22 +229,26 @@ mariadb_root_sql() {
   "$cli" --no-defaults --socket="$MARIADB_SOCK" -uroot -N -B "$@"
 }
 
-# The pid of the mariadbd serving our data dir, if any.
-mariadb_our_pid() {
-  local pid
-  pid="$(cat "$MARIADB_PID" 2>/dev/null || true)"
-  if proc_alive "$pid" mariadbd "--datadir=$MARIADB_DATA"; then
+# our_pid PIDFILE NAME MATCH -> pid of our NAME process (its command line holds MATCH), from the
+# pid file or by scanning.
+our_pid() {
+  local pidfile="$1" name="$2" want="$3" pid
+  pid="$(cat "$pidfile" 2>/dev/null || true)"
+  if proc_alive "$pid" "$name" "$want"; then
     printf '%s\n' "$pid"
     return 0
   fi
-  for pid in $(pids_of mariadbd); do
-    if proc_alive "$pid" mariadbd "--datadir=$MARIADB_DATA"; then
+  for pid in $(pids_of "$name"); do
+    if proc_alive "$pid" "$name" "$want"; then
       printf '%s\n' "$pid"
       return 0
     fi
   done
   return 1
 }
+
+# The pid of the mariadbd serving our data dir, if any.
+mariadb_our_pid() { our_pid "$MARIADB_PID" mariadbd "--datadir=$MARIADB_DATA"; }
 
 mariadb_installed() {
   find_bin mariadbd >/dev/null && find_bin mariadb-install-db >/dev/null &&
@@ -583,20 +587,10 @@ java_start() {
 # java_our_pid PIDFILE CMDLINE-TAIL -> pid of our JVM whose command line ends
 # in CMDLINE-TAIL (its config file), from the pid file or by scanning.
 java_our_pid() {
-  local pidfile="$1" want="$2" pid
-  pid="$(cat "$pidfile" 2>/dev/null || true)"
-  if proc_alive "$pid" java "$want"; then
-    printf '%s\n' "$pid"
-    return 0
-  fi
-  for pid in $(pids_of java); do
-    if proc_alive "$pid" java "$want"; then
-      printf '%s\n' "$pid" >"$pidfile"
-      printf '%s\n' "$pid"
-      return 0
-    fi
-  done
-  return 1
+  local pid
+  pid="$(our_pid "$1" java "$2")" || return 1
+  printf '%s\n' "$pid" >"$1"  # kept current, so the next look needs no scan
+  printf '%s\n' "$pid"
 }
 
 # java_stop NAME PID -- SIGTERM (both servers shut down cleanly on it), then

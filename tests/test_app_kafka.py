@@ -9,6 +9,8 @@ aiokafka's admin client, not through the runtime.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -252,8 +254,9 @@ def test_two_workers_share_the_partitions_through_the_consumer_group(
         f"    with open({str(log)!r}, 'a') as fh:\n"
         "        fh.write(f'{os.getpid()} {cell.shard} {cell.added_id}\\n')\n"
     )
+    # Its own process group, so a failing test takes the worker processes down with the parent.
     proc = subprocess.Popen([sys.executable, "-m", "cellstream", "run", f"{module}:app", "--workers", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
         while group_members(f"app.{topic_prefix}-pair") != ("Stable", 2):
@@ -281,8 +284,9 @@ def test_two_workers_share_the_partitions_through_the_consumer_group(
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err[-2000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        with contextlib.suppress(ProcessLookupError):  # the group is empty after a graceful stop
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
     ends = end_offsets(f"{topic_prefix}.BASE")
     group = committed(f"app.{topic_prefix}-pair")
     assert {tp: group.get(tp) for tp in ends} == ends  # both stopped gracefully, everything committed
