@@ -22,7 +22,8 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -32,11 +33,14 @@ from logstore import InvalidCellError, Store
 from logstore.cell import check_column
 from tailer.metrics import TailerMetrics
 
+from .catalog import IndexCatalog
 from .config import AppConfig
 from .deadletters import DeadLetterStore
+from .definitions import IndexDefinition, load_indexes
 from .dlq import DeadLetterQueue
 from .errors import ConfigurationError, DrainTimeoutError, TakenOverError
 from .handlers import Counts, Handler, Processor, Trigger
+from .indexes import IndexApplier
 from .metrics import AppMetrics
 
 logger = logging.getLogger(__name__)
@@ -97,6 +101,29 @@ class App:
             self.triggers.append(Trigger(handler, column, fn, max_attempts))
             return fn
         return register
+
+    def index(self, definitions: str | Path | Sequence[IndexDefinition]) -> list[IndexDefinition]:
+        """Keep the indexes of a YAML file (or these definitions) current; return the versions kept.
+
+        Each version is registered in the index catalog (its tables created) if new; a version that
+        exists must have the same definition. Every version of these indexes that is not dropped is
+        kept current, the ones the file no longer lists included (an active one must not go stale).
+        """
+        if self._processor is not None:
+            raise ConfigurationError("add indexes before the app starts")
+        loaded = load_indexes(Path(definitions)) if isinstance(definitions, str | Path) else list(definitions)
+        catalog = IndexCatalog(self.store)
+        for definition in loaded:
+            catalog.register(definition)
+        kept: list[IndexDefinition] = []
+        for name in dict.fromkeys(d.name for d in loaded):
+            for definition in catalog.get(name).maintained():
+                applier = IndexApplier(self.store, definition)
+                if any(t.name == applier.name for t in self.triggers):
+                    raise ConfigurationError(f"app {self.name} already keeps {applier.name}")
+                self.triggers.append(Trigger(applier.name, definition.column, applier.apply_one, 5, applier))
+                kept.append(definition)
+        return kept
 
     # -- shared parts -----------------------------------------------------------
     @property
@@ -172,6 +199,11 @@ class App:
         deadline = None if timeout is None else since + timeout
         await runner.start()
         try:
+            await asyncio.to_thread(self._mark_indexes_live)
+        except BaseException:
+            await runner.stop()
+            raise
+        try:
             while not done(runner, since):
                 if processor.stalled is not None:
                     raise processor.stalled
@@ -189,6 +221,13 @@ class App:
         if processor.stalled is not None:
             raise processor.stalled
         return processor.counts - before
+
+    def _mark_indexes_live(self) -> None:
+        catalog = IndexCatalog(self.store)
+        for trigger in self.triggers:
+            if isinstance(trigger.applier, IndexApplier):
+                definition = trigger.applier.definition
+                catalog.mark_live(definition.name, definition.version, self.name)
 
     def close(self) -> None:
         """Release the thread pool and, if the app opened it, the store. Safe twice."""

@@ -29,19 +29,16 @@ import datetime as dt
 import math
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from logstore import InvalidCellError
 from logstore.cell import check_column
+from logstore.indexing import MAX_KEY_CHARS, IndexColumn, IndexSpec
 
 from .errors import IndexerError, NonRetriableError
-
-FieldType = Literal["uuid", "str", "int", "float", "bool", "datetime", "json"]
-_SHARDABLE = frozenset({"uuid", "str", "int"})
-_RESERVED = frozenset({"row_key", "ref_key", "added_id", "shard", "created_at"})  # the entry's own columns
 
 
 class DefinitionError(IndexerError, ValueError):
@@ -61,33 +58,13 @@ class EntryFieldError(NonRetriableError):
         super().__init__(f"index {index}: field {field}: {message}")
 
 
-class IndexField(BaseModel):
-    """One body field copied into the index."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(pattern=r"^[a-z_][a-z0-9_]{0,63}$", description="the body field, and the entry's column")
-    type: FieldType
-    key: bool = Field(False, description="queries may filter on it (equality, or a range)")
-
-    @field_validator("name")
-    @classmethod
-    def _not_reserved(cls, value: str) -> str:
-        if value in _RESERVED:
-            raise ValueError(f"{value!r} is reserved for the entry's own columns ({', '.join(sorted(_RESERVED))})")
-        return value
+IndexField = IndexColumn  # one body field copied into the entries (name, type, key)
 
 
-class IndexDefinition(BaseModel):
-    """One index: entries from the cells of ``column``, in the shard of ``shard_field``."""
+class IndexDefinition(IndexSpec):
+    """One index version: entries from the cells of ``column``, in the shard of ``shard_field``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,47}$", description="also part of the index tables' names")
     column: str = Field(description="the source column; every cell written to it updates the index")
-    version: int = Field(ge=1, le=9999, description="a new version is built beside the old one, then activated")
-    shard_field: str = Field(description="the field whose hash picks the entry's shard")
-    fields: list[IndexField] = Field(min_length=1, max_length=64)
 
     @field_validator("column")
     @classmethod
@@ -97,40 +74,28 @@ class IndexDefinition(BaseModel):
         except InvalidCellError as exc:
             raise ValueError(str(exc)) from None
 
-    @model_validator(mode="after")
-    def _consistent(self) -> IndexDefinition:
-        names = [f.name for f in self.fields]
-        if _twice(names):
-            raise ValueError(f"fields: {', '.join(_twice(names))} declared more than once")
-        by_name = {f.name: f for f in self.fields}
-        shard = by_name.get(self.shard_field)
-        if shard is None:
-            raise ValueError(f"shard_field: {self.shard_field!r} is not one of the fields ({', '.join(names)})")
-        if shard.type not in _SHARDABLE:
-            raise ValueError(f"shard_field: {self.shard_field!r} has type {shard.type}; it must be uuid, str or int")
-        for f in self.fields:
-            if f.key and f.type == "json":
-                raise ValueError(f"fields: {f.name!r} is json, which cannot be a query key")
-        return self
-
     @property
-    def keys(self) -> tuple[str, ...]:
-        """The query keys: the shard field first, then the fields marked ``key``, in file order."""
-        return (self.shard_field, *(f.name for f in self.fields if f.key and f.name != self.shard_field))
+    def spec(self) -> IndexSpec:
+        """What the storage nodes hold (the definition without its source column)."""
+        return IndexSpec.model_validate(self.model_dump(exclude={"column"}))
 
     def entry(self, body: dict[str, Any]) -> dict[str, Any]:
         """The typed values of every declared field of ``body``; EntryFieldError names the first bad one."""
         out: dict[str, Any] = {}
+        keys = self.keys
         for f in self.fields:
             if f.name not in body:
                 raise EntryFieldError(self.name, f.name, "missing from the cell's body")
             value = body[f.name]
             if value is None:
-                if f.name in self.keys:
+                if f.name in keys:
                     raise EntryFieldError(self.name, f.name, "is null, and a query key must have a value")
                 out[f.name] = None
                 continue
-            out[f.name] = _convert(self.name, f, value)
+            out[f.name] = convert(self.name, f, value)
+            if f.type == "str" and f.name in keys and len(value) > MAX_KEY_CHARS:
+                raise EntryFieldError(self.name, f.name, f"is longer than {MAX_KEY_CHARS} characters, the limit of "
+                                                         "a query key")
         return out
 
 
@@ -141,17 +106,20 @@ class IndexFile(BaseModel):
 
     @model_validator(mode="after")
     def _unique(self) -> IndexFile:
-        names = [i.name for i in self.indexes]
-        if _twice(names):
-            raise ValueError(f"indexes: {', '.join(_twice(names))} defined more than once")
+        versions = [f"{i.name} version {i.version}" for i in self.indexes]
+        twice = sorted({v for v in versions if versions.count(v) > 1})
+        if twice:
+            raise ValueError(f"indexes: {', '.join(twice)} defined more than once")
+        columns: dict[str, str] = {}
+        for index in self.indexes:
+            if columns.setdefault(index.name, index.column) != index.column:
+                raise ValueError(f"indexes: the versions of {index.name} read different columns "
+                                 f"({columns[index.name]}, {index.column}); an index has one source column")
         return self
 
 
-def _twice(names: list[str]) -> list[str]:
-    return sorted({n for n in names if names.count(n) > 1})
-
-
-def _convert(index: str, f: IndexField, value: Any) -> Any:
+def convert(index: str, f: IndexField, value: Any) -> Any:
+    """A JSON value as the typed value of field ``f``; EntryFieldError when it does not fit."""
     def wrong(expected: str) -> EntryFieldError:
         return EntryFieldError(index, f.name, f"expected {expected}, got {type(value).__name__} {value!r:.60}")
 

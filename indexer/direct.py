@@ -44,12 +44,12 @@ class _Item(NamedTuple):
 class HandlerPublisher(Publisher):
     """The tailer's sink in direct mode: hands cells to the processor, in order per shard."""
 
-    def __init__(self, processor: Processor, deadletter_topic: str) -> None:
+    def __init__(self, processor: Processor, deadletter_topic: str, batch_size: int) -> None:
         self.processor = processor
         self.deadletter_topic = deadletter_topic
+        self.batch_size = batch_size  # consecutive cells of a shard handled together (an index applies them at once)
         self._queues: dict[int, deque[_Item]] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._busy: set[int] = set()  # partitions whose first item is being handled now
         self._running = False
 
     async def start(self) -> None:
@@ -95,14 +95,10 @@ class HandlerPublisher(Publisher):
         return item.future
 
     def abandon(self, partition: int) -> None:
+        """Cancel what is queued; cells being handled (taken off the queue) finish."""
         queue = self._queues.get(partition)
-        if not queue:
-            return
-        keep = [queue[0]] if partition in self._busy else []
-        for item in list(queue)[len(keep):]:
-            item.future.cancel()
-        queue.clear()
-        queue.extend(keep)
+        while queue:
+            queue.popleft().future.cancel()
 
     def _kick(self, partition: int) -> None:
         task = self._tasks.get(partition)
@@ -112,35 +108,36 @@ class HandlerPublisher(Publisher):
     async def _work(self, partition: int) -> None:
         queue = self._queues[partition]
         while queue and self.processor.stalled is None:
-            item = queue[0]
-            if item.future.done():  # abandoned
-                queue.popleft()
+            batch = [queue.popleft()]
+            if batch[0].future.done():  # abandoned
                 continue
-            self._busy.add(partition)
+            while (batch[0].cell is not None and queue and len(batch) < self.batch_size
+                   and queue[0].cell is not None and not queue[0].future.done()):
+                batch.append(queue.popleft())
             try:
-                done = await self._handle(item)
+                done = await self._handle(batch)
             except Exception as exc:  # e.g. the store is down while dead-lettering: redeliver from here
-                logger.warning("partition %d: cell not settled (%s); it will be delivered again", partition, exc)
+                logger.warning("partition %d: cells not settled (%s); they will be delivered again", partition, exc)
                 error = PublishError(f"not settled: {type(exc).__name__}: {exc}", retriable=True)
-                for rest in queue:
+                for rest in [*batch, *queue]:
                     if not rest.future.done():
                         rest.future.set_exception(error)
                 queue.clear()
                 return
-            finally:
-                self._busy.discard(partition)
             if not done:
-                return  # stalled: the cell stays unacknowledged; the app stops
-            queue.popleft()
-            if not item.future.done():
-                item.future.set_result(None)
+                queue.extendleft(reversed(batch))  # stalled: unacknowledged (abandoned when the app stops)
+                return
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_result(None)
 
-    async def _handle(self, item: _Item) -> bool:
-        if item.cell is not None:
-            cell = item.cell
-            return await self.processor.process(cell, {"mode": "direct", "shard": cell.shard,
-                                                       "added_id": cell.added_id})
-        where, failure = tailer_deadletter(item.deadletter or {})
+    async def _handle(self, batch: list[_Item]) -> bool:
+        first = batch[0]
+        if first.cell is not None:
+            return await self.processor.process_many(
+                [(item.cell, {"mode": "direct", "shard": item.cell.shard, "added_id": item.cell.added_id})
+                 for item in batch if item.cell is not None])
+        where, failure = tailer_deadletter(first.deadletter or {})
         source = {"mode": "direct", "shard": where.get("shard"), "added_id": where.get("added_id")}
         return await self.processor.undecodable(where, source, failure)
 
@@ -166,7 +163,7 @@ class DirectRunner:
                                                     session_timeout=config.session_timeout)
         else:
             self.coordinator = StoreCoordinator(store, consumer)
-        self.publisher = HandlerPublisher(processor, self.tailer_config.deadletter_topic)
+        self.publisher = HandlerPublisher(processor, self.tailer_config.deadletter_topic, config.page_size)
         self.tailer = Tailer(store, self.tailer_config, self.coordinator, self.publisher, metrics)
 
     async def start(self) -> None:

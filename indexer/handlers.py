@@ -18,17 +18,17 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from logstore import Cell
 from tailer.messages import coordinates
 
 from .config import AppConfig
 from .deadletters import OPEN_STATES, DeadLetter, DeadLetterStore
-from .errors import HandlerStalledError
+from .errors import HandlerStalledError, RetriableError
 from .metrics import AppMetrics
-from .policy import Failure, Outcome, deliver, qualified_name
+from .policy import Failure, Outcome, deliver, describe, qualified_name
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[Cell], Any]
@@ -44,14 +44,28 @@ def tailer_deadletter(record: dict[str, Any]) -> tuple[dict[str, Any], Failure]:
                           f"{stage}:{kind}", False)
 
 
+class BatchApplier(Protocol):
+    """A handler that takes a whole batch of a column's cells at once (an index version)."""
+
+    name: str
+
+    def prepare(self, cell: Cell) -> Any:
+        """What the cell becomes; raising dead-letters the cell (non-retriable errors say why)."""
+
+    def apply(self, prepared: Sequence[Any]) -> Any:
+        """(blocking) Apply the batch in order; idempotent, so a batch may be applied again."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Trigger:
-    """A handler subscribed to one column."""
+    """A handler subscribed to one column; with an ``applier``, batches go to it and ``fn`` takes one cell
+    (replays, and the cells of a batch that failed, one by one)."""
 
     name: str
     column: str
     fn: Handler
     max_attempts: int
+    applier: BatchApplier | None = None
 
     @property
     def is_async(self) -> bool:
@@ -100,14 +114,80 @@ class Processor:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # -- one cell ---------------------------------------------------------------
+    # -- cells ------------------------------------------------------------------
     async def process(self, cell: Cell, source: dict[str, Any]) -> bool:
         """Run the column's handlers on ``cell``; False when a handler stalled (do not acknowledge)."""
-        for trigger in self.by_column.get(cell.column, ()):
-            if self.stalled is not None:
-                return False
-            outcome = await self.run(trigger, cell)
-            if not outcome.ok and not await self._deadletter(trigger, source, coordinates(cell), cell.body, outcome):
+        return await self.process_many([(cell, source)])
+
+    async def process_many(self, items: Sequence[tuple[Cell, dict[str, Any]]]) -> bool:
+        """Run the handlers on consecutive cells of one source partition: batch handlers take them at
+        once, the others one cell after another. True when every handler succeeded or dead-lettered every
+        cell; False when one stalled; a RetriableError when a batch could not be settled (handle it again)."""
+        for trigger in self.triggers:
+            if trigger.applier is not None:
+                mine = [(c, s) for c, s in items if c.column == trigger.column]
+                if mine and not await self._apply_batch(trigger, trigger.applier, mine):
+                    return False
+        for cell, source in items:
+            for trigger in self.by_column.get(cell.column, ()):
+                if trigger.applier is not None:
+                    continue
+                if self.stalled is not None:
+                    return False
+                outcome = await self.run(trigger, cell)
+                if not outcome.ok and not await self._deadletter(trigger, source, coordinates(cell), cell.body,
+                                                                 outcome):
+                    return False
+        return True
+
+    async def _apply_batch(self, trigger: Trigger, applier: BatchApplier,
+                           items: list[tuple[Cell, dict[str, Any]]]) -> bool:
+        """Cells that cannot be prepared are dead-lettered first (so the batch's recorded position never
+        passes a cell that was neither applied nor dead-lettered); the rest are applied at once, retried
+        while the error is retriable. A batch still failing with a retriable error is not settled; one
+        failing otherwise is applied cell by cell, so only the cells that fail are dead-lettered."""
+        prepared, kept = [], []
+        for cell, source in items:
+            try:
+                prepared.append(applier.prepare(cell))
+                kept.append((cell, source))
+            except Exception as exc:
+                now = dt.datetime.now(dt.UTC)
+                if not await self._deadletter(trigger, source, coordinates(cell), cell.body,
+                                              Outcome(False, 1, describe(exc), now, now)):
+                    return False
+        if not prepared:
+            return True
+        loop = asyncio.get_running_loop()
+        labels = (self.config.name, trigger.name)
+
+        def retrying(exc: BaseException, attempt: int, delay: float) -> None:
+            self.metrics.retried.labels(*labels).inc()
+            logger.warning("%s: attempt %d at a batch of %d cells failed (%s: %s); retrying in %.2fs", trigger.name,
+                           attempt, len(prepared), qualified_name(type(exc)), exc, delay)
+
+        started = time.perf_counter()
+        outcome = await deliver(lambda: loop.run_in_executor(self._pool, applier.apply, prepared),
+                                trigger.max_attempts, self.config.backoff, on_retry=retrying)
+        if outcome.ok:
+            self.counts = self.counts._replace(processed=self.counts.processed + len(prepared))
+            self.metrics.processed.labels(*labels).inc(len(prepared))
+            self.metrics.seconds.labels(*labels).observe(time.perf_counter() - started)
+            return True
+        assert outcome.failure is not None
+        if outcome.failure.retriable:
+            raise RetriableError(f"{trigger.name}: a batch of {len(prepared)} cells not applied: "
+                                 f"{outcome.failure.error_type}: {outcome.failure.message}")
+        logger.warning("%s: a batch failed (%s: %s); applying its cells one by one", trigger.name,
+                       outcome.failure.error_type, outcome.failure.message)
+        for cell, source in kept:
+            one = await self.run(trigger, cell)
+            if one.ok:
+                continue
+            assert one.failure is not None
+            if one.failure.retriable:
+                raise RetriableError(f"{trigger.name}: cell not applied: {one.failure.message}")
+            if not await self._deadletter(trigger, source, coordinates(cell), cell.body, one):
                 return False
         return True
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import shutil
@@ -139,6 +140,7 @@ class KafkaRunner:
         self._queued = 0
         self._room = asyncio.Event()
         self._settled: dict[TP, int] = {}  # next offset after the last acknowledged event
+        self._handling: dict[TP, int] = {}  # events at the head of a queue being handled now
         self._view: _View | None = None
         self._assigned_once = False
         self._draining = False
@@ -275,7 +277,7 @@ class KafkaRunner:
         if not queue:
             return
         task = self._tasks.get(tp)
-        keep = 1 if task is not None and not task.done() else 0  # the event being handled finishes
+        keep = self._handling.get(tp, 0) if task is not None and not task.done() else 0  # those finish
         self._queued -= len(queue) - keep
         while len(queue) > keep:
             queue.pop()
@@ -285,57 +287,79 @@ class KafkaRunner:
         queue = self._queues[tp]
         try:
             while queue and self.processor.stalled is None:
-                event = queue[0]
-                if not await self._settle(event):
-                    return  # stalled: the event stays unacknowledged; the app stops
-                queue.popleft()
-                self._queued -= 1
+                # Consecutive events are handled together (an index applies them in one transaction); the
+                # batch stays at the head of the queue, so stop() abandons only what comes after it.
+                batch = list(itertools.islice(queue, self.config.page_size))
+                self._handling[tp] = len(batch)
+                try:
+                    settled = await self._settle(batch)
+                finally:
+                    self._handling[tp] = 0
+                if not settled:
+                    return  # stalled: the events stay unacknowledged; the app stops
+                for event in batch:
+                    queue.popleft()
+                    event.ack()
+                self._queued -= len(batch)
                 self._room.set()
-                event.ack()
-                self._settled[tp] = event.message.offset + 1
+                self._settled[tp] = batch[-1].message.offset + 1
         except Exception as exc:  # a bug of the runtime: stop the app rather than skip or reorder cells
             logger.exception("%s partition %s: cannot go on", self.group, tp)
             self._error = exc
 
-    async def _settle(self, event: Any) -> bool:
-        """Run the handlers on the event until they succeed or dead-letter it; False when one stalled."""
+    async def _settle(self, batch: list[Any]) -> bool:
+        """Run the handlers on the events until they succeed or dead-letter them; False when one stalled."""
         delays = _UNSETTLED.delays()
         while True:
             try:
-                return await self._handle(event.message)
+                return await self._handle(batch)
             except Exception as exc:
                 if self._stopping:
-                    raise asyncio.CancelledError from None  # abandon it, unacknowledged
+                    raise asyncio.CancelledError from None  # abandon them, unacknowledged
                 if not getattr(exc, "retriable", False):
                     raise  # not a passing outage: the runner fails rather than retry a bug forever
                 delay = next(delays)
-                m = event.message
-                logger.warning("%s/%d@%d not settled (%s: %s); handling it again in %.1fs", m.topic, m.partition,
-                               m.offset, type(exc).__name__, exc, delay)
+                m = batch[0].message
+                logger.warning("%s/%d@%d+%d not settled (%s: %s); handling them again in %.1fs", m.topic,
+                               m.partition, m.offset, len(batch), type(exc).__name__, exc, delay)
                 await asyncio.sleep(delay)
 
-    async def _handle(self, m: Any) -> bool:
-        source = {"mode": "kafka", "topic": m.topic, "partition": m.partition, "offset": m.offset}
+    async def _handle(self, batch: list[Any]) -> bool:
+        """Runs of decodable cells go to the processor together; anything else is dead-lettered in its place."""
+        cells: list[tuple[Cell, dict[str, Any]]] = []
+        for event in batch:
+            m = event.message
+            source = {"mode": "kafka", "topic": m.topic, "partition": m.partition, "offset": m.offset}
+            cell, where, failure = self._decode(m)
+            if cell is not None:
+                cells.append((cell, source))
+                continue
+            if cells and not await self.processor.process_many(cells):
+                return False
+            cells = []
+            assert failure is not None
+            if not await self._undecodable(where, source, failure):
+                return False
+        return not cells or await self.processor.process_many(cells)
+
+    def _decode(self, m: Any) -> tuple[Cell | None, dict[str, Any], Failure | None]:
         where = {name: value.decode(errors="replace") for name, value in m.headers or ()
                  if name in ("shard", "added_id", "column", "ref_key", "created_at")}
         where["row_key"] = (m.key or b"").decode(errors="replace")
-        cell: Cell | None = None
         try:
             if m.topic == self.tailer_deadletters:  # a cell the tailer gave up on: no attempt, straight to the DLQ
                 record = json.loads(m.value)
                 if not isinstance(record, dict):
                     raise ValueError(f"not a tailer dead-letter record: {type(record).__name__}")
                 where, failure = tailer_deadletter(record)
-            else:
-                cell = decode_cell(m.value, m.headers)
+                return None, where, failure
+            return decode_cell(m.value, m.headers), where, None
         except Exception as exc:  # anything a foreign producer wrote: dead-letter it, never skip it
             text = "".join(traceback.format_exception(exc))
             failure = Failure(qualified_name(type(exc)), f"undecodable message: {exc}", text, fingerprint(exc), False)
             if m.topic != self.tailer_deadletters:
                 where["column"] = m.topic[len(self.config.topic_prefix) + 1:]
-        if cell is not None:
-            return await self.processor.process(cell, source)
-        return await self._undecodable(where, source, failure)
+            return None, where, failure
 
     async def _undecodable(self, where: dict[str, Any], source: dict[str, Any], failure: Failure) -> bool:
         """Dead-letter for the handlers of the cell's column; for all of them when the column is unknown."""

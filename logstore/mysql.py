@@ -234,6 +234,9 @@ class MySQLRecorder(NodeRecorder):
         self._pool = _Pool(self._connect, options.pool_size, options.connect_timeout + options.read_timeout)
         self._tables: set[int] = set()
         self._tables_lock = threading.Lock()
+        from .mysql_index import MySQLIndexRecorder  # it uses this module's connections and scripts
+
+        self.indexes = MySQLIndexRecorder(name, self._call, run_script, options.max_statement_bytes)
 
     # -- connections and errors -----------------------------------------------------
     def _raw_connect(self, database: str | None) -> Connection:

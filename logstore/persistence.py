@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from .cell import Cell, decode_body, same_json
 from .errors import CellConflictError, ConfigurationError, CorruptCellError
+from .indexing import IndexRecorder
 
 FORMAT_VERSION = 1
 Coordinates = tuple[bytes, str, int]
@@ -68,6 +69,8 @@ class NodeRecorder(ABC):
     #: Fault injection for tests: called inside every write transaction, with the
     #: shards it writes, after the cells are inserted and before COMMIT.
     before_commit: Callable[[Sequence[int]], None] | None = None
+    #: The node's index tables (logstore.indexing).
+    indexes: IndexRecorder
 
     @abstractmethod
     def read_meta(self) -> NodeMeta | None:

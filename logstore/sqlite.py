@@ -35,10 +35,12 @@ from .persistence import (
     ordered_result,
     split_existing,
 )
+from .sqlite_index import SQLiteIndexRecorder
 
 logger = logging.getLogger(__name__)
 DB_FILE = "logstore.db"
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS cellstream_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -122,6 +124,7 @@ class SQLiteRecorder(NodeRecorder):
         self._local = threading.local()
         self._all: weakref.WeakSet[_ThreadConnection] = weakref.WeakSet()
         self._all_lock = threading.Lock()
+        self.indexes = SQLiteIndexRecorder(name, self._write, self._read, options.retry)
         try:
             target.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -131,7 +134,8 @@ class SQLiteRecorder(NodeRecorder):
     def _conn(self) -> sqlite3.Connection:
         holder: _ThreadConnection | None = getattr(self._local, "holder", None)
         if holder is None:
-            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=30)
+            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False,
+                                   timeout=_BUSY_TIMEOUT)
             try:
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute(f"PRAGMA synchronous={self._options.sqlite_synchronous}")
@@ -152,17 +156,29 @@ class SQLiteRecorder(NodeRecorder):
             raise _translate(exc, what) from exc
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        with self._errors("read"):
+            yield self._conn()
+
+    @contextmanager
+    def _write(self, busy_timeout: float | None = None) -> Iterator[sqlite3.Connection]:
+        """A write transaction; ``busy_timeout`` seconds (default 30) to wait for another writer's lock."""
         with self._errors("write"):
             conn = self._conn()
-            conn.execute("BEGIN IMMEDIATE")
+            if busy_timeout is not None:
+                conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
             try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+            finally:
+                if busy_timeout is not None:
+                    conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT * 1000}")
 
     # -- metadata ---------------------------------------------------------
     def read_meta(self) -> NodeMeta | None:

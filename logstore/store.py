@@ -22,6 +22,7 @@ from .cell import (
 )
 from .config import ClusterConfig, NodeConfig, StoreOptions
 from .errors import CellConflictError, CorruptCellError, InvalidArgumentError, InvalidCellError, StorageError
+from .index_store import IndexStore
 from .persistence import Coordinates, NodeMeta, NodeRecorder, OffsetRecord, PendingCell
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Store:
             for shard in range(node.first, node.last + 1):
                 self._node_of[shard] = node
         self._closed = False
+        self._indexes: IndexStore | None = None
 
     # -- instance ---------------------------------------------------------
     @property
@@ -64,6 +66,14 @@ class Store:
     @property
     def nodes(self) -> list[str]:
         return [n.name for n in self._cluster.nodes]
+
+    @property
+    def indexes(self) -> IndexStore:
+        """The secondary index tables on the store's nodes (:mod:`logstore.index_store`)."""
+        if self._indexes is None:
+            self._indexes = IndexStore(self, lambda shard: self._recorder(shard).indexes,
+                                       [r.indexes for r in self._recorders.values()])
+        return self._indexes
 
     def shard_of(self, row_key: uuid.UUID | str) -> int:
         return shard_of(coerce_row_key(row_key), self._cluster.shards)

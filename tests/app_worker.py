@@ -5,7 +5,9 @@ of column BASE (one line, flushed, before returning), and on a cell whose body h
 ``"hang": true`` the first process to get there (with ``hang`` set in the config)
 writes the marker file and blocks forever: the test SIGKILLs it there, mid-handler.
 Later deliveries of that cell find the marker and go through. With ``brokers`` in
-the config the app runs in Kafka mode on the topics ``<topic_prefix>.<column>``.
+the config the app runs in Kafka mode on the topics ``<topic_prefix>.<column>``. With
+``index`` (a YAML file) it also keeps those indexes, and writes what each index
+applier did to the ``results`` file at the end of a drain.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from indexer import App
+from indexer.indexes import IndexApplier
 from logstore import Cell
 
 
@@ -44,10 +47,15 @@ def main() -> None:
             fh.write(f"{os.getpid()} {cell.shard} {cell.added_id} {cell.row_key}\n")
             fh.flush()
 
+    if config.get("index"):
+        app.index(Path(config["index"]))
     if config.get("drain"):
         app.drain(timeout=120)
     else:
         app.run()
+    if config.get("results"):  # what each index applier did, for the test to read
+        Path(config["results"]).write_text(json.dumps(
+            {t.name: t.applier.result._asdict() for t in app.triggers if isinstance(t.applier, IndexApplier)}))
 
 
 def kill_mid_handler_then_drain(config: dict[str, Any], timeout: float = 90) -> tuple[int, list[list[str]]]:

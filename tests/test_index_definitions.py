@@ -84,8 +84,12 @@ def test_a_shard_field_of_a_type_without_a_stable_hash_is_refused() -> None:
 
 def test_two_indexes_with_one_name_and_a_file_that_is_not_a_mapping_are_refused(tmp_path: Path) -> None:
     twice = SEED + SEED.split("\n", 1)[1]
-    with pytest.raises(DefinitionError, match="driver_partner_index defined more than once"):
+    with pytest.raises(DefinitionError, match="driver_partner_index version 1 defined more than once"):
         load_indexes(twice)
+    v2 = SEED.split("\n", 1)[1].replace("version: 1", "version: 2").replace("column: BASE", "column: OTHER")
+    with pytest.raises(DefinitionError, match="versions of driver_partner_index read different columns"):
+        load_indexes(SEED + v2)
+    assert [i.version for i in load_indexes(SEED + v2.replace("column: OTHER", "column: BASE"))] == [1, 2]
     with pytest.raises(DefinitionError, match="must be a mapping"):
         load_indexes("- just\n- a list\n")
     with pytest.raises(DefinitionError, match="cannot read it"):

@@ -1,0 +1,375 @@
+"""Secondary index tables: what an index version is, its records, and what every backend implements.
+
+An index version (an :class:`IndexSpec`) is one *entry table* per storage node,
+partitioned into the instance's shards by the hash of the entry's shard field
+(:func:`shard_of_value`): an entry lives in exactly one shard, on the node holding
+that shard. Beside it, a *locator table* in each row's own shard records the
+ref_key of the cell the row's entry reflects and the shard the entry lives in.
+
+Applying a batch of changes (:meth:`IndexRecorder.apply`) on the node of the
+changes' source shards is one transaction that
+1. drops changes at or below the stream's recorded position (applied already),
+2. locks and reads the rows' locators,
+3. plans the writes (:func:`plan`): a change older than or equal to the row's
+   locator is a no-op; a newer one puts the entry in its shard and deletes the copy
+   in the old shard when the shard field changed,
+4. hands the writes for other nodes to ``remote`` (each node its own transaction,
+   idempotent: guarded by ref_key), then writes its own, the locators and the new
+   position, and commits.
+The locators commit last, so a crash in between leaves them at the old state and
+the redelivered batch plans the same writes again. Entries are therefore always
+those of each row's highest applied ref_key, whatever the order of delivery.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import math
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .errors import InvalidArgumentError
+
+FieldType = Literal["uuid", "str", "int", "float", "bool", "datetime", "json"]
+Order = Literal["asc", "desc"]
+Stream = Literal["live", "backfill"]
+SHARDABLE = frozenset({"uuid", "str", "int"})
+RESERVED = frozenset({"row_key", "ref_key", "added_id", "shard", "created_at"})  # the entry's own columns
+MAX_KEYS = 5  # a composite index of the shard and up to five keys stays under InnoDB's 3072-byte limit
+MAX_KEY_CHARS = 128  # a str query key; other str fields are unbounded
+OPERATORS = frozenset({"=", ">", ">=", "<", "<="})
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+class IndexColumn(BaseModel):
+    """One field copied into the entries."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[a-z_][a-z0-9_]{0,63}$", description="the body field, and the entry's column")
+    type: FieldType
+    key: bool = Field(False, description="queries may filter on it (equality, or a range)")
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, value: str) -> str:
+        if value in RESERVED:
+            raise ValueError(f"{value!r} is reserved for the entry's own columns ({', '.join(sorted(RESERVED))})")
+        return value
+
+
+class IndexSpec(BaseModel):
+    """An index version as the storage nodes hold it: its name, version, shard field and typed fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,47}$", description="also part of the index tables' names")
+    version: int = Field(ge=1, le=9999, description="a new version is built beside the old one, then activated")
+    shard_field: str = Field(description="the field whose hash picks the entry's shard")
+    fields: list[IndexColumn] = Field(min_length=1, max_length=64)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> IndexSpec:
+        names = [f.name for f in self.fields]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"fields: {', '.join(twice)} declared more than once")
+        shard = {f.name: f for f in self.fields}.get(self.shard_field)
+        if shard is None:
+            raise ValueError(f"shard_field: {self.shard_field!r} is not one of the fields ({', '.join(names)})")
+        if shard.type not in SHARDABLE:
+            raise ValueError(f"shard_field: {self.shard_field!r} has type {shard.type}; it must be uuid, str or int")
+        for f in self.fields:
+            if f.key and f.type == "json":
+                raise ValueError(f"fields: {f.name!r} is json, which cannot be a query key")
+        if len(self.keys) > MAX_KEYS:
+            raise ValueError(f"fields: {len(self.keys)} query keys (the shard field counts); at most {MAX_KEYS}")
+        return self
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The query keys: the shard field first, then the fields marked ``key``, in declaration order."""
+        return (self.shard_field, *(f.name for f in self.fields if f.key and f.name != self.shard_field))
+
+    @property
+    def table(self) -> str:
+        return f"ix_{self.name}_v{self.version}"
+
+    @property
+    def locator_table(self) -> str:
+        return f"ixl_{self.name}_v{self.version}"
+
+    def field(self, name: str) -> IndexColumn:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise InvalidArgumentError(f"index {self.name} has no field {name!r} (fields: "
+                                   f"{', '.join(f.name for f in self.fields)})")
+
+    def storage_json(self) -> str:
+        """The spec as the nodes record it: a node refuses another spec under the same table."""
+        return json.dumps(IndexSpec.model_validate(self, from_attributes=True).model_dump(mode="json"),
+                          sort_keys=True, separators=(",", ":"))
+
+
+class IndexChange(NamedTuple):
+    """A cell's entry on its way into the index: where the cell is in the log, and the typed values."""
+
+    shard: int  # the cell's own shard (its locator lives there)
+    added_id: int
+    row_key: uuid.UUID
+    ref_key: int
+    values: dict[str, Any]
+
+
+class IndexEntry(NamedTuple):
+    """An entry as a query returns it."""
+
+    shard: int  # the shard of the shard field's value
+    row_key: uuid.UUID
+    ref_key: int
+    fields: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"row_key": str(self.row_key), "ref_key": self.ref_key, "shard": self.shard}
+        for name, value in self.fields.items():
+            out[name] = (str(value) if isinstance(value, uuid.UUID)
+                         else value.isoformat() if isinstance(value, dt.datetime) else value)
+        return out
+
+
+class Locator(NamedTuple):
+    ref_key: int  # of the cell the row's entry reflects
+    entry_shard: int
+
+
+class EntryWrite(NamedTuple):
+    """Put ``values`` at (shard, row_key) unless an entry of a ref_key >= this one is there; with
+    ``values`` None, delete the entry at (shard, row_key) if its ref_key is lower."""
+
+    shard: int
+    row_key: uuid.UUID
+    ref_key: int
+    values: dict[str, Any] | None
+
+
+class Condition(NamedTuple):
+    field: str
+    op: str
+    value: Any
+
+
+class ApplyResult(NamedTuple):
+    applied: int = 0  # changes that set their row's entry
+    superseded: int = 0  # older than (or the same as) the row's entry: no-ops
+    skipped: int = 0  # at or below the stream's position: applied before
+
+    def __add__(self, other: tuple[int, ...]) -> ApplyResult:  # type: ignore[override]
+        return ApplyResult(*(a + b for a, b in zip(self, other, strict=True)))
+
+
+class IndexPosition(NamedTuple):
+    """How far a stream (live processing, or a backfill) applied a source shard's log."""
+
+    shard: int
+    location: int
+    target: int | None  # a backfill's end: the shard's head when it started
+
+
+# -- values -------------------------------------------------------------------------------
+def shard_of_value(kind: str, value: Any, shards: int) -> int:
+    """The shard of an entry by its shard field: BLAKE2b like a row's shard. A uuid hashes its 16
+    bytes, so an entry keyed by an entity's UUID lands in that entity's own row's shard."""
+    if kind == "uuid":
+        raw = value.bytes
+    elif kind == "str":
+        raw = value.encode()
+    else:
+        raw = int(value).to_bytes(8, "big", signed=True)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big") % shards
+
+
+def micros(when: dt.datetime) -> int:
+    delta = when - _EPOCH
+    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def encode_value(index: str, column: IndexColumn, value: Any, is_key: bool) -> Any:
+    """A typed value as the backends store it; InvalidArgumentError names a value of the wrong type."""
+    if value is None:
+        if is_key:
+            raise InvalidArgumentError(f"index {index}: key field {column.name} needs a value, got None")
+        return None
+    kind = column.type
+    ok = (isinstance(value, uuid.UUID) if kind == "uuid"
+          else isinstance(value, str) if kind == "str"
+          else type(value) is int and -(1 << 63) <= value < 1 << 63 if kind == "int"
+          else type(value) in (int, float) and math.isfinite(value) if kind == "float"
+          else type(value) is bool if kind == "bool"
+          else isinstance(value, dt.datetime) and value.utcoffset() is not None if kind == "datetime"
+          else True)
+    if not ok:
+        raise InvalidArgumentError(f"index {index}: field {column.name} is {kind}, got "
+                                   f"{type(value).__name__} {value!r:.60}")
+    if kind == "uuid":
+        return value.bytes
+    if kind == "str" and is_key and len(value) > MAX_KEY_CHARS:
+        raise InvalidArgumentError(f"index {index}: key field {column.name} is longer than {MAX_KEY_CHARS} characters")
+    if kind == "float":
+        return float(value)
+    if kind == "bool":
+        return int(value)
+    if kind == "datetime":
+        return micros(value)
+    if kind == "json":
+        try:
+            return json.dumps(value, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"index {index}: field {column.name} is not a JSON value: {exc}") from None
+    return value
+
+
+def decode_value(kind: str, raw: Any) -> Any:
+    if raw is None:
+        return None
+    if kind == "uuid":
+        return uuid.UUID(bytes=bytes(raw))
+    if kind == "float":
+        return float(raw)
+    if kind == "bool":
+        return bool(raw)
+    if kind == "datetime":
+        return _EPOCH + dt.timedelta(microseconds=int(raw))
+    if kind == "json":
+        return json.loads(raw)
+    if kind == "str" and isinstance(raw, bytes | bytearray):
+        return bytes(raw).decode()
+    return raw
+
+
+def encode_row(spec: IndexSpec, values: Mapping[str, Any]) -> list[Any]:
+    """The stored form of every field of an entry, in declaration order."""
+    keys = spec.keys
+    missing = [f.name for f in spec.fields if f.name not in values]
+    if missing:
+        raise InvalidArgumentError(f"index {spec.name}: entry lacks {', '.join(missing)}")
+    return [encode_value(spec.name, f, values[f.name], f.name in keys) for f in spec.fields]
+
+
+def decode_entry(spec: IndexSpec, row: Sequence[Any]) -> IndexEntry:
+    """A stored row (shard, row_key, ref_key, the fields in declaration order) as an entry."""
+    shard, row_key, ref_key, *values = row
+    fields = {f.name: decode_value(f.type, v) for f, v in zip(spec.fields, values, strict=True)}
+    return IndexEntry(int(shard), uuid.UUID(bytes=bytes(row_key)), int(ref_key), fields)
+
+
+def check_conditions(spec: IndexSpec, conditions: Sequence[Condition]) -> list[tuple[str, str, Any]]:
+    """(field, operator, stored value) of each condition, after checking it names a key."""
+    keys = spec.keys
+    out = []
+    for field, op, value in conditions:
+        if field not in keys:
+            raise InvalidArgumentError(f"index {spec.name}: {field!r} is not a query key (keys: {', '.join(keys)})")
+        if op not in OPERATORS:
+            raise InvalidArgumentError(f"index {spec.name}: unknown operator {op!r}")
+        out.append((field, op, encode_value(spec.name, spec.field(field), value, True)))
+    return out
+
+
+# -- the apply plan, shared by every backend -------------------------------------------------
+def plan(
+    changes: Sequence[IndexChange], locators: Mapping[uuid.UUID, Locator], entry_shard: Callable[[IndexChange], int]
+) -> tuple[list[EntryWrite], dict[uuid.UUID, tuple[int, Locator]], int]:
+    """The entry writes and new locators (with each row's source shard) of ``changes`` applied in order
+    over ``locators``, and how many changes were superseded. A locator with a negative ref_key is a
+    placeholder (a row whose locator is being created) and counts as none."""
+    current = {k: v for k, v in locators.items() if v.ref_key >= 0}
+    writes: dict[tuple[int, uuid.UUID], EntryWrite] = {}
+    updated: dict[uuid.UUID, tuple[int, Locator]] = {}
+    superseded = 0
+    for change in changes:
+        found = current.get(change.row_key)
+        if found is not None and found.ref_key >= change.ref_key:
+            superseded += 1
+            continue
+        target = entry_shard(change)
+        if found is not None and found.entry_shard != target:
+            writes[(found.entry_shard, change.row_key)] = EntryWrite(
+                found.entry_shard, change.row_key, change.ref_key, None)
+        writes[(target, change.row_key)] = EntryWrite(target, change.row_key, change.ref_key, change.values)
+        current[change.row_key] = Locator(change.ref_key, target)
+        updated[change.row_key] = (change.shard, current[change.row_key])
+    # In (shard, row_key) order: two appliers writing the same entries lock them in the same order.
+    return [writes[k] for k in sorted(writes, key=lambda k: (k[0], k[1].bytes))], updated, superseded
+
+
+def unapplied(changes: Sequence[IndexChange], positions: Mapping[int, int]) -> list[IndexChange]:
+    """The changes after their shard's recorded position."""
+    return [c for c in changes if c.added_id > positions.get(c.shard, -1)]
+
+
+def new_positions(changes: Sequence[IndexChange]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for change in changes:
+        if change.added_id > out.get(change.shard, -1):
+            out[change.shard] = change.added_id
+    return out
+
+
+Remote = Callable[[list[EntryWrite]], list[EntryWrite]]
+
+
+class IndexRecorder(ABC):
+    """One storage node's part of the index tables. Safe to share between threads."""
+
+    @abstractmethod
+    def create(self, spec: IndexSpec) -> None:
+        """Create the version's tables if missing; ConfigurationError if the node has another spec for them."""
+
+    @abstractmethod
+    def drop(self, spec: IndexSpec) -> None:
+        """Drop the version's tables and positions (missing ones are fine)."""
+
+    @abstractmethod
+    def specs(self) -> list[IndexSpec]:
+        """Every index version the node holds."""
+
+    @abstractmethod
+    def apply(self, spec: IndexSpec, stream: Stream | None, changes: Sequence[IndexChange],
+              positions: Mapping[int, int], entry_shard: Callable[[IndexChange], int],
+              remote: Remote) -> ApplyResult:
+        """Apply changes of source shards held by this node in one transaction (see the module docstring),
+        recording the stream's new ``positions`` (shard: location) in it; with no stream, no position is
+        read or written. ``remote`` writes what belongs to other nodes and returns this node's share."""
+
+    @abstractmethod
+    def write_entries(self, spec: IndexSpec, writes: Sequence[EntryWrite]) -> None:
+        """Another node's apply: these entry writes, in one transaction of this node."""
+
+    @abstractmethod
+    def query(self, spec: IndexSpec, shards: Sequence[int] | None, conditions: Sequence[tuple[str, str, Any]],
+              order: Order, limit: int) -> list[IndexEntry]:
+        """Entries of ``shards`` (all of the node's when None) matching every condition, ordered by the keys
+        after the shard field, then row_key."""
+
+    @abstractmethod
+    def positions(self, spec: IndexSpec, stream: Stream) -> dict[int, IndexPosition]:
+        """The stream's recorded position in each source shard of this node that has one."""
+
+    @abstractmethod
+    def set_targets(self, spec: IndexSpec, stream: Stream, targets: Mapping[int, int]) -> None:
+        """Record where the stream ends in each shard (a backfill's heads), creating positions at 0."""
+
+    @abstractmethod
+    def scan(self, spec: IndexSpec, shard: int, after: uuid.UUID | None, limit: int) -> list[IndexEntry]:
+        """The entries of one shard in row_key order, after ``after``: verification reads them all."""
+
+    @abstractmethod
+    def locators(self, spec: IndexSpec, row_keys: Sequence[uuid.UUID]) -> dict[uuid.UUID, Locator]:
+        """The locators of these rows (of this node's shards) that exist."""

@@ -1,0 +1,317 @@
+"""The MySQL/MariaDB backend's index tables: one entry table and one locator table per index version.
+
+Sessions run READ COMMITTED (see :mod:`logstore.mysql`), where a locking read of a
+missing row locks nothing. An apply therefore first upserts a placeholder locator
+(ref_key -1) for every row of the batch, in row_key order: that creates or
+exclusively locks each row, so two appliers of the same row (live processing and a
+backfill) take turns, and appliers of different rows never deadlock on each other.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import suppress
+from typing import Any, Protocol, TypeVar
+
+import pymysql
+
+from .errors import ConfigurationError
+from .indexing import (
+    ApplyResult,
+    EntryWrite,
+    IndexChange,
+    IndexEntry,
+    IndexPosition,
+    IndexRecorder,
+    IndexSpec,
+    Locator,
+    Order,
+    Remote,
+    Stream,
+    decode_entry,
+    encode_row,
+    plan,
+    unapplied,
+)
+
+T = TypeVar("T")
+Cursor = pymysql.cursors.Cursor
+
+
+class Call(Protocol):
+    """The node recorder's ``_call``: run on a pooled connection, errors translated, retriable ones retried."""
+
+    def __call__(self, what: str, fn: Callable[[Cursor], T], /) -> T: ...
+
+
+Statement = tuple[str, list[Any]]
+_CHUNK = 500
+_NO_TABLE = 1146
+_KEY_STR = "VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin"  # no PAD SPACE: 'a' != 'a '
+_TYPES = {"uuid": "BINARY(16)", "str": "MEDIUMTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin", "int": "BIGINT",
+          "float": "DOUBLE", "bool": "TINYINT(1)", "datetime": "BIGINT",
+          "json": "LONGTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"}
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS cellstream_index_specs ("
+    " index_table VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY,"
+    " spec TEXT NOT NULL) ENGINE=InnoDB",
+    "CREATE TABLE IF NOT EXISTS cellstream_index_positions ("
+    " index_table VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,"
+    " stream VARCHAR(16) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, shard INT NOT NULL,"
+    " location BIGINT NOT NULL, target BIGINT NULL, PRIMARY KEY (index_table, stream, shard)) ENGINE=InnoDB",
+)
+_POSITIONS = "SELECT shard, location, target FROM cellstream_index_positions WHERE index_table = %s AND stream = %s"
+
+
+def _q(name: str) -> str:
+    return f"`{name}`"
+
+
+def _marks(n: int) -> str:
+    return ", ".join(["%s"] * n)
+
+
+class _SQL:
+    """Every statement of one index version, built once."""
+
+    def __init__(self, spec: IndexSpec) -> None:
+        self.spec = spec
+        t, loc = _q(spec.table), _q(spec.locator_table)
+        fields = [_q(f.name) for f in spec.fields]
+        keys = ", ".join(_q(k) for k in spec.keys)
+        columns = ", ".join(
+            f"{_q(f.name)} {_KEY_STR if f.type == 'str' and f.name in spec.keys else _TYPES[f.type]}"
+            f"{' NOT NULL' if f.name in spec.keys else ' NULL'}" for f in spec.fields)
+        self.create = (
+            f"CREATE TABLE IF NOT EXISTS {t} (shard INT NOT NULL, row_key BINARY(16) NOT NULL,"
+            f" ref_key BIGINT NOT NULL, {columns}, PRIMARY KEY (shard, row_key),"
+            f" KEY query_keys (shard, {keys}, row_key)) ENGINE=InnoDB",
+            f"CREATE TABLE IF NOT EXISTS {loc} (row_key BINARY(16) NOT NULL PRIMARY KEY, shard INT NOT NULL,"
+            f" ref_key BIGINT NOT NULL, entry_shard INT NOT NULL) ENGINE=InnoDB",
+        )
+        self.drop = f"DROP TABLE IF EXISTS {t}, {loc}"
+        self.columns = ", ".join(["shard", "row_key", "ref_key", *fields])
+        self.row = f"({_marks(3 + len(fields))})"
+        # Assignments run left to right and later ones see earlier results: ref_key goes last.
+        updates = ", ".join(f"{c} = IF(VALUES(ref_key) > ref_key, VALUES({c}), {c})" for c in fields)
+        self.put = (f"INSERT INTO {t} ({self.columns}) VALUES {{rows}} ON DUPLICATE KEY UPDATE {updates},"
+                    f" ref_key = GREATEST(ref_key, VALUES(ref_key))")
+        self.delete = f"DELETE FROM {t} WHERE shard = %s AND row_key = %s AND ref_key < %s"
+        self.lock = (f"INSERT INTO {loc} (row_key, shard, ref_key, entry_shard) VALUES {{rows}}"
+                     f" ON DUPLICATE KEY UPDATE row_key = row_key")
+        self.locators = f"SELECT row_key, ref_key, entry_shard FROM {loc} WHERE row_key IN ({{marks}})"
+        self.put_locators = (
+            f"INSERT INTO {loc} (row_key, shard, ref_key, entry_shard) VALUES {{rows}} ON DUPLICATE KEY UPDATE"
+            f" entry_shard = IF(VALUES(ref_key) > ref_key, VALUES(entry_shard), entry_shard),"
+            f" ref_key = GREATEST(ref_key, VALUES(ref_key))")
+        self.select = f"SELECT {self.columns} FROM {t}"
+        self.order = {
+            d: " ORDER BY " + ", ".join(f"{c} {d.upper()}" for c in [*(_q(k) for k in spec.keys[1:]), "row_key"])
+            for d in ("asc", "desc")}
+        self.scan = f"SELECT {self.columns} FROM {t} WHERE shard = %s AND row_key > %s ORDER BY row_key LIMIT %s"
+
+
+def _chunks(items: Sequence[T]) -> Iterator[Sequence[T]]:
+    for start in range(0, len(items), _CHUNK):
+        yield items[start:start + _CHUNK]
+
+
+def _size(statement: Statement) -> int:
+    return len(statement[0]) + sum(2 * len(a) + 16 if isinstance(a, str | bytes) else 24 for a in statement[1])
+
+
+class MySQLIndexRecorder(IndexRecorder):
+    def __init__(self, name: str, call: Call, run_script: Callable[[Cursor, Sequence[Statement]], Any],
+                 max_statement_bytes: int) -> None:
+        self.name = name
+        self._call = call
+        self._run_script = run_script
+        self._budget = max_statement_bytes // 2
+        self._sql: dict[str, _SQL] = {}
+        self._lock = threading.Lock()
+
+    def _statements(self, spec: IndexSpec) -> _SQL:
+        sql = self._sql.get(spec.table)
+        if sql is None or sql.spec != spec:
+            sql = _SQL(spec)
+            with self._lock:
+                self._sql[spec.table] = sql
+        return sql
+
+    def _script(self, cur: Cursor, statements: Sequence[Statement]) -> None:
+        """Run ``statements`` in as few round trips as the packet budget allows."""
+        packet: list[Statement] = []
+        size = 0
+        for statement in statements:
+            weight = _size(statement)
+            if packet and size + weight > self._budget:
+                self._run_script(cur, packet)
+                packet, size = [], 0
+            packet.append(statement)
+            size += weight
+        if packet:
+            self._run_script(cur, packet)
+
+    def _transaction(self, what: str, fn: Callable[[Cursor], T]) -> T:
+        def run(cur: Cursor) -> T:
+            cur.execute("START TRANSACTION")
+            try:
+                result = fn(cur)
+                cur.execute("COMMIT")
+                return result
+            except BaseException:
+                # Never hand a connection back inside a transaction: it would keep the row locks.
+                with suppress(pymysql.Error, OSError):
+                    cur.execute("ROLLBACK")
+                raise
+        return self._call(what, run)
+
+    # -- tables ---------------------------------------------------------------------
+    def create(self, spec: IndexSpec) -> None:
+        sql, wanted = self._statements(spec), spec.storage_json()
+
+        def run(cur: Cursor) -> None:
+            for statement in _SCHEMA:
+                cur.execute(statement)
+            cur.execute("SELECT spec FROM cellstream_index_specs WHERE index_table = %s", (spec.table,))
+            row = cur.fetchone()
+            if row is not None and row[0] != wanted:
+                raise ConfigurationError(
+                    f"storage node {self.name} holds index {spec.name} version {spec.version} with another "
+                    f"definition ({row[0]}); a changed definition needs a new version")
+            for statement in sql.create:
+                cur.execute(statement)
+            cur.execute("INSERT IGNORE INTO cellstream_index_specs (index_table, spec) VALUES (%s, %s)",
+                        (spec.table, wanted))
+        self._call("create index", run)
+
+    def drop(self, spec: IndexSpec) -> None:
+        def run(cur: Cursor) -> None:
+            for statement in _SCHEMA:
+                cur.execute(statement)
+            cur.execute(self._statements(spec).drop)
+            cur.execute("DELETE FROM cellstream_index_specs WHERE index_table = %s", (spec.table,))
+            cur.execute("DELETE FROM cellstream_index_positions WHERE index_table = %s", (spec.table,))
+        self._call("drop index", run)
+
+    def specs(self) -> list[IndexSpec]:
+        def run(cur: Cursor) -> list[IndexSpec]:
+            try:
+                cur.execute("SELECT spec FROM cellstream_index_specs ORDER BY index_table")
+            except pymysql.err.ProgrammingError as exc:
+                if exc.args and exc.args[0] == _NO_TABLE:
+                    return []
+                raise
+            return [IndexSpec.model_validate_json(spec) for (spec,) in cur.fetchall()]
+        return self._call("read index specs", run)
+
+    # -- writes ---------------------------------------------------------------------
+    def apply(self, spec: IndexSpec, stream: Stream | None, changes: Sequence[IndexChange],
+              positions: Mapping[int, int], entry_shard: Callable[[IndexChange], int],
+              remote: Remote) -> ApplyResult:
+        sql = self._statements(spec)
+
+        def run(cur: Cursor) -> ApplyResult:
+            shards = sorted({c.shard for c in changes})
+            todo = list(changes)
+            if stream is not None and shards:
+                cur.execute(f"{_POSITIONS} AND shard IN ({_marks(len(shards))}) FOR UPDATE",
+                            [spec.table, stream, *shards])
+                todo = unapplied(changes, {int(s): int(loc) for s, loc, _ in cur.fetchall()})
+            rows = sorted({c.row_key.bytes: c.shard for c in todo}.items())
+            locators: dict[uuid.UUID, Locator] = {}
+            for chunk in _chunks(rows):
+                self._run_script(cur, [(sql.lock.format(rows=", ".join(["(%s, %s, -1, -1)"] * len(chunk))),
+                                        [a for row in chunk for a in row])])
+                cur.execute(sql.locators.format(marks=_marks(len(chunk))), [key for key, _ in chunk])
+                for raw, ref_key, where in cur.fetchall():
+                    locators[uuid.UUID(bytes=raw)] = Locator(int(ref_key), int(where))
+            writes, updated, superseded = plan(todo, locators, entry_shard)
+            statements = self._entry_statements(spec, remote(writes))
+            located = [(k.bytes, shard, loc.ref_key, loc.entry_shard) for k, (shard, loc) in updated.items()]
+            for part in _chunks(located):
+                statements.append((sql.put_locators.format(rows=", ".join(["(%s, %s, %s, %s)"] * len(part))),
+                                   [a for row in part for a in row]))
+            if stream is not None and positions:
+                statements.append((
+                    "INSERT INTO cellstream_index_positions (index_table, stream, shard, location) VALUES "
+                    + ", ".join(["(%s, %s, %s, %s)"] * len(positions))
+                    + " ON DUPLICATE KEY UPDATE location = GREATEST(location, VALUES(location))",
+                    [a for shard, location in positions.items() for a in (spec.table, stream, shard, location)]))
+            self._script(cur, statements)
+            return ApplyResult(len(todo) - superseded, superseded, len(changes) - len(todo))
+        return self._transaction("apply index", run)
+
+    def _entry_statements(self, spec: IndexSpec, writes: Sequence[EntryWrite]) -> list[Statement]:
+        sql = self._statements(spec)
+        puts = [(w.shard, w.row_key.bytes, w.ref_key, *encode_row(spec, w.values))
+                for w in writes if w.values is not None]
+        out: list[Statement] = []
+        for chunk in _chunks(puts):
+            out.append((sql.put.format(rows=", ".join([sql.row] * len(chunk))), [a for row in chunk for a in row]))
+        out.extend((sql.delete, [w.shard, w.row_key.bytes, w.ref_key]) for w in writes if w.values is None)
+        return out
+
+    def write_entries(self, spec: IndexSpec, writes: Sequence[EntryWrite]) -> None:
+        statements = self._entry_statements(spec, writes)
+        if statements:
+            self._transaction("write index entries", lambda cur: self._script(cur, statements))
+
+    def set_targets(self, spec: IndexSpec, stream: Stream, targets: Mapping[int, int]) -> None:
+        rows = [(spec.table, stream, shard, target) for shard, target in targets.items()]
+
+        def run(cur: Cursor) -> None:
+            for statement in _SCHEMA:
+                cur.execute(statement)
+            cur.executemany("INSERT INTO cellstream_index_positions (index_table, stream, shard, location, target)"
+                            " VALUES (%s, %s, %s, 0, %s) ON DUPLICATE KEY UPDATE target = VALUES(target)", rows)
+        self._call("set index targets", run)
+
+    # -- reads ------------------------------------------------------------------------
+    def positions(self, spec: IndexSpec, stream: Stream) -> dict[int, IndexPosition]:
+        def run(cur: Cursor) -> dict[int, IndexPosition]:
+            try:
+                cur.execute(_POSITIONS, (spec.table, stream))
+            except pymysql.err.ProgrammingError as exc:
+                if exc.args and exc.args[0] == _NO_TABLE:
+                    return {}
+                raise
+            return {int(s): IndexPosition(int(s), int(loc), None if t is None else int(t)) for s, loc, t in cur}
+        return self._call("read index positions", run)
+
+    def query(self, spec: IndexSpec, shards: Sequence[int] | None, conditions: Sequence[tuple[str, str, Any]],
+              order: Order, limit: int) -> list[IndexEntry]:
+        sql = self._statements(spec)
+        where, args = [], list[Any]()
+        if shards is not None:
+            where.append(f"shard IN ({_marks(len(shards))})")
+            args.extend(shards)
+        for field, op, value in conditions:
+            where.append(f"{_q(field)} {op} %s")
+            args.append(value)
+        text = sql.select + (" WHERE " + " AND ".join(where) if where else "") + sql.order[order] + " LIMIT %s"
+
+        def run(cur: Cursor) -> list[IndexEntry]:
+            cur.execute(text, [*args, limit])
+            return [decode_entry(spec, row) for row in cur.fetchall()]
+        return self._call("query index", run)
+
+    def scan(self, spec: IndexSpec, shard: int, after: uuid.UUID | None, limit: int) -> list[IndexEntry]:
+        def run(cur: Cursor) -> list[IndexEntry]:
+            cur.execute(self._statements(spec).scan, (shard, after.bytes if after else b"", limit))
+            return [decode_entry(spec, row) for row in cur.fetchall()]
+        return self._call("scan index", run)
+
+    def locators(self, spec: IndexSpec, row_keys: Sequence[uuid.UUID]) -> dict[uuid.UUID, Locator]:
+        sql = self._statements(spec)
+
+        def run(cur: Cursor) -> dict[uuid.UUID, Locator]:
+            out: dict[uuid.UUID, Locator] = {}
+            for chunk in _chunks([k.bytes for k in row_keys]):
+                cur.execute(sql.locators.format(marks=_marks(len(chunk))), list(chunk))
+                out.update((uuid.UUID(bytes=raw), Locator(int(ref), int(where)))
+                           for raw, ref, where in cur.fetchall() if ref >= 0)
+            return out
+        return self._call("read index locators", run)
