@@ -3,7 +3,8 @@
 Each capability adds its part here: the logstore (trips written as cells, read
 back, immutability and typed errors, a shard log paged), the tailer (every
 shard published to topics, offsets committed after acks, resume, dead letters) and
-the stream-processing runtime (a trigger, a poison cell dead-lettered and replayed).
+the stream-processing runtime (a trigger, a poison cell dead-lettered and replayed)
+and secondary indexes (kept by an app, backfilled, activated, queried, rebuilt).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TextIO
 import logstore
 
 from .demo_app import app_demo
+from .demo_index import index_demo
 from .demo_tailer import tailer_demo
 
 DEMO_SHARDS = 16
@@ -104,5 +106,6 @@ def _demo(url: str, out: TextIO, shards: int | None) -> int:
                   "busiest: " + ", ".join(f"shard {s.shard}={s.cells}" for s in busy[:4]))
         tailer_demo(store, out)
         app_demo(store, out, blocked="rider-3")
+        index_demo(store, out, trips[1])
     _say(out, "\ndemo finished")
     return 0

@@ -126,7 +126,7 @@ class IndexCatalog:
         the same definition (a changed definition needs a new version)."""
         def add(record: IndexRecord) -> None:
             found = record.versions.get(definition.version)
-            if found is None or found.state == "dropped":
+            if found is None:
                 record.versions[definition.version] = VersionRecord(definition=definition, created_at=_now())
             elif found.definition != definition:
                 raise ConfigurationError(
@@ -134,7 +134,11 @@ class IndexCatalog:
                     "give the changed definition a new version")
         current = self.find(definition.name)
         found = current.versions.get(definition.version) if current is not None else None
-        if current is not None and found is not None and found.state != "dropped":
+        if current is not None and found is not None:
+            if found.state == "dropped":  # version numbers are not reused: a file may still list it
+                logger.warning("index %s version %d was dropped; it is not kept (remove it from the file)",
+                               definition.name, definition.version)
+                return current
             add(current)  # refuses a changed definition; an unchanged one needs no write
             self.store.indexes.create(definition.spec)
             return current

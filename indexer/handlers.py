@@ -52,8 +52,9 @@ class BatchApplier(Protocol):
     def prepare(self, cell: Cell) -> Any:
         """What the cell becomes; raising dead-letters the cell (non-retriable errors say why)."""
 
-    def apply(self, prepared: Sequence[Any]) -> Any:
-        """(blocking) Apply the batch in order; idempotent, so a batch may be applied again."""
+    def apply(self, prepared: Sequence[Any], batch: Sequence[Cell]) -> Any:
+        """(blocking) Apply the prepared cells in order; idempotent, so a batch may be applied again.
+        ``batch`` is every cell of the batch, those dead-lettered already included (positions pass them)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,9 +157,8 @@ class Processor:
                 if not await self._deadletter(trigger, source, coordinates(cell), cell.body,
                                               Outcome(False, 1, describe(exc), now, now)):
                     return False
-        if not prepared:
-            return True
         loop = asyncio.get_running_loop()
+        batch = [cell for cell, _ in items]
         labels = (self.config.name, trigger.name)
 
         def retrying(exc: BaseException, attempt: int, delay: float) -> None:
@@ -167,7 +167,7 @@ class Processor:
                            attempt, len(prepared), qualified_name(type(exc)), exc, delay)
 
         started = time.perf_counter()
-        outcome = await deliver(lambda: loop.run_in_executor(self._pool, applier.apply, prepared),
+        outcome = await deliver(lambda: loop.run_in_executor(self._pool, applier.apply, prepared, batch),
                                 trigger.max_attempts, self.config.backoff, on_retry=retrying)
         if outcome.ok:
             self.counts = self.counts._replace(processed=self.counts.processed + len(prepared))

@@ -58,12 +58,17 @@ class IndexApplier:
         """The cell's change; EntryFieldError (non-retriable) when its body does not fit the definition."""
         return IndexChange(cell.shard, cell.added_id, cell.row_key, cell.ref_key, self.definition.entry(cell.body))
 
-    def apply(self, changes: Sequence[IndexChange], *, stream: str | None = "live") -> ApplyResult:
-        """(blocking) Apply a batch, recording the stream's position with it."""
+    def apply(self, changes: Sequence[IndexChange], batch: Sequence[Cell] = (), *,
+              stream: str | None = "live") -> ApplyResult:
+        """(blocking) Apply a batch, recording the stream's position with it: past every cell of ``batch``
+        (its cells that were dead-lettered included), or past the last change."""
         if self.dropped:
             return ApplyResult(skipped=len(changes))
+        through: dict[int, int] = {}
+        for cell in batch:
+            through[cell.shard] = max(cell.added_id, through.get(cell.shard, 0))
         try:
-            result = self.store.indexes.apply(self.spec, changes, stream)  # type: ignore[arg-type]
+            result = self.store.indexes.apply(self.spec, changes, stream, through)  # type: ignore[arg-type]
         except LogstoreError as exc:
             if not exc.retriable and self._was_dropped():
                 return ApplyResult(skipped=len(changes))
@@ -175,3 +180,24 @@ class Index:
             return convert(self.name, column, value)
         except EntryFieldError as exc:
             raise InvalidQueryError(f"index {self.name}: {column.name}: {str(exc).split(': ', 2)[-1]}") from None
+
+
+def lag(store: Store, definition: IndexDefinition, cap: int = 100_000) -> tuple[int, float]:
+    """How far live processing of a version is behind the log: the cells of its column not applied yet
+    (counted up to ``cap`` per shard) and the age in seconds of the oldest of them (0 when none)."""
+    positions = store.indexes.positions(definition.spec, "live")
+    behind, oldest = 0, None
+    for shard in range(store.shard_count):
+        location = positions[shard].location if shard in positions else 0
+        counted = 0
+        while counted < cap:
+            cells, location = store.get_cells_for_shard(shard, location, min(10_000, cap - counted),
+                                                        columns=[definition.column])
+            if not cells:
+                break
+            if counted == 0 and (oldest is None or cells[0].created_at < oldest):
+                oldest = cells[0].created_at
+            counted += len(cells)
+        behind += counted
+    seconds = (dt.datetime.now(dt.UTC) - oldest).total_seconds() if oldest is not None else 0.0
+    return behind, max(0.0, seconds)

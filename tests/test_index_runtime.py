@@ -16,7 +16,7 @@ import pytest
 import logstore
 from indexer import App
 from indexer.catalog import IndexCatalog, IndexStateError
-from indexer.indexes import Index, IndexApplier, InvalidQueryError
+from indexer.indexes import Index, IndexApplier, InvalidQueryError, lag
 
 from .app_worker import kill_mid_handler_then_drain
 from .index_support import SEED_YAML, T0, actual, expected, row_keys, seed, trip
@@ -75,6 +75,7 @@ def test_the_app_keeps_the_index_current_and_bad_cells_go_to_the_dlq(store: logs
     assert now[rows[0]][0] == 3 and now[rows[0]][1]["fare"] == 11.0
     assert now[rows[1]][1]["driver_partner_uuid"] == drivers[2]
     assert now[rows[2]][0] == 1  # the entry of the last cell that fit
+    assert lag(store, definition) == (0, 0.0)  # the positions passed the dead-lettered cells too
     assert rows[1] not in row_keys(index.query(driver_partner_uuid=drivers[1], scatter=False))
     letters = sorted(app.dlq.list(), key=lambda e: e.cell["row_key"] == str(rows[3]))
     assert [(e.handler, e.error_type.rsplit(".", 1)[-1]) for e in letters] == [

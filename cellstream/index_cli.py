@@ -1,0 +1,170 @@
+"""``cellstream index``: query, build, switch and inspect secondary indexes.
+
+  cellstream index query NAME key=value ... [--version V] [--scatter] [--limit N] [--order asc|desc]
+  cellstream index backfill NAME --version V [--workers N] [--batch N]
+  cellstream index activate NAME --version V
+  cellstream index drop NAME --version V
+  cellstream index status [NAME]
+
+In a query, ``key=value`` is equality and ``key=START..END`` a range (START included,
+END excluded; either may be empty). Exit codes: 0 success, 1 no such index or
+version, 2 bad input, 4 a version in the wrong state, 5 a server unreachable, 6
+other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import indexer
+import logstore
+from indexer.backfill import BackfillProgress, backfill
+from indexer.catalog import IndexCatalog, IndexNotFoundError, IndexStateError
+from indexer.indexes import Index, InvalidQueryError, lag
+
+EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_STATE, EXIT_UNAVAILABLE, EXIT_FAILED = 0, 1, 2, 4, 5, 6
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("index", help="query, backfill, activate, drop and inspect secondary indexes")
+    actions = p.add_subparsers(dest="action", required=True, parser_class=type(p))
+    a = actions.add_parser("query", parents=[common], help="entries by key: NAME key=value ...")
+    a.add_argument("name")
+    a.add_argument("keys", nargs="*", metavar="KEY=VALUE", help="equality, or KEY=START..END for a range")
+    a.add_argument("--version", type=int, default=None, help="query this version instead of the active one")
+    a.add_argument("--scatter", action="store_true", help="allow a query without the shard field (every shard)")
+    a.add_argument("--limit", type=int, default=100)
+    a.add_argument("--order", choices=["asc", "desc"], default="asc")
+    a = actions.add_parser("backfill", parents=[common], help="build a version from the shard logs (resumable)")
+    a.add_argument("name")
+    a.add_argument("--version", type=int, required=True)
+    a.add_argument("--workers", type=int, default=4, help="shards read at once")
+    a.add_argument("--batch", type=int, default=1000, help="cells per transaction")
+    for action, text in (("activate", "make a backfilled version the one queries read"),
+                         ("drop", "remove a version that is not active")):
+        a = actions.add_parser(action, parents=[common], help=text)
+        a.add_argument("name")
+        a.add_argument("--version", type=int, required=True)
+    a = actions.add_parser("status", parents=[common], help="versions, states, backfill progress and lag")
+    a.add_argument("name", nargs="?")
+    p.set_defaults(index_func=run)
+
+
+def run(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+    try:
+        return int(_ACTIONS[args.action](store, args, out))
+    except IndexNotFoundError as exc:
+        return _fail(exc, EXIT_NOT_FOUND)
+    except (InvalidQueryError, logstore.InvalidArgumentError) as exc:
+        return _fail(exc, EXIT_USAGE)
+    except (IndexStateError, indexer.ConfigurationError, logstore.ConfigurationError) as exc:
+        return _fail(exc, EXIT_STATE)
+    except (indexer.IndexerError, logstore.LogstoreError) as exc:
+        return _fail(exc, EXIT_UNAVAILABLE if exc.retriable else EXIT_FAILED)
+
+
+def _fail(exc: BaseException, code: int) -> int:
+    print(f"cellstream: error: {exc}", file=sys.stderr)
+    return code
+
+
+def _query(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+    fields: dict[str, Any] = {}
+    for item in args.keys:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidQueryError(f"{item!r} is not KEY=VALUE")
+        start, dots, end = value.partition("..")
+        fields[key] = (start or None, end or None) if dots else value
+    index = Index(store, args.name, version=args.version)
+    definition = index.definition
+    typed = {k: _typed(definition.field(k).type if k in definition.keys else "str", v) for k, v in fields.items()}
+    entries = index.query(limit=args.limit, order=args.order, scatter=args.scatter, **typed)
+    for entry in entries:
+        data = entry.to_json()
+        out.emit(data, " ".join(f"{k}={v}" for k, v in data.items()))
+    if not out.as_json:
+        print(f"-- {len(entries)} entries (version {definition.version})", file=sys.stderr)
+    return EXIT_OK
+
+
+def _typed(kind: str, value: Any) -> Any:
+    """A command-line value as the JSON value the field's type takes (numbers and booleans parsed)."""
+    if isinstance(value, tuple):
+        return tuple(None if v is None else _typed(kind, v) for v in value)
+    try:
+        if kind == "int":
+            return int(value)
+        if kind == "float" or (kind == "datetime" and value.replace(".", "", 1).lstrip("-").isdigit()):
+            return float(value)
+    except ValueError:
+        raise InvalidQueryError(f"{value!r} is not a number") from None
+    if kind == "bool":
+        if value not in ("true", "false"):
+            raise InvalidQueryError(f"{value!r} is not true or false")
+        return value == "true"
+    return value
+
+
+def _backfill(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, unit="cells", file=sys.stderr, disable=out.as_json, dynamic_ncols=True)
+
+    def show(p: BackfillProgress) -> None:
+        bar.total = p.cells
+        bar.n = p.cells_done
+        bar.set_postfix_str(f"shards {p.shards_done}/{p.shards}", refresh=False)
+        bar.refresh()
+    try:
+        result = backfill(store, args.name, args.version, batch=args.batch, workers=args.workers, progress=show)
+    finally:
+        bar.close()
+    data = {"index": args.name, "version": args.version, **result._asdict()}
+    out.emit(data, f"index {args.name} version {args.version}: {result.shards} shards done, {result.cells} cells "
+                   f"read, {result.applied} applied, {result.superseded} superseded, {result.dead_lettered} "
+                   f"dead-lettered in {result.seconds:.1f}s")
+    return EXIT_OK
+
+
+def _activate(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+    record = IndexCatalog(store).activate(args.name, args.version)
+    out.emit({"index": args.name, "active": record.active}, f"index {args.name}: version {record.active} is active")
+    return EXIT_OK
+
+
+def _drop(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+    IndexCatalog(store).drop(args.name, args.version)
+    out.emit({"index": args.name, "dropped": args.version}, f"index {args.name}: version {args.version} dropped")
+    return EXIT_OK
+
+
+def _status(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+    catalog = IndexCatalog(store)
+    names = [args.name] if args.name else sorted({s.name for s in store.indexes.specs()})
+    rows = []
+    for name in names:
+        record = catalog.get(name)
+        for version, found in sorted(record.versions.items()):
+            row: dict[str, Any] = {"index": name, "version": version, "state": found.state, "column":
+                                   found.definition.column, "app": found.app}
+            if found.state != "dropped":
+                spec = found.definition.spec
+                backfilled = store.indexes.positions(spec, "backfill")
+                row["backfill_shards_done"] = sum(1 for p in backfilled.values() if p.location >= (p.target or 0))
+                row["shards"] = store.shard_count
+                started = time.perf_counter()
+                row["lag_cells"], row["lag_seconds"] = lag(store, found.definition)
+                row["lag_read_seconds"] = round(time.perf_counter() - started, 3)
+            rows.append(row)
+    for row in rows:
+        out.emit(row, " ".join(f"{k}={v}" for k, v in row.items() if k != "lag_read_seconds"))
+    if not rows:
+        out.emit([], "no indexes")
+    return EXIT_OK
+
+
+_ACTIONS = {"query": _query, "backfill": _backfill, "activate": _activate, "drop": _drop, "status": _status}
