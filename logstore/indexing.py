@@ -27,10 +27,11 @@ import datetime as dt
 import hashlib
 import json
 import math
+import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -323,6 +324,43 @@ def new_positions(changes: Sequence[IndexChange]) -> dict[int, int]:
 
 
 Remote = Callable[[list[EntryWrite]], list[EntryWrite]]
+S = TypeVar("S")
+
+
+class StatementCache(Generic[S]):
+    """The SQL of each index version, built once by ``build`` (rebuilt if a table gets another spec)."""
+
+    def __init__(self, build: Callable[[IndexSpec], S]) -> None:
+        self._build = build
+        self._built: dict[str, tuple[IndexSpec, S]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, spec: IndexSpec) -> S:
+        found = self._built.get(spec.table)
+        if found is None or found[0] != spec:
+            found = (spec, self._build(spec))
+            with self._lock:
+                self._built[spec.table] = found
+        return found[1]
+
+
+def order_by(spec: IndexSpec, quote: Callable[[str], str]) -> dict[str, str]:
+    """The ORDER BY clause of queries, by direction: the keys after the shard field, then row_key."""
+    columns = [*(quote(k) for k in spec.keys[1:]), "row_key"]
+    return {d: " ORDER BY " + ", ".join(f"{c} {d.upper()}" for c in columns) for d in ("asc", "desc")}
+
+
+def where_clause(shards: Sequence[int] | None, conditions: Sequence[tuple[str, str, Any]],
+                 quote: Callable[[str], str], mark: str) -> tuple[str, list[Any]]:
+    """`` WHERE ...`` (or nothing) of a query over ``shards`` (all when None) and the checked conditions."""
+    where, args = [], list[Any]()
+    if shards is not None:
+        where.append(f"shard IN ({', '.join([mark] * len(shards))})")
+        args.extend(shards)
+    for field, op, value in conditions:
+        where.append(f"{quote(field)} {op} {mark}")
+        args.append(value)
+    return (" WHERE " + " AND ".join(where) if where else ""), args
 
 
 class IndexRecorder(ABC):

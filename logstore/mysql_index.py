@@ -9,7 +9,6 @@ backfill) take turns, and appliers of different rows never deadlock on each othe
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
@@ -29,11 +28,14 @@ from .indexing import (
     Locator,
     Order,
     Remote,
+    StatementCache,
     Stream,
     decode_entry,
     encode_row,
+    order_by,
     plan,
     unapplied,
+    where_clause,
 )
 
 T = TypeVar("T")
@@ -77,7 +79,6 @@ class _SQL:
     """Every statement of one index version, built once."""
 
     def __init__(self, spec: IndexSpec) -> None:
-        self.spec = spec
         t, loc = _q(spec.table), _q(spec.locator_table)
         fields = [_q(f.name) for f in spec.fields]
         keys = ", ".join(_q(k) for k in spec.keys)
@@ -107,9 +108,7 @@ class _SQL:
             f" entry_shard = IF(VALUES(ref_key) > ref_key, VALUES(entry_shard), entry_shard),"
             f" ref_key = GREATEST(ref_key, VALUES(ref_key))")
         self.select = f"SELECT {self.columns} FROM {t}"
-        self.order = {
-            d: " ORDER BY " + ", ".join(f"{c} {d.upper()}" for c in [*(_q(k) for k in spec.keys[1:]), "row_key"])
-            for d in ("asc", "desc")}
+        self.order = order_by(spec, _q)
         self.scan = f"SELECT {self.columns} FROM {t} WHERE shard = %s AND row_key > %s ORDER BY row_key LIMIT %s"
 
 
@@ -129,16 +128,7 @@ class MySQLIndexRecorder(IndexRecorder):
         self._call = call
         self._run_script = run_script
         self._budget = max_statement_bytes // 2
-        self._sql: dict[str, _SQL] = {}
-        self._lock = threading.Lock()
-
-    def _statements(self, spec: IndexSpec) -> _SQL:
-        sql = self._sql.get(spec.table)
-        if sql is None or sql.spec != spec:
-            sql = _SQL(spec)
-            with self._lock:
-                self._sql[spec.table] = sql
-        return sql
+        self._statements = StatementCache(_SQL)
 
     def _script(self, cur: Cursor, statements: Sequence[Statement]) -> None:
         """Run ``statements`` in as few round trips as the packet budget allows."""
@@ -284,14 +274,8 @@ class MySQLIndexRecorder(IndexRecorder):
     def query(self, spec: IndexSpec, shards: Sequence[int] | None, conditions: Sequence[tuple[str, str, Any]],
               order: Order, limit: int) -> list[IndexEntry]:
         sql = self._statements(spec)
-        where, args = [], list[Any]()
-        if shards is not None:
-            where.append(f"shard IN ({_marks(len(shards))})")
-            args.extend(shards)
-        for field, op, value in conditions:
-            where.append(f"{_q(field)} {op} %s")
-            args.append(value)
-        text = sql.select + (" WHERE " + " AND ".join(where) if where else "") + sql.order[order] + " LIMIT %s"
+        where, args = where_clause(shards, conditions, _q, "%s")
+        text = sql.select + where + sql.order[order] + " LIMIT %s"
 
         def run(cur: Cursor) -> list[IndexEntry]:
             cur.execute(text, [*args, limit])

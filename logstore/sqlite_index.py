@@ -10,7 +10,6 @@ up rolls back, waits and starts again, so the other one gets through.
 from __future__ import annotations
 
 import sqlite3
-import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -28,11 +27,14 @@ from .indexing import (
     Locator,
     Order,
     Remote,
+    StatementCache,
     Stream,
     decode_entry,
     encode_row,
+    order_by,
     plan,
     unapplied,
+    where_clause,
 )
 from .retry import RetryPolicy, retry_call
 
@@ -63,7 +65,6 @@ class _SQL:
     """Every statement of one index version, built once."""
 
     def __init__(self, spec: IndexSpec) -> None:
-        self.spec = spec
         t, loc = _q(spec.table), _q(spec.locator_table)
         fields = [_q(f.name) for f in spec.fields]
         keys = ", ".join(_q(k) for k in spec.keys)
@@ -89,9 +90,7 @@ class _SQL:
             f" ON CONFLICT (row_key) DO UPDATE SET ref_key = excluded.ref_key, entry_shard = excluded.entry_shard"
             f" WHERE excluded.ref_key > {loc}.ref_key")
         self.select = f"SELECT {self.columns} FROM {t}"
-        self.order = {
-            d: " ORDER BY " + ", ".join(f"{c} {d.upper()}" for c in [*(_q(k) for k in spec.keys[1:]), "row_key"])
-            for d in ("asc", "desc")}
+        self.order = order_by(spec, _q)
         self.scan = f"SELECT {self.columns} FROM {t} WHERE shard = ? AND row_key > ? ORDER BY row_key LIMIT ?"
 
 
@@ -106,16 +105,7 @@ class SQLiteIndexRecorder(IndexRecorder):
         self._write = write
         self._retry = retry
         self._read = read
-        self._sql: dict[str, _SQL] = {}
-        self._lock = threading.Lock()
-
-    def _statements(self, spec: IndexSpec) -> _SQL:
-        sql = self._sql.get(spec.table)
-        if sql is None or sql.spec != spec:
-            sql = _SQL(spec)
-            with self._lock:
-                self._sql[spec.table] = sql
-        return sql
+        self._statements = StatementCache(_SQL)
 
     @staticmethod
     def _ensure_schema(conn: sqlite3.Connection) -> None:
@@ -227,14 +217,8 @@ class SQLiteIndexRecorder(IndexRecorder):
     def query(self, spec: IndexSpec, shards: Sequence[int] | None, conditions: Sequence[tuple[str, str, Any]],
               order: Order, limit: int) -> list[IndexEntry]:
         sql = self._statements(spec)
-        where, args = [], list[Any]()
-        if shards is not None:
-            where.append(f"shard IN ({', '.join('?' * len(shards))})")
-            args.extend(shards)
-        for field, op, value in conditions:
-            where.append(f"{_q(field)} {op} ?")
-            args.append(value)
-        text = sql.select + (" WHERE " + " AND ".join(where) if where else "") + sql.order[order] + " LIMIT ?"
+        where, args = where_clause(shards, conditions, _q, "?")
+        text = sql.select + where + sql.order[order] + " LIMIT ?"
         with self._read() as conn:
             rows = conn.execute(text, [*args, limit]).fetchall()
         return [decode_entry(spec, row) for row in rows]

@@ -14,20 +14,9 @@ import indexer.definitions
 from indexer import NonRetriableError
 from indexer.definitions import DefinitionError, EntryFieldError, load_indexes
 
-SEED = """\
-indexes:
-  - name: driver_partner_index
-    column: BASE
-    version: 1
-    shard_field: driver_partner_uuid
-    fields:
-      - {name: driver_partner_uuid, type: uuid, key: true}
-      - {name: city_uuid, type: uuid, key: true}
-      - {name: trip_created_at, type: datetime, key: true}
-      - {name: fare, type: float}
-      - {name: status, type: str}
-      - {name: extras, type: json}
-"""
+from .index_support import SEED_YAML
+
+SEED = SEED_YAML.lstrip("\n") + "      - {name: status, type: str}\n      - {name: extras, type: json}\n"
 
 
 def test_the_seed_index_loads_with_its_query_keys(tmp_path: Path) -> None:
