@@ -25,6 +25,8 @@ from indexer.backfill import BackfillProgress, backfill
 from indexer.catalog import IndexCatalog, IndexNotFoundError, IndexStateError
 from indexer.indexes import Index, InvalidQueryError, lag
 
+from .app_cli import _fail
+
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_STATE, EXIT_UNAVAILABLE, EXIT_FAILED = 0, 1, 2, 4, 5, 6
 
 
@@ -64,11 +66,6 @@ def run(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
         return _fail(exc, EXIT_STATE)
     except (indexer.IndexerError, logstore.LogstoreError) as exc:
         return _fail(exc, EXIT_UNAVAILABLE if exc.retriable else EXIT_FAILED)
-
-
-def _fail(exc: BaseException, code: int) -> int:
-    print(f"cellstream: error: {exc}", file=sys.stderr)
-    return code
 
 
 def _query(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:

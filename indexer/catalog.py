@@ -192,10 +192,7 @@ class IndexCatalog:
 
     def drop(self, name: str, version: int) -> IndexRecord:
         """Remove a version that is not active: its tables go, apps stop keeping it current."""
-        record = self.get(name)
-        definition = record.version(version).definition
-        if record.active == version:
-            raise IndexStateError(f"index {name} version {version} is active; activate another version first")
+        definition = self.get(name).version(version).definition
 
         def mark(record: IndexRecord) -> None:
             found = record.version(version)

@@ -24,7 +24,7 @@ from typing import Any
 
 from logstore import Cell, InvalidArgumentError, LogstoreError, Store
 from logstore.index_store import MAX_QUERY_LIMIT
-from logstore.indexing import ApplyResult, Condition, IndexChange, IndexEntry
+from logstore.indexing import ApplyResult, Condition, IndexChange, IndexEntry, Stream
 
 from .catalog import IndexCatalog, IndexRecord, IndexStateError
 from .definitions import EntryFieldError, IndexDefinition, convert
@@ -59,7 +59,7 @@ class IndexApplier:
         return IndexChange(cell.shard, cell.added_id, cell.row_key, cell.ref_key, self.definition.entry(cell.body))
 
     def apply(self, changes: Sequence[IndexChange], batch: Sequence[Cell] = (), *,
-              stream: str | None = "live") -> ApplyResult:
+              stream: Stream | None = "live") -> ApplyResult:
         """(blocking) Apply a batch, recording the stream's position with it: past every cell of ``batch``
         (its cells that were dead-lettered included), or past the last change."""
         if self.dropped:
@@ -68,7 +68,7 @@ class IndexApplier:
         for cell in batch:
             through[cell.shard] = max(cell.added_id, through.get(cell.shard, 0))
         try:
-            result = self.store.indexes.apply(self.spec, changes, stream, through)  # type: ignore[arg-type]
+            result = self.store.indexes.apply(self.spec, changes, stream, through)
         except LogstoreError as exc:
             if not exc.retriable and self._was_dropped():
                 return ApplyResult(skipped=len(changes))

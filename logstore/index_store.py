@@ -116,7 +116,8 @@ class IndexStore:
             def remote(writes: list[EntryWrite], recorder: IndexRecorder = recorder) -> list[EntryWrite]:
                 local: list[EntryWrite] = []
                 for other, shards_of_other in self._by_node(sorted({w.shard for w in writes})).values():
-                    theirs = [w for w in writes if w.shard in set(shards_of_other)]
+                    held = set(shards_of_other)
+                    theirs = [w for w in writes if w.shard in held]
                     if other is recorder:
                         local = theirs
                     else:

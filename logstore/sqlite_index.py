@@ -161,11 +161,7 @@ class SQLiteIndexRecorder(IndexRecorder):
             if stream is not None:
                 found = self._positions(conn, spec, stream, sorted({c.shard for c in changes}))
                 todo = unapplied(changes, {s: p.location for s, p in found.items()})
-            keys = sorted({c.row_key.bytes for c in todo})
-            locators: dict[uuid.UUID, Locator] = {}
-            for chunk in _chunks(keys):
-                for raw, ref_key, where in conn.execute(f"{sql.locators}({', '.join('?' * len(chunk))})", chunk):
-                    locators[uuid.UUID(bytes=raw)] = Locator(ref_key, where)
+            locators = self._locators(conn, sql, sorted({c.row_key.bytes for c in todo}))
             writes, updated, superseded = plan(todo, locators, entry_shard)
             self._write_entries(conn, spec, remote(writes))
             conn.executemany(sql.put_locator, [(k.bytes, shard, loc.ref_key, loc.entry_shard)
@@ -229,11 +225,13 @@ class SQLiteIndexRecorder(IndexRecorder):
         return [decode_entry(spec, row) for row in rows]
 
     def locators(self, spec: IndexSpec, row_keys: Sequence[uuid.UUID]) -> dict[uuid.UUID, Locator]:
-        sql = self._statements(spec)
-        out: dict[uuid.UUID, Locator] = {}
         with self._read() as conn:
-            for chunk in _chunks([k.bytes for k in row_keys]):
-                for raw, ref_key, where in conn.execute(f"{sql.locators}({', '.join('?' * len(chunk))})", chunk):
-                    if ref_key >= 0:
-                        out[uuid.UUID(bytes=raw)] = Locator(ref_key, where)
+            return self._locators(conn, self._statements(spec), [k.bytes for k in row_keys])
+
+    @staticmethod
+    def _locators(conn: sqlite3.Connection, sql: _SQL, keys: Sequence[bytes]) -> dict[uuid.UUID, Locator]:
+        out: dict[uuid.UUID, Locator] = {}
+        for chunk in _chunks(keys):
+            for raw, ref_key, where in conn.execute(f"{sql.locators}({', '.join('?' * len(chunk))})", chunk):
+                out[uuid.UUID(bytes=raw)] = Locator(ref_key, where)
         return out
