@@ -1,5 +1,6 @@
 """The secondary-index part of the demo: ``examples/indexes.yaml`` kept by an app, backfilled, activated,
-queried; a moved entry, a dead-lettered cell, and a second version built beside the first and switched to."""
+queried; a moved entry, a dead-lettered cell, a second version built beside the first and switched to, and a
+lost entry found and repaired by verification."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from indexer.backfill import backfill
 from indexer.catalog import IndexCatalog
 from indexer.definitions import load_indexes
 from indexer.indexes import Index, lag
+from indexer.verify import verify
+from logstore.indexing import EntryWrite
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "indexes.yaml"
 NAME = "trips_by_driver"
@@ -81,3 +84,16 @@ def index_demo(store: logstore.Store, out: TextIO, trip: uuid.UUID) -> None:
     [first, *_] = index.query(driver="driver-1", limit=1)
     _say(out, f"   query driver=driver-1 now reads v2: {first.fields['trip_created_at']:%H:%M} "
               f"rider {first.fields['rider']}")
+
+    checked = verify(store, NAME)
+    _say(out, f"   cellstream index verify {NAME}: {checked.rows} rows checked against their cells, "
+              f"{len(checked.mismatches)} mismatches")
+    spec = index.definition.spec
+    store.indexes._recorder_of(first.shard).write_entries(spec, [EntryWrite(first.shard, first.row_key, 0, None, True)])
+    _say(out, f"   an entry is lost by hand (trip {first.row_key})")
+    checked = verify(store, NAME, repair=True)
+    _say(out, "   cellstream index verify --repair: " + ", ".join(
+        f"{m.kind} row {m.row_key} ({m.detail})" for m in checked.mismatches) + f"; {checked.repaired} repaired")
+    again = verify(store, NAME)
+    found_again = [e.row_key for e in index.query(driver="driver-1")]
+    _say(out, f"   verify again: {len(again.mismatches)} mismatches; the trip is back: {first.row_key in found_again}")

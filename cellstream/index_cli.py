@@ -5,11 +5,13 @@
   cellstream index activate NAME --version V
   cellstream index drop NAME --version V
   cellstream index status [NAME]
+  cellstream index verify NAME [--version V] [--sample RATE] [--repair] [--show N]
 
 In a query, ``key=value`` is equality and ``key=START..END`` a range (START included,
-END excluded; either may be empty). Exit codes: 0 success, 1 no such index or
-version, 2 bad input, 4 a version in the wrong state, 5 a server unreachable, 6
-other failure.
+END excluded; either may be empty). Exit codes: 0 success (verify: no mismatch left),
+1 no such index or version, 2 bad input, 3 verify found mismatches (and did not
+repair them all), 4 a version in the wrong state, 5 a server unreachable, 6 other
+failure.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import logstore
 from indexer.backfill import BackfillProgress, backfill
 from indexer.catalog import IndexCatalog, IndexNotFoundError, IndexStateError
 from indexer.indexes import Index, InvalidQueryError, lag
+from indexer.verify import VerifyProgress, verify
 
 from .app_cli import _fail
 
-EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_STATE, EXIT_UNAVAILABLE, EXIT_FAILED = 0, 1, 2, 4, 5, 6
+EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_MISMATCH, EXIT_STATE, EXIT_UNAVAILABLE, EXIT_FAILED = 0, 1, 2, 3, 4, 5, 6
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -52,7 +55,23 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         a.add_argument("--version", type=int, required=True)
     a = actions.add_parser("status", parents=[common], help="versions, states, backfill progress and lag")
     a.add_argument("name", nargs="?")
+    a = actions.add_parser("verify", parents=[common], help="compare entries with the cells; --repair fixes them")
+    a.add_argument("name")
+    a.add_argument("--version", type=int, default=None, help="verify this version instead of the active one")
+    a.add_argument("--sample", type=_rate, default=1.0, metavar="RATE", help="the fraction of rows to check")
+    a.add_argument("--repair", action="store_true", help="fix the mismatches found")
+    a.add_argument("--show", type=int, default=20, metavar="N", help="mismatches to list (default 20)")
     p.set_defaults(index_func=run)
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate in (0, 1]")
+    return value
 
 
 def run(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
@@ -164,4 +183,33 @@ def _status(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
     return EXIT_OK
 
 
-_ACTIONS = {"query": _query, "backfill": _backfill, "activate": _activate, "drop": _drop, "status": _status}
+def _verify(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, unit="shards", file=sys.stderr, disable=out.as_json, dynamic_ncols=True)
+
+    def show(p: VerifyProgress) -> None:
+        bar.total, bar.n = p.steps, p.steps_done
+        bar.set_postfix_str(f"rows {p.rows}", refresh=False)
+        bar.refresh()
+    try:
+        result = verify(store, args.name, args.version, sample=args.sample, repair=args.repair, progress=show)
+    finally:
+        bar.close()
+    counts = result.counts()
+    left = len({m.row_key for m in result.mismatches}) - result.repaired
+    data = {"index": result.name, "version": result.version, "sample": result.sample, "rows": result.rows,
+            "pending": result.pending, "entries": result.entries, "cells": result.cells, "mismatches": counts,
+            "repaired": result.repaired, "changed": result.changed, "seconds": round(result.seconds, 3),
+            "listed": [m.to_json() for m in result.mismatches[:max(0, args.show)]]}
+    for m in result.mismatches[:max(0, args.show)] if not out.as_json else ():
+        print(f"{m.kind:<10} row {m.row_key} shard {m.shard} ref_key {m.ref_key}: {m.detail}")
+    summary = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) or "no mismatches"
+    out.emit(data, f"index {result.name} version {result.version}: {result.rows} rows checked ({result.pending} "
+                   f"pending), {summary}" + (f"; {result.repaired} rows repaired, {result.changed} changed "
+                                             "meanwhile" if args.repair else ""))
+    return EXIT_MISMATCH if left > 0 else EXIT_OK
+
+
+_ACTIONS = {"query": _query, "backfill": _backfill, "activate": _activate, "drop": _drop, "status": _status,
+            "verify": _verify}

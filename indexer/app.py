@@ -40,7 +40,7 @@ from .definitions import IndexDefinition, load_indexes
 from .dlq import DeadLetterQueue
 from .errors import ConfigurationError, DrainTimeoutError, TakenOverError
 from .handlers import Counts, Handler, Processor, Trigger
-from .indexes import IndexApplier
+from .indexes import IndexApplier, lag
 from .metrics import AppMetrics
 
 logger = logging.getLogger(__name__)
@@ -203,8 +203,13 @@ class App:
         except BaseException:
             await runner.stop()
             raise
+        measuring: asyncio.Future[None] | None = None
+        next_measure = since
         try:
             while not done(runner, since):
+                if time.monotonic() >= next_measure and (measuring is None or measuring.done()):
+                    measuring = asyncio.ensure_future(asyncio.to_thread(self.measure_index_lag))
+                    next_measure = time.monotonic() + self.config.index_lag_interval
                 if processor.stalled is not None:
                     raise processor.stalled
                 failed = runner.failed()
@@ -218,9 +223,28 @@ class App:
                 await asyncio.sleep(_WATCH)
         finally:
             await runner.stop()
+            if measuring is not None:
+                await measuring
         if processor.stalled is not None:
             raise processor.stalled
         return processor.counts - before
+
+    def measure_index_lag(self) -> None:
+        """(blocking) Set the lag gauges of every index version the app keeps (see indexer.indexes.lag)."""
+        for trigger in self.triggers:
+            applier = trigger.applier
+            if not isinstance(applier, IndexApplier) or applier.dropped:
+                continue
+            definition = applier.definition
+            try:
+                cells, seconds = lag(self.store, definition)
+            except logstore.LogstoreError as exc:  # a metric is not worth stopping the app for
+                logger.warning("app %s: could not measure the lag of index %s version %d: %s",
+                               self.name, definition.name, definition.version, exc)
+                continue
+            labels = (self.name, definition.name, str(definition.version))
+            self.metrics.index_lag_cells.labels(*labels).set(cells)
+            self.metrics.index_lag_seconds.labels(*labels).set(seconds)
 
     def _mark_indexes_live(self) -> None:
         catalog = IndexCatalog(self.store)

@@ -29,6 +29,8 @@ class AppConfig(BaseModel):
     )
     poll_interval: float = Field(0.005, gt=0, description="seconds between looks at the log while cells arrive")
     idle_poll_interval: float = Field(0.05, gt=0, description="the longest wait between looks while the log is idle")
+    index_lag_interval: float = Field(
+        5.0, gt=0, description="seconds between measures of each kept index version's lag (two reads per shard)")
     stop_timeout: float = Field(30.0, gt=0, description="seconds a stop waits for handlers already running")
     zookeeper: str | None = Field(None, description="host:port[/chroot]: share shards between processes (direct mode)")
     session_timeout: float = Field(10.0, ge=4, le=40, description="ZooKeeper session timeout, seconds")

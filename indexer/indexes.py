@@ -182,22 +182,19 @@ class Index:
             raise InvalidQueryError(f"index {self.name}: {column.name}: {str(exc).split(': ', 2)[-1]}") from None
 
 
-def lag(store: Store, definition: IndexDefinition, cap: int = 100_000) -> tuple[int, float]:
-    """How far live processing of a version is behind the log: the cells of its column not applied yet
-    (counted up to ``cap`` per shard) and the age in seconds of the oldest of them (0 when none)."""
+def lag(store: Store, definition: IndexDefinition) -> tuple[int, float]:
+    """How far live processing of a version is behind the log: the cells of its column after its
+    positions, and the age in seconds of the oldest of them (0 when none). Two reads per shard."""
     positions = store.indexes.positions(definition.spec, "live")
+    column = [definition.column]
     behind, oldest = 0, None
     for shard in range(store.shard_count):
         location = positions[shard].location if shard in positions else 0
-        counted = 0
-        while counted < cap:
-            cells, location = store.get_cells_for_shard(shard, location, min(10_000, cap - counted),
-                                                        columns=[definition.column])
-            if not cells:
-                break
-            if counted == 0 and (oldest is None or cells[0].created_at < oldest):
-                oldest = cells[0].created_at
-            counted += len(cells)
-        behind += counted
+        first, _ = store.get_cells_for_shard(shard, location, 1, columns=column)
+        if not first:
+            continue
+        behind += store.count_after(shard, location, columns=column)
+        if oldest is None or first[0].created_at < oldest:
+            oldest = first[0].created_at
     seconds = (dt.datetime.now(dt.UTC) - oldest).total_seconds() if oldest is not None else 0.0
     return behind, max(0.0, seconds)

@@ -24,6 +24,14 @@ class AppMetrics:
         self.seconds = Histogram("cellstream_app_handler_seconds", "Time of one successful handler call", labels,
                                  registry=r, buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
 
+        index_labels = ["app", "index", "version"]
+        self.index_lag_cells = Gauge("cellstream_index_lag_cells",
+                                     "Cells of an index version's column not applied by live processing yet",
+                                     index_labels, registry=r)
+        self.index_lag_seconds = Gauge("cellstream_index_lag_seconds",
+                                       "Age of the oldest cell an index version has not applied yet (0: none)",
+                                       index_labels, registry=r)
+
         self.lag = Gauge("cellstream_app_kafka_lag", "Kafka mode: messages of an assigned partition not yet handled",
                          ["app", "topic", "partition"], registry=r)
 

@@ -19,6 +19,7 @@ from .indexing import (
     ApplyResult,
     Condition,
     EntryWrite,
+    Fix,
     IndexChange,
     IndexEntry,
     IndexPosition,
@@ -112,20 +113,49 @@ class IndexStore:
         for recorder, group in self._by_node(sorted(positions)).values():
             wanted = set(group)
             mine = [c for c in changes if c.shard in wanted]
-
-            def remote(writes: list[EntryWrite], recorder: IndexRecorder = recorder) -> list[EntryWrite]:
-                local: list[EntryWrite] = []
-                for other, shards_of_other in self._by_node(sorted({w.shard for w in writes})).values():
-                    held = set(shards_of_other)
-                    theirs = [w for w in writes if w.shard in held]
-                    if other is recorder:
-                        local = theirs
-                    else:
-                        other.write_entries(spec, theirs)
-                return local
             total += recorder.apply(spec, stream, mine, {s: positions[s] for s in group},
-                                    lambda c: targets[(c.row_key, c.ref_key)], remote)
+                                    lambda c: targets[(c.row_key, c.ref_key)], self._remote(spec, recorder))
         return total
+
+    def repair(self, spec: IndexSpec, fixes: Sequence[Fix], keep: Callable[[uuid.UUID, Locator], bool]) -> int:
+        """Verification's repairs: each row's entry and locator made those of its fix, in one transaction per
+        node of the rows' shards holding their locators' locks (other nodes' writes commit first, like an
+        apply's). ``keep(row_key, locator)`` is asked, under the lock, about a row whose locator is past
+        its fix: True leaves it alone (a newer cell was applied since). Returns the rows fixed."""
+        for index, fix in enumerate(fixes):
+            if not isinstance(fix, Fix):
+                raise InvalidArgumentError(f"fix #{index} is a {type(fix).__name__}, not a Fix")
+            if fix.shard != self._store.shard_of(fix.row_key):
+                raise InvalidArgumentError(f"fix #{index}: row {fix.row_key} is in shard "
+                                           f"{self._store.shard_of(fix.row_key)}, not {fix.shard}")
+            if fix.values is not None:
+                encode_row(spec, fix.values)
+                if fix.entry_shard != self.entry_shard(spec, fix.values[spec.shard_field]):
+                    raise InvalidArgumentError(f"fix #{index}: the entry of row {fix.row_key} belongs in shard "
+                                               f"{self.entry_shard(spec, fix.values[spec.shard_field])}")
+            for shard in fix.clear:
+                self._store._check_shard(shard)
+        fixed = 0
+        for recorder, group in self._by_node(sorted({f.shard for f in fixes})).values():
+            wanted = set(group)
+            fixed += recorder.repair(spec, [f for f in fixes if f.shard in wanted], keep,
+                                     self._remote(spec, recorder))
+        return fixed
+
+    def _remote(self, spec: IndexSpec, recorder: IndexRecorder) -> Callable[[list[EntryWrite]], list[EntryWrite]]:
+        """What an apply on ``recorder``'s node does with its entry writes: those of other nodes are written
+        there (each node one transaction), the node's own are handed back."""
+        def remote(writes: list[EntryWrite]) -> list[EntryWrite]:
+            local: list[EntryWrite] = []
+            for other, shards_of_other in self._by_node(sorted({w.shard for w in writes})).values():
+                held = set(shards_of_other)
+                theirs = [w for w in writes if w.shard in held]
+                if other is recorder:
+                    local = theirs
+                else:
+                    other.write_entries(spec, theirs)
+            return local
+        return remote
 
     def set_targets(self, spec: IndexSpec, stream: Stream, targets: Mapping[int, int]) -> None:
         for recorder, group in self._by_node(sorted(targets)).values():

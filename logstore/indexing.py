@@ -152,12 +152,27 @@ class Locator(NamedTuple):
 
 class EntryWrite(NamedTuple):
     """Put ``values`` at (shard, row_key) unless an entry of a ref_key >= this one is there; with
-    ``values`` None, delete the entry at (shard, row_key) if its ref_key is lower."""
+    ``values`` None, delete the entry at (shard, row_key) if its ref_key is lower. A ``force``d write
+    (a repair, under the row's locator lock) puts or deletes whatever is there."""
 
     shard: int
     row_key: uuid.UUID
     ref_key: int
     values: dict[str, Any] | None
+    force: bool = False
+
+
+class Fix(NamedTuple):
+    """A repair of one row, found by verification: its entry becomes the one of cell ``ref_key`` with
+    ``values`` in ``entry_shard`` (with ``values`` None: the row has no entry and no locator), whatever
+    the index holds, and its copies in the ``clear`` shards are deleted."""
+
+    shard: int  # the row's own shard, where its locator lives
+    row_key: uuid.UUID
+    ref_key: int  # -1 without values
+    entry_shard: int  # -1 without values
+    values: dict[str, Any] | None
+    clear: tuple[int, ...] = ()
 
 
 class Condition(NamedTuple):
@@ -310,6 +325,23 @@ def plan(
     return [writes[k] for k in sorted(writes, key=lambda k: (k[0], k[1].bytes))], updated, superseded
 
 
+def repair_plan(fixes: Sequence[Fix], locators: Mapping[uuid.UUID, Locator],
+                keep: Callable[[uuid.UUID, Locator], bool]) -> tuple[list[Fix], list[EntryWrite]]:
+    """The fixes to make and their forced entry writes. A row whose locator is past the fix's ref_key and
+    ``keep`` says reflects a real newer cell changed since verification read it: it is left alone."""
+    todo: list[Fix] = []
+    writes: list[EntryWrite] = []
+    for fix in fixes:
+        found = locators.get(fix.row_key)
+        if found is not None and found.ref_key > fix.ref_key and keep(fix.row_key, found):
+            continue
+        todo.append(fix)
+        writes.extend(EntryWrite(s, fix.row_key, fix.ref_key, None, True) for s in fix.clear if s != fix.entry_shard)
+        if fix.values is not None:
+            writes.append(EntryWrite(fix.entry_shard, fix.row_key, fix.ref_key, fix.values, True))
+    return todo, sorted(writes, key=lambda w: (w.shard, w.row_key.bytes))
+
+
 def unapplied(changes: Sequence[IndexChange], positions: Mapping[int, int]) -> list[IndexChange]:
     """The changes after their shard's recorded position."""
     return [c for c in changes if c.added_id > positions.get(c.shard, -1)]
@@ -385,6 +417,12 @@ class IndexRecorder(ABC):
         """Apply changes of source shards held by this node in one transaction (see the module docstring),
         recording the stream's new ``positions`` (shard: location) in it; with no stream, no position is
         read or written. ``remote`` writes what belongs to other nodes and returns this node's share."""
+
+    @abstractmethod
+    def repair(self, spec: IndexSpec, fixes: Sequence[Fix], keep: Callable[[uuid.UUID, Locator], bool],
+               remote: Remote) -> int:
+        """Make fixes of rows of this node's shards in one transaction that locks their locators first
+        (see :func:`repair_plan`); sets or deletes the locators; returns the rows fixed."""
 
     @abstractmethod
     def write_entries(self, spec: IndexSpec, writes: Sequence[EntryWrite]) -> None:

@@ -116,6 +116,12 @@ def _row_size(cell: PendingCell) -> int:
     return len(_VALUES_ROW) + 2 + sum(_escaped_size(a) for a in _row_args(cell))
 
 
+def _after(columns: Sequence[str] | None) -> tuple[str, list[str]]:
+    """The WHERE clause of the cells after a location (its one argument first), of ``columns`` if given."""
+    return ("added_id > %s" + (f" AND column_name IN ({', '.join(['%s'] * len(columns))})" if columns else ""),
+            list(columns or ()))
+
+
 def table(shard: int) -> str:
     return f"cells_{shard:04d}"
 
@@ -504,12 +510,9 @@ class MySQLRecorder(NodeRecorder):
         return [_row_to_cell(shard, r) for r in rows]
 
     def get_log(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Cell]:
-        where, args = "added_id > %s", [location]
-        if columns:
-            where += f" AND column_name IN ({', '.join(['%s'] * len(columns))})"
-            args.extend(columns)  # type: ignore[arg-type]
+        where, extra = _after(columns)
         rows = self._read_shard(shard, f"SELECT {_COLS} FROM {{t}} WHERE {where} ORDER BY added_id LIMIT %s",
-                                [*args, limit])
+                                [location, *extra, limit])
         return decode_log(rows, lambda row: _row_to_cell(shard, row))
 
     def get_logs(
@@ -517,10 +520,7 @@ class MySQLRecorder(NodeRecorder):
     ) -> dict[int, list[Cell] | CorruptCellError]:
         if len(locations) < 2:
             return super().get_logs(locations, limit, columns)
-        where, extra = "added_id > %s", []
-        if columns:
-            where += f" AND column_name IN ({', '.join(['%s'] * len(columns))})"
-            extra = list(columns)
+        where, extra = _after(columns)
         parts, args = [], []
         for shard, location in locations:
             parts.append(f"(SELECT {shard}, {_COLS} FROM {table(shard)} WHERE {where} ORDER BY added_id LIMIT %s)")
@@ -549,8 +549,9 @@ class MySQLRecorder(NodeRecorder):
                 out[shard] = exc
         return out
 
-    def count_after(self, shard: int, location: int) -> int:
-        rows = self._read_shard(shard, "SELECT COUNT(*) FROM {t} WHERE added_id > %s", (location,))
+    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
+        where, extra = _after(columns)
+        rows = self._read_shard(shard, f"SELECT COUNT(*) FROM {{t}} WHERE {where}", [location, *extra])
         return int(rows[0][0]) if rows else 0
 
     def first_at(self, shard: int, when: dt.datetime) -> int | None:

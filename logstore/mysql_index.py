@@ -20,6 +20,7 @@ from .errors import ConfigurationError
 from .indexing import (
     ApplyResult,
     EntryWrite,
+    Fix,
     IndexChange,
     IndexEntry,
     IndexPosition,
@@ -34,6 +35,7 @@ from .indexing import (
     encode_row,
     order_by,
     plan,
+    repair_plan,
     unapplied,
     where_clause,
 )
@@ -100,6 +102,10 @@ class _SQL:
         self.put = (f"INSERT INTO {t} ({self.columns}) VALUES {{rows}} ON DUPLICATE KEY UPDATE {updates},"
                     f" ref_key = GREATEST(ref_key, VALUES(ref_key))")
         self.delete = f"DELETE FROM {t} WHERE shard = %s AND row_key = %s AND ref_key < %s"
+        self.force_put = f"REPLACE INTO {t} ({self.columns}) VALUES {{rows}}"
+        self.force_delete = f"DELETE FROM {t} WHERE shard = %s AND row_key = %s"
+        self.force_locator = f"REPLACE INTO {loc} (row_key, shard, ref_key, entry_shard) VALUES (%s, %s, %s, %s)"
+        self.delete_locator = f"DELETE FROM {loc} WHERE row_key = %s"
         self.lock = (f"INSERT INTO {loc} (row_key, shard, ref_key, entry_shard) VALUES {{rows}}"
                      f" ON DUPLICATE KEY UPDATE row_key = row_key")
         self.locators = f"SELECT row_key, ref_key, entry_shard FROM {loc} WHERE row_key IN ({{marks}})"
@@ -210,14 +216,7 @@ class MySQLIndexRecorder(IndexRecorder):
                 cur.execute(f"{_POSITIONS} AND shard IN ({_marks(len(shards))}) FOR UPDATE",
                             [spec.table, stream, *shards])
                 todo = unapplied(changes, {int(s): int(loc) for s, loc, _ in cur.fetchall()})
-            rows = sorted({c.row_key.bytes: c.shard for c in todo}.items())
-            locators: dict[uuid.UUID, Locator] = {}
-            for chunk in _chunks(rows):
-                self._run_script(cur, [(sql.lock.format(rows=", ".join(["(%s, %s, -1, -1)"] * len(chunk))),
-                                        [a for row in chunk for a in row])])
-                cur.execute(sql.locators.format(marks=_marks(len(chunk))), [key for key, _ in chunk])
-                for raw, ref_key, where in cur.fetchall():
-                    locators[uuid.UUID(bytes=raw)] = Locator(int(ref_key), int(where))
+            locators = self._lock(cur, sql, {c.row_key.bytes: c.shard for c in todo})
             writes, updated, superseded = plan(todo, locators, entry_shard)
             statements = self._entry_statements(spec, remote(writes))
             located = [(k.bytes, shard, loc.ref_key, loc.entry_shard) for k, (shard, loc) in updated.items()]
@@ -234,14 +233,45 @@ class MySQLIndexRecorder(IndexRecorder):
             return ApplyResult(len(todo) - superseded, superseded, len(changes) - len(todo))
         return self._transaction("apply index", run)
 
+    def _lock(self, cur: Cursor, sql: _SQL, rows: Mapping[bytes, int]) -> dict[uuid.UUID, Locator]:
+        """Lock the locators of rows (row_key: its shard), in row_key order, and read them."""
+        locators: dict[uuid.UUID, Locator] = {}
+        for chunk in _chunks(sorted(rows.items())):
+            self._run_script(cur, [(sql.lock.format(rows=", ".join(["(%s, %s, -1, -1)"] * len(chunk))),
+                                    [a for row in chunk for a in row])])
+            cur.execute(sql.locators.format(marks=_marks(len(chunk))), [key for key, _ in chunk])
+            for raw, ref_key, where in cur.fetchall():
+                locators[uuid.UUID(bytes=raw)] = Locator(int(ref_key), int(where))
+        return locators
+
+    def repair(self, spec: IndexSpec, fixes: Sequence[Fix], keep: Callable[[uuid.UUID, Locator], bool],
+               remote: Remote) -> int:
+        sql = self._statements(spec)
+
+        def run(cur: Cursor) -> int:
+            locators = self._lock(cur, sql, {f.row_key.bytes: f.shard for f in fixes})
+            todo, writes = repair_plan(fixes, locators, keep)
+            statements = self._entry_statements(spec, remote(writes))
+            # Every locked row gets its locator set or deleted: no placeholder (ref_key -1) stays behind.
+            statements.extend((sql.force_locator, [f.row_key.bytes, f.shard, f.ref_key, f.entry_shard])
+                              for f in todo if f.values is not None)
+            statements.extend((sql.delete_locator, [f.row_key.bytes]) for f in todo if f.values is None)
+            self._script(cur, statements)
+            return len(todo)
+        return self._transaction("repair index", run)
+
     def _entry_statements(self, spec: IndexSpec, writes: Sequence[EntryWrite]) -> list[Statement]:
         sql = self._statements(spec)
-        puts = [(w.shard, w.row_key.bytes, w.ref_key, *encode_row(spec, w.values))
-                for w in writes if w.values is not None]
         out: list[Statement] = []
-        for chunk in _chunks(puts):
-            out.append((sql.put.format(rows=", ".join([sql.row] * len(chunk))), [a for row in chunk for a in row]))
-        out.extend((sql.delete, [w.shard, w.row_key.bytes, w.ref_key]) for w in writes if w.values is None)
+        for force in (False, True):
+            puts = [(w.shard, w.row_key.bytes, w.ref_key, *encode_row(spec, w.values))
+                    for w in writes if w.values is not None and w.force is force]
+            for chunk in _chunks(puts):
+                out.append(((sql.force_put if force else sql.put).format(rows=", ".join([sql.row] * len(chunk))),
+                            [a for row in chunk for a in row]))
+        out.extend((sql.delete, [w.shard, w.row_key.bytes, w.ref_key])
+                   for w in writes if w.values is None and not w.force)
+        out.extend((sql.force_delete, [w.shard, w.row_key.bytes]) for w in writes if w.values is None and w.force)
         return out
 
     def write_entries(self, spec: IndexSpec, writes: Sequence[EntryWrite]) -> None:

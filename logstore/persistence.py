@@ -124,8 +124,8 @@ class NodeRecorder(ABC):
         """The highest added_id of the shard, 0 when empty."""
 
     @abstractmethod
-    def count_after(self, shard: int, location: int) -> int:
-        """How many cells of the shard have ``added_id > location``."""
+    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
+        """How many cells of the shard (of ``columns`` if given) have ``added_id > location``."""
 
     @abstractmethod
     def shard_counts(self) -> dict[int, int]:

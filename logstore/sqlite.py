@@ -271,11 +271,12 @@ class SQLiteRecorder(NodeRecorder):
             rows = self._conn().execute(sql, args).fetchall()
         return decode_log(rows, _row_to_cell)
 
-    def count_after(self, shard: int, location: int) -> int:
+    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
+        sql = "SELECT COUNT(*) FROM cells WHERE shard = ? AND added_id > ?"
+        if columns:
+            sql += f" AND column_name IN ({', '.join('?' * len(columns))})"
         with self._errors("read log"):
-            row = self._conn().execute(
-                "SELECT COUNT(*) FROM cells WHERE shard = ? AND added_id > ?", (shard, location)
-            ).fetchone()
+            row = self._conn().execute(sql, (shard, location, *(columns or ()))).fetchone()
         return int(row[0])
 
     def first_at(self, shard: int, when: dt.datetime) -> int | None:

@@ -19,6 +19,7 @@ from .errors import ConfigurationError
 from .indexing import (
     ApplyResult,
     EntryWrite,
+    Fix,
     IndexChange,
     IndexEntry,
     IndexPosition,
@@ -33,6 +34,7 @@ from .indexing import (
     encode_row,
     order_by,
     plan,
+    repair_plan,
     unapplied,
     where_clause,
 )
@@ -84,6 +86,10 @@ class _SQL:
         self.put = (f"INSERT INTO {t} ({self.columns}) VALUES ({marks}) ON CONFLICT (shard, row_key)"
                     f" DO UPDATE SET {updates} WHERE excluded.ref_key > {t}.ref_key")
         self.delete = f"DELETE FROM {t} WHERE shard = ? AND row_key = ? AND ref_key < ?"
+        self.force_put = f"INSERT OR REPLACE INTO {t} ({self.columns}) VALUES ({marks})"
+        self.force_delete = f"DELETE FROM {t} WHERE shard = ? AND row_key = ?"
+        self.force_locator = f"INSERT OR REPLACE INTO {loc} (row_key, shard, ref_key, entry_shard) VALUES (?, ?, ?, ?)"
+        self.delete_locator = f"DELETE FROM {loc} WHERE row_key = ?"
         self.locators = f"SELECT row_key, ref_key, entry_shard FROM {loc} WHERE row_key IN "
         self.put_locator = (
             f"INSERT INTO {loc} (row_key, shard, ref_key, entry_shard) VALUES (?, ?, ?, ?)"
@@ -171,12 +177,31 @@ class SQLiteIndexRecorder(IndexRecorder):
                                                     for shard, location in positions.items()])
         return ApplyResult(len(todo) - superseded, superseded, len(changes) - len(todo))
 
+    def repair(self, spec: IndexSpec, fixes: Sequence[Fix], keep: Callable[[uuid.UUID, Locator], bool],
+               remote: Remote) -> int:
+        return retry_call(lambda: self._repair(spec, fixes, keep, remote), self._retry)
+
+    def _repair(self, spec: IndexSpec, fixes: Sequence[Fix], keep: Callable[[uuid.UUID, Locator], bool],
+                remote: Remote) -> int:
+        sql = self._statements(spec)
+        with self._write() as conn:  # the node's write lock stands for the rows' locator locks
+            locators = self._locators(conn, sql, sorted({f.row_key.bytes for f in fixes}))
+            todo, writes = repair_plan(fixes, locators, keep)
+            self._write_entries(conn, spec, remote(writes))
+            conn.executemany(sql.force_locator, [(f.row_key.bytes, f.shard, f.ref_key, f.entry_shard)
+                                                 for f in todo if f.values is not None])
+            conn.executemany(sql.delete_locator, [(f.row_key.bytes,) for f in todo if f.values is None])
+        return len(todo)
+
     def _write_entries(self, conn: sqlite3.Connection, spec: IndexSpec, writes: Sequence[EntryWrite]) -> None:
         sql = self._statements(spec)
-        puts = [(w.shard, w.row_key.bytes, w.ref_key, *encode_row(spec, w.values))
-                for w in writes if w.values is not None]
-        conn.executemany(sql.put, puts)
-        conn.executemany(sql.delete, [(w.shard, w.row_key.bytes, w.ref_key) for w in writes if w.values is None])
+        for force in (False, True):
+            puts = [(w.shard, w.row_key.bytes, w.ref_key, *encode_row(spec, w.values))
+                    for w in writes if w.values is not None and w.force is force]
+            conn.executemany(sql.force_put if force else sql.put, puts)
+        conn.executemany(sql.delete, [(w.shard, w.row_key.bytes, w.ref_key)
+                                      for w in writes if w.values is None and not w.force])
+        conn.executemany(sql.force_delete, [(w.shard, w.row_key.bytes) for w in writes if w.values is None and w.force])
 
     def write_entries(self, spec: IndexSpec, writes: Sequence[EntryWrite]) -> None:
         with self._write(busy_timeout=_REMOTE_BUSY) as conn:

@@ -237,12 +237,10 @@ class Store:
         first = recorder.first_at(shard, utc)
         return first - 1 if first is not None else head
 
-    def count_after(self, shard: int, location: int) -> int:
-        """How many cells of the shard lie after ``location``: a reader's lag in cells."""
-        self._check_shard(shard)
-        if type(location) is not int or not 0 <= location < 1 << 63:
-            raise InvalidArgumentError(f"location must be an integer in [0, 2^63), got {location!r}")
-        return self._recorder(shard).count_after(shard, location)
+    def count_after(self, shard: int, location: int, *, columns: Sequence[str] | None = None) -> int:
+        """How many cells of the shard (of ``columns`` if given) lie after ``location``: a reader's lag in cells."""
+        names = self._check_page(shard, location, 1, columns)
+        return self._recorder(shard).count_after(shard, location, names)
 
     def head(self, shard: int) -> int:
         """The highest added_id of the shard (0 when empty): the location of the log's end."""

@@ -18,7 +18,7 @@ import pytest
 
 import logstore
 from logstore import ConfigurationError, InvalidArgumentError
-from logstore.indexing import Condition, IndexChange, IndexEntry, IndexSpec
+from logstore.indexing import Condition, EntryWrite, Fix, IndexChange, IndexEntry, IndexSpec, Locator
 
 SHARDS = 8
 SPEC = IndexSpec.model_validate({
@@ -134,6 +134,63 @@ class IndexContract:
         assert store.indexes.locators(SPEC, [row])[row] == (2, entry.shard)
         store.indexes.apply(SPEC, [log.change(row, 1, values(a))])  # the old cell again: no effect
         assert [e.fields["driver"] for e in all_entries(store)] == [b]
+
+    # -- repairs (verification's) ----------------------------------------------------------
+    def damage(self, store: logstore.Store, *writes: EntryWrite) -> None:
+        """Write entries as a bug or a hand would, bypassing locators and ref_key guards."""
+        for w in writes:
+            store.indexes._recorder_of(w.shard).write_entries(SPEC, [w._replace(force=True)])
+
+    def test_a_repair_overwrites_the_entry_clears_copies_and_sets_the_locator(self, store: logstore.Store) -> None:
+        log, row = Log(store), uuid.uuid4()
+        a, b = drivers_on_two_nodes(store)
+        home, away = store.indexes.entry_shard(SPEC, a), store.indexes.entry_shard(SPEC, b)
+        store.indexes.apply(SPEC, [log.change(row, 3, values(a, "oslo"))])
+        self.damage(store, EntryWrite(home, row, 3, values(a, "bergen")), EntryWrite(away, row, 9, values(b)))
+        assert sorted(e.shard for e in all_entries(store)) == sorted([home, away])
+        fix = Fix(store.shard_of(row), row, 3, home, values(a, "oslo"), (away,))
+        assert store.indexes.repair(SPEC, [fix], lambda *_: pytest.fail("no locator is past the fix")) == 1
+        [entry] = all_entries(store)
+        assert (entry.shard, entry.ref_key, entry.fields["city"]) == (home, 3, "oslo")
+        assert store.indexes.locators(SPEC, [row]) == {row: Locator(3, home)}
+        store.indexes.apply(SPEC, [log.change(row, 4, values(b))])  # the next cell still moves it
+        assert [(e.shard, e.ref_key) for e in all_entries(store)] == [(away, 4)]
+
+    def test_a_repair_leaves_alone_a_row_a_newer_cell_reached(self, store: logstore.Store) -> None:
+        log, row, driver = Log(store), uuid.uuid4(), uuid.uuid4()
+        shard = store.indexes.entry_shard(SPEC, driver)
+        store.indexes.apply(SPEC, [log.change(row, 5, values(driver, "new"))])
+        asked: list[tuple[uuid.UUID, Locator]] = []
+        fix = Fix(store.shard_of(row), row, 3, shard, values(driver, "old"))
+        assert store.indexes.repair(SPEC, [fix], lambda r, loc: asked.append((r, loc)) is None) == 0
+        assert asked == [(row, Locator(5, shard))]
+        assert [(e.ref_key, e.fields["city"]) for e in all_entries(store)] == [(5, "new")]
+        # A locator naming no real cell (keep says False) is overwritten.
+        assert store.indexes.repair(SPEC, [fix], lambda *_: False) == 1
+        assert [(e.ref_key, e.fields["city"]) for e in all_entries(store)] == [(3, "old")]
+        assert store.indexes.locators(SPEC, [row]) == {row: Locator(3, shard)}
+
+    def test_a_repair_without_values_removes_entries_and_locators(self, store: logstore.Store) -> None:
+        log, applied, stray, driver = Log(store), uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+        shard = store.indexes.entry_shard(SPEC, driver)
+        store.indexes.apply(SPEC, [log.change(applied, 2, values(driver))])
+        self.damage(store, EntryWrite(shard, stray, 1, values(driver)))  # no locator at all
+        fixes = [Fix(store.shard_of(k), k, -1, -1, None, (shard,)) for k in (applied, stray)]
+        assert store.indexes.repair(SPEC, fixes, lambda *_: False) == 2
+        assert all_entries(store) == [] and store.indexes.locators(SPEC, [applied, stray]) == {}
+        store.indexes.apply(SPEC, [log.change(stray, 1, values(driver))])  # no placeholder left in the way
+        assert [e.row_key for e in all_entries(store)] == [stray]
+
+    def test_a_bad_fix_writes_nothing(self, store: logstore.Store) -> None:
+        row, driver = uuid.uuid4(), uuid.uuid4()
+        shard = store.indexes.entry_shard(SPEC, driver)
+        good = Fix(store.shard_of(row), row, 1, shard, values(driver))
+        for bad, message in ((good._replace(shard=(good.shard + 1) % SHARDS), "is in shard"),
+                             (good._replace(entry_shard=(shard + 1) % SHARDS), "belongs in shard"),
+                             (good._replace(values=values(driver, fare="x")), "fare is float")):
+            with pytest.raises(InvalidArgumentError, match=message):
+                store.indexes.repair(SPEC, [good, bad], lambda *_: False)
+        assert all_entries(store) == []
 
     # -- positions ---------------------------------------------------------------------
     def test_positions_skip_what_was_applied_per_stream(self, store: logstore.Store) -> None:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import threading
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import logstore
+from indexer import App
 from indexer.definitions import EntryFieldError, IndexDefinition, load_indexes
 from logstore.indexing import IndexEntry
 
@@ -26,6 +31,14 @@ indexes:
 V2_YAML = (SEED_YAML + SEED_YAML.split("indexes:\n", 1)[1].replace("version: 1", "version: 2")
            + "      - {name: status, type: str}\n")
 T0 = dt.datetime(2026, 11, 21, 8, 0, tzinfo=dt.UTC)
+
+
+def two_nodes(path: Path, urls: list[str], shards: int) -> Path:
+    """A cluster file of two nodes splitting ``shards`` in halves."""
+    half = shards // 2
+    path.write_text(f'shards = {shards}\n[[nodes]]\nname = "a"\nurl = "{urls[0]}"\nshards = "0-{half - 1}"\n'
+                    f'[[nodes]]\nname = "b"\nurl = "{urls[1]}"\nshards = "{half}-{shards - 1}"\n')
+    return path
 
 
 def seed(version: int = 1) -> IndexDefinition:
@@ -74,3 +87,34 @@ def actual(store: logstore.Store, definition: IndexDefinition) -> dict[uuid.UUID
 
 def row_keys(entries: list[IndexEntry]) -> list[uuid.UUID]:
     return [e.row_key for e in entries]
+
+
+class Background:
+    """An app running in a thread until stop()."""
+
+    def __init__(self, store: logstore.Store, yaml_file: Path, **options: Any) -> None:
+        self.app = App("trips", store=store, **{"commit_interval": 0.05, **options})
+        self.app.index(yaml_file)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.event: asyncio.Event | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        async def serve() -> None:
+            self.loop, self.event = asyncio.get_running_loop(), asyncio.Event()
+            await self.app.run_async(self.event)
+        try:
+            asyncio.run(serve())
+        except BaseException as exc:  # reported by stop()
+            self.error = exc
+
+    def stop(self) -> None:
+        while self.loop is None and self.thread.is_alive():
+            time.sleep(0.01)
+        if self.loop is not None and self.event is not None:
+            self.loop.call_soon_threadsafe(self.event.set)
+        self.thread.join(60)
+        self.app.close()
+        assert self.error is None, self.error

@@ -390,8 +390,14 @@ class StoreContract:
         assert store.count_after(shard, cells[3].added_id) == 3
         assert store.count_after(shard, store.head(shard)) == 0
         assert store.count_after((shard + 1) % SHARDS, 0) == 0
+        store.put_cells([(key, "OTHER", 1, {}), (key, "THIRD", 1, {})])
+        assert store.count_after(shard, 0) == 9
+        assert store.count_after(shard, cells[3].added_id, columns=["BASE"]) == 3
+        assert store.count_after(shard, 0, columns=["BASE", "THIRD"]) == 8
         with pytest.raises(logstore.InvalidArgumentError, match="location"):
             store.count_after(shard, -1)
+        with pytest.raises(logstore.InvalidArgumentError, match="list of column names"):
+            store.count_after(shard, 0, columns="BASE")
 
     # -- consumer offsets -------------------------------------------------
     def test_consumer_offsets_are_claimed_committed_and_read_back(self, store: logstore.Store) -> None:

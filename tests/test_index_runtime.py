@@ -15,8 +15,10 @@ import pytest
 
 import logstore
 from indexer import App
+from indexer.backfill import backfill
 from indexer.catalog import IndexCatalog, IndexStateError
 from indexer.indexes import Index, IndexApplier, InvalidQueryError, lag
+from indexer.verify import verify
 
 from .app_worker import kill_mid_handler_then_drain
 from .index_support import SEED_YAML, T0, actual, expected, row_keys, seed, trip
@@ -145,6 +147,10 @@ def test_randomized_interleavings_converge_to_the_brute_force_index(
                 store.commit_offsets("app.trips", owner, {s: (0, {}) for s in range(SHARDS)})
         drain(store, yaml_file)
         assert actual(store, definition) == expected(store, definition), f"seed {seed_value}"
+        backfill(store, "driver_partner_index", 1)
+        IndexCatalog(store).activate("driver_partner_index", 1)
+        checked = verify(store, "driver_partner_index")  # verification agrees with the brute force
+        assert checked.mismatches == [] and checked.pending == 0 and checked.rows == len(expected(store, definition))
 
 
 def test_sigkill_mid_batch_neither_skips_nor_applies_twice(store: logstore.Store, sqlite_url: str,

@@ -10,13 +10,7 @@ import pytest
 import logstore
 
 from .index_contract import SHARDS, IndexContract
-
-
-def _cluster(path: Path, urls: list[str]) -> Path:
-    half = SHARDS // 2
-    path.write_text(f'shards = {SHARDS}\n[[nodes]]\nname = "a"\nurl = "{urls[0]}"\nshards = "0-{half - 1}"\n'
-                    f'[[nodes]]\nname = "b"\nurl = "{urls[1]}"\nshards = "{half}-{SHARDS - 1}"\n')
-    return path
+from .index_support import two_nodes
 
 
 class TestSQLiteIndexes(IndexContract):
@@ -28,7 +22,7 @@ class TestSQLiteIndexes(IndexContract):
         if nodes == 1:
             return logstore.open(f"sqlite:///{self.tmp / 'one'}", shards=SHARDS)
         urls = [f"sqlite:///{self.tmp / name}" for name in ("a", "b")]
-        return logstore.open(_cluster(self.tmp / "cluster.toml", urls))
+        return logstore.open(two_nodes(self.tmp / "cluster.toml", urls, SHARDS))
 
 
 class TestMySQLIndexes(IndexContract):
@@ -40,4 +34,4 @@ class TestMySQLIndexes(IndexContract):
     def open_store(self, nodes: int) -> logstore.Store:
         if nodes == 1:
             return logstore.open(self.make(), shards=SHARDS)
-        return logstore.open(_cluster(self.tmp / "cluster.toml", [self.make(), self.make()]))
+        return logstore.open(two_nodes(self.tmp / "cluster.toml", [self.make(), self.make()], SHARDS))

@@ -3,7 +3,6 @@ resumed backfills, and the `cellstream index` commands."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -21,7 +20,7 @@ from indexer.backfill import BackfillProgress, backfill
 from indexer.catalog import IndexCatalog, IndexStateError
 from indexer.indexes import Index
 
-from .index_support import SEED_YAML, V2_YAML, actual, expected, seed, trip
+from .index_support import SEED_YAML, V2_YAML, Background, actual, expected, seed, trip
 
 SHARDS = 8
 NAME = "driver_partner_index"
@@ -37,37 +36,6 @@ def drain(store: logstore.Store, yaml_file: Path) -> None:
     with App("trips", store=store, commit_interval=0.05) as app:
         app.index(yaml_file)
         app.drain(timeout=60)
-
-
-class Background:
-    """An app running in a thread until stop()."""
-
-    def __init__(self, store: logstore.Store, yaml_file: Path) -> None:
-        self.app = App("trips", store=store, commit_interval=0.05)
-        self.app.index(yaml_file)
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.event: asyncio.Event | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run)
-        self.thread.start()
-
-    def _run(self) -> None:
-        async def serve() -> None:
-            self.loop, self.event = asyncio.get_running_loop(), asyncio.Event()
-            await self.app.run_async(self.event)
-        try:
-            asyncio.run(serve())
-        except BaseException as exc:  # reported by stop()
-            self.error = exc
-
-    def stop(self) -> None:
-        while self.loop is None and self.thread.is_alive():
-            time.sleep(0.01)
-        if self.loop is not None and self.event is not None:
-            self.loop.call_soon_threadsafe(self.event.set)
-        self.thread.join(60)
-        self.app.close()
-        assert self.error is None, self.error
 
 
 def test_backfill_during_live_writes_then_activate_with_queries_throughout(store: logstore.Store,
