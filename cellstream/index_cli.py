@@ -17,8 +17,10 @@ failure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import indexer
@@ -125,20 +127,28 @@ def _typed(kind: str, value: Any) -> Any:
     return value
 
 
-def _backfill(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+@contextlib.contextmanager
+def _progress(out: Any, unit: str) -> Iterator[Callable[[int, int, str], None]]:
+    """A progress bar on stderr (none with --json): yields show(done, total, postfix)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=0, unit="cells", file=sys.stderr, disable=out.as_json, dynamic_ncols=True)
+    bar = tqdm(total=0, unit=unit, file=sys.stderr, disable=out.as_json, dynamic_ncols=True)
 
-    def show(p: BackfillProgress) -> None:
-        bar.total = p.cells
-        bar.n = p.cells_done
-        bar.set_postfix_str(f"shards {p.shards_done}/{p.shards}", refresh=False)
+    def show(done: int, total: int, postfix: str) -> None:
+        bar.total, bar.n = total, done
+        bar.set_postfix_str(postfix, refresh=False)
         bar.refresh()
     try:
-        result = backfill(store, args.name, args.version, batch=args.batch, workers=args.workers, progress=show)
+        yield show
     finally:
         bar.close()
+
+
+def _backfill(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+    with _progress(out, "cells") as show:
+        def report(p: BackfillProgress) -> None:
+            show(p.cells_done, p.cells, f"shards {p.shards_done}/{p.shards}")
+        result = backfill(store, args.name, args.version, batch=args.batch, workers=args.workers, progress=report)
     data = {"index": args.name, "version": args.version, **result._asdict()}
     out.emit(data, f"index {args.name} version {args.version}: {result.shards} shards done, {result.cells} cells "
                    f"read, {result.applied} applied, {result.superseded} superseded, {result.dead_lettered} "
@@ -184,18 +194,10 @@ def _status(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
 
 
 def _verify(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
-    from tqdm import tqdm
-
-    bar = tqdm(total=0, unit="shards", file=sys.stderr, disable=out.as_json, dynamic_ncols=True)
-
-    def show(p: VerifyProgress) -> None:
-        bar.total, bar.n = p.steps, p.steps_done
-        bar.set_postfix_str(f"rows {p.rows}", refresh=False)
-        bar.refresh()
-    try:
-        result = verify(store, args.name, args.version, sample=args.sample, repair=args.repair, progress=show)
-    finally:
-        bar.close()
+    with _progress(out, "shards") as show:
+        def report(p: VerifyProgress) -> None:
+            show(p.steps_done, p.steps, f"rows {p.rows}")
+        result = verify(store, args.name, args.version, sample=args.sample, repair=args.repair, progress=report)
     counts = result.counts()
     left = len({m.row_key for m in result.mismatches}) - result.repaired
     data = {"index": result.name, "version": result.version, "sample": result.sample, "rows": result.rows,
