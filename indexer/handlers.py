@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Protocol
 from logstore import Cell
 from tailer.messages import coordinates
 
+from .combine import Combiner
 from .config import AppConfig
 from .deadletters import OPEN_STATES, DeadLetter, DeadLetterStore
 from .errors import HandlerStalledError, RetriableError
@@ -102,6 +103,7 @@ class Processor:
         # Kafka mode mirrors each recorded entry to the app's DLQ topic before the cell is acknowledged.
         self.on_deadletter: Callable[[DeadLetter], Awaitable[None]] | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(config.concurrency, thread_name_prefix="handler")
+        self._combiners: dict[str, Combiner] = {}  # batch handlers: the batches of many shards in one call
 
     def load_open_counts(self) -> None:
         """(blocking) Count the open dead letters per handler, for the stall threshold."""
@@ -144,8 +146,9 @@ class Processor:
     async def _apply_batch(self, trigger: Trigger, applier: BatchApplier,
                            items: list[tuple[Cell, dict[str, Any]]]) -> bool:
         """Cells that cannot be prepared are dead-lettered first (so the batch's recorded position never
-        passes a cell that was neither applied nor dead-lettered); the rest are applied at once, retried
-        while the error is retriable. A batch still failing with a retriable error is not settled; one
+        passes a cell that was neither applied nor dead-lettered); the rest are applied at once (with the
+        batches of other shards waiting at the time: :mod:`indexer.combine`), retried while the error is
+        retriable. A batch still failing with a retriable error is not settled; one
         failing otherwise is applied cell by cell, so only the cells that fail are dead-lettered."""
         prepared, kept = [], []
         for cell, source in items:
@@ -157,7 +160,6 @@ class Processor:
                 if not await self._deadletter(trigger, source, coordinates(cell), cell.body,
                                               Outcome(False, 1, describe(exc), now, now)):
                     return False
-        loop = asyncio.get_running_loop()
         batch = [cell for cell, _ in items]
         labels = (self.config.name, trigger.name)
 
@@ -167,8 +169,11 @@ class Processor:
                            attempt, len(prepared), qualified_name(type(exc)), exc, delay)
 
         started = time.perf_counter()
-        outcome = await deliver(lambda: loop.run_in_executor(self._pool, applier.apply, prepared, batch),
-                                trigger.max_attempts, self.config.backoff, on_retry=retrying)
+        combiner = self._combiners.get(trigger.name)
+        if combiner is None:
+            combiner = self._combiners[trigger.name] = Combiner(applier, self._pool)
+        outcome = await deliver(lambda: combiner.apply(prepared, batch), trigger.max_attempts, self.config.backoff,
+                                on_retry=retrying)
         if outcome.ok:
             self.counts = self.counts._replace(processed=self.counts.processed + len(prepared))
             self.metrics.processed.labels(*labels).inc(len(prepared))

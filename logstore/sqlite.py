@@ -1,10 +1,11 @@
-"""The embedded backend: one SQLite database file per storage node.
+"""The embedded backend: a directory per storage node, with its cells in ``logstore.db``.
 
 All shards of the node share one ``cells`` table; ``added_id`` is its rowid.
 SQLite admits one writer at a time (``BEGIN IMMEDIATE``), so ids are allocated
 and committed in the same order: a reader paging ``added_id > location`` cannot
 miss a cell. Ids are unique across the node and strictly increasing within each
-shard (not dense per shard). WAL mode lets readers run beside the writer.
+shard (not dense per shard). WAL mode lets readers run beside the writer. The
+index tables live in ``indexes.db`` beside it, with their own write lock.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import uuid
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 from .cell import Cell
 from .config import SQLiteTarget, StoreOptions
@@ -39,6 +41,7 @@ from .sqlite_index import SQLiteIndexRecorder
 
 logger = logging.getLogger(__name__)
 DB_FILE = "logstore.db"
+INDEX_FILE = "indexes.db"
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
 
@@ -116,26 +119,20 @@ def _translate(exc: sqlite3.Error, what: str) -> LogstoreError:
     return StorageError(f"sqlite {what}: {exc}")
 
 
-class SQLiteRecorder(NodeRecorder):
-    def __init__(self, name: str, target: SQLiteTarget, options: StoreOptions) -> None:
-        self.name = name
-        self._path = target.directory / DB_FILE
+class _Database:
+    """One SQLite file: a connection per thread (WAL), read and write-transaction contexts."""
+
+    def __init__(self, path: Path, options: StoreOptions) -> None:
+        self.path = path
         self._options = options
         self._local = threading.local()
         self._all: weakref.WeakSet[_ThreadConnection] = weakref.WeakSet()
         self._all_lock = threading.Lock()
-        self.indexes = SQLiteIndexRecorder(name, self._write, self._read, options.retry)
-        try:
-            target.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigurationError(f"cannot create store directory {target.directory}: {exc.strerror}") from None
 
-    # -- connections ------------------------------------------------------
-    def _conn(self) -> sqlite3.Connection:
+    def conn(self) -> sqlite3.Connection:
         holder: _ThreadConnection | None = getattr(self._local, "holder", None)
         if holder is None:
-            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False,
-                                   timeout=_BUSY_TIMEOUT)
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT)
             try:
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute(f"PRAGMA synchronous={self._options.sqlite_synchronous}")
@@ -149,22 +146,15 @@ class SQLiteRecorder(NodeRecorder):
         return holder.conn
 
     @contextmanager
-    def _errors(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except sqlite3.Error as exc:
-            raise _translate(exc, what) from exc
+    def read(self) -> Iterator[sqlite3.Connection]:
+        with _errors("read"):
+            yield self.conn()
 
     @contextmanager
-    def _read(self) -> Iterator[sqlite3.Connection]:
-        with self._errors("read"):
-            yield self._conn()
-
-    @contextmanager
-    def _write(self, busy_timeout: float | None = None) -> Iterator[sqlite3.Connection]:
+    def write(self, busy_timeout: float | None = None) -> Iterator[sqlite3.Connection]:
         """A write transaction; ``busy_timeout`` seconds (default 30) to wait for another writer's lock."""
-        with self._errors("write"):
-            conn = self._conn()
+        with _errors("write"):
+            conn = self.conn()
             if busy_timeout is not None:
                 conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
             try:
@@ -179,6 +169,39 @@ class SQLiteRecorder(NodeRecorder):
             finally:
                 if busy_timeout is not None:
                     conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT * 1000}")
+
+    def close(self) -> None:
+        with self._all_lock:
+            holders, self._all = list(self._all), weakref.WeakSet()
+        for holder in holders:
+            holder.conn.close()
+        self._local = threading.local()
+
+
+@contextmanager
+def _errors(what: str) -> Iterator[None]:
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise _translate(exc, what) from exc
+
+
+class SQLiteRecorder(NodeRecorder):
+    """A node's cells and offsets in ``logstore.db``; its index tables in ``indexes.db`` beside it, so
+    index writers never wait behind cell writers for SQLite's one write lock (and the reverse)."""
+
+    def __init__(self, name: str, target: SQLiteTarget, options: StoreOptions) -> None:
+        self.name = name
+        self._db = _Database(target.directory / DB_FILE, options)
+        self._index_db = _Database(target.directory / INDEX_FILE, options)
+        self._conn = self._db.conn
+        self._write = self._db.write
+        self._errors = _errors
+        self.indexes = SQLiteIndexRecorder(name, self._index_db.write, self._index_db.read, options.retry)
+        try:
+            target.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigurationError(f"cannot create store directory {target.directory}: {exc.strerror}") from None
 
     # -- metadata ---------------------------------------------------------
     def read_meta(self) -> NodeMeta | None:
@@ -316,8 +339,5 @@ class SQLiteRecorder(NodeRecorder):
             return [offset_record(*row) for row in self._conn().execute(_OFFSETS, (consumer,)).fetchall()]
 
     def close(self) -> None:
-        with self._all_lock:
-            holders, self._all = list(self._all), weakref.WeakSet()
-        for holder in holders:
-            holder.conn.close()
-        self._local = threading.local()
+        self._db.close()
+        self._index_db.close()

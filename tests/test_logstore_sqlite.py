@@ -47,7 +47,7 @@ def test_threads_that_exit_release_their_connections(sqlite_url: str) -> None:
             t.start()
             t.join()
         gc.collect()
-        assert len(recorder._all) <= 2
+        assert len(recorder._db._all) <= 2
 
 
 def test_sqlite_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

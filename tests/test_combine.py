@@ -1,0 +1,72 @@
+"""The group commit of batch appliers (indexer.combine): batches of many shards in one call."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from indexer.combine import MAX_COMBINED, Combiner
+from logstore import Cell
+
+
+class Recording:
+    def __init__(self, pause: float = 0.0, fail: Exception | None = None) -> None:
+        self.calls: list[list[Any]] = []
+        self.pause, self.fail = pause, fail
+
+    def apply(self, prepared: Sequence[Any], batch: Sequence[Cell]) -> None:
+        self.calls.append(list(prepared))
+        time.sleep(self.pause)
+        if self.fail is not None:
+            raise self.fail
+
+
+@pytest.fixture
+def pool() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        yield pool
+
+
+def test_batches_of_one_turn_go_in_one_call_and_later_ones_in_the_next(
+        pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    applier = Recording(pause=0.2)
+    combiner = Combiner(applier, pool)
+
+    async def scenario() -> None:
+        await asyncio.gather(*(combiner.apply([shard], []) for shard in range(10)))
+        first = asyncio.create_task(combiner.apply(["a"], []))
+        await asyncio.sleep(0.05)  # "a" is being applied; these wait for the next call together
+        await asyncio.gather(first, *(combiner.apply([f"b{i}"], []) for i in range(3)))
+    asyncio.run(scenario())
+    assert applier.calls == [list(range(10)), ["a"], ["b0", "b1", "b2"]]
+    assert combiner.calls == 3
+
+
+def test_a_failed_call_fails_every_batch_in_it_and_the_next_call_goes_on(
+        pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    applier = Recording(fail=RuntimeError("node down"))
+    combiner = Combiner(applier, pool)
+
+    async def scenario() -> list[BaseException | None]:
+        return await asyncio.gather(*(combiner.apply([n], []) for n in range(4)), return_exceptions=True)
+    results = asyncio.run(scenario())
+    assert [str(r) for r in results] == ["node down"] * 4 and len(applier.calls) == 1
+    applier.fail = None
+    asyncio.run(scenario())  # another event loop, as when an app runs again
+    assert len(applier.calls) == 2
+
+
+def test_a_call_stays_under_the_size_bound(pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    applier = Recording()
+    combiner = Combiner(applier, pool)
+    big = MAX_COMBINED // 2 + 1
+
+    async def scenario() -> None:
+        await asyncio.gather(*(combiner.apply([n] * big, []) for n in range(3)), combiner.apply(["x"], []))
+    asyncio.run(scenario())
+    assert [len(c) for c in applier.calls] == [big, big, big + 1]
