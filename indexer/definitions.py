@@ -26,6 +26,7 @@ field; a cell whose body lacks a declared field, or has it with the wrong type, 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
 import uuid
 from pathlib import Path
@@ -74,7 +75,7 @@ class IndexDefinition(IndexSpec):
         except InvalidCellError as exc:
             raise ValueError(str(exc)) from None
 
-    @property
+    @functools.cached_property
     def spec(self) -> IndexSpec:
         """What the storage nodes hold (the definition without its source column)."""
         return IndexSpec.model_validate(self.model_dump(exclude={"column"}))

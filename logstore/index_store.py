@@ -100,21 +100,21 @@ class IndexStore:
             positions[shard] = max(location, positions.get(shard, 0))
         kind = spec.field(spec.shard_field).type
         shards = self._store.shard_count
-        targets: dict[tuple[uuid.UUID, int], int] = {}
+        targets: dict[int, tuple[int, list[Any]]] = {}  # by id(change): the changes live through the call
         for index, change in enumerate(changes):
             if not isinstance(change, IndexChange):
                 raise InvalidArgumentError(f"change #{index} is a {type(change).__name__}, not an IndexChange")
             self._store._check_shard(change.shard)
             if type(change.added_id) is not int or change.added_id < 1 or type(change.ref_key) is not int:
                 raise InvalidArgumentError(f"change #{index}: added_id and ref_key must be integers")
-            encode_row(spec, change.values)
-            targets[(change.row_key, change.ref_key)] = shard_of_value(kind, change.values[spec.shard_field], shards)
+            targets[id(change)] = (
+                shard_of_value(kind, change.values[spec.shard_field], shards), encode_row(spec, change.values))
         total = ApplyResult()
         for recorder, group in self._by_node(sorted(positions)).values():
             wanted = set(group)
             mine = [c for c in changes if c.shard in wanted]
             total += recorder.apply(spec, stream, mine, {s: positions[s] for s in group},
-                                    lambda c: targets[(c.row_key, c.ref_key)], self._remote(spec, recorder))
+                                    lambda c: targets[id(c)], self._remote(spec, recorder))
         return total
 
     def repair(self, spec: IndexSpec, fixes: Sequence[Fix], keep: Callable[[uuid.UUID, Locator], bool]) -> int:

@@ -24,6 +24,7 @@ those of each row's highest applied ref_key, whatever the order of delivery.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 import math
@@ -93,7 +94,7 @@ class IndexSpec(BaseModel):
             raise ValueError(f"fields: {len(self.keys)} query keys (the shard field counts); at most {MAX_KEYS}")
         return self
 
-    @property
+    @functools.cached_property
     def keys(self) -> tuple[str, ...]:
         """The query keys: the shard field first, then the fields marked ``key``, in declaration order."""
         return (self.shard_field, *(f.name for f in self.fields if f.key and f.name != self.shard_field))
@@ -106,10 +107,14 @@ class IndexSpec(BaseModel):
     def locator_table(self) -> str:
         return f"ixl_{self.name}_v{self.version}"
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, IndexColumn]:
+        return {f.name: f for f in self.fields}
+
     def field(self, name: str) -> IndexColumn:
-        for f in self.fields:
-            if f.name == name:
-                return f
+        found = self._by_name.get(name)
+        if found is not None:
+            return found
         raise InvalidArgumentError(f"index {self.name} has no field {name!r} (fields: "
                                    f"{', '.join(f.name for f in self.fields)})")
 
@@ -160,6 +165,10 @@ class EntryWrite(NamedTuple):
     ref_key: int
     values: dict[str, Any] | None
     force: bool = False
+    row: list[Any] | None = None  # ``values`` encoded (encode_row), when the caller has it already
+
+    def encoded(self, spec: IndexSpec) -> list[Any]:
+        return self.row if self.row is not None else encode_row(spec, self.values or {})
 
 
 class Fix(NamedTuple):
@@ -216,6 +225,23 @@ def micros(when: dt.datetime) -> int:
     return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
+def _wrong(value: Any) -> Any:
+    raise TypeError
+
+
+_INT64 = range(-(1 << 63), 1 << 63)
+# Each type's stored form of a value; TypeError when the value has another type.
+_ENCODE: dict[str, Callable[[Any], Any]] = {
+    "uuid": lambda v: v.bytes if isinstance(v, uuid.UUID) else _wrong(v),
+    "str": lambda v: v if isinstance(v, str) else _wrong(v),
+    "int": lambda v: v if type(v) is int and v in _INT64 else _wrong(v),
+    "float": lambda v: float(v) if type(v) in (int, float) and math.isfinite(v) else _wrong(v),
+    "bool": lambda v: int(v) if type(v) is bool else _wrong(v),
+    "datetime": lambda v: micros(v) if isinstance(v, dt.datetime) and v.utcoffset() is not None else _wrong(v),
+    "json": lambda v: v,  # dumped below, where a value that is not JSON gets its own message
+}
+
+
 def encode_value(index: str, column: IndexColumn, value: Any, is_key: bool) -> Any:
     """A typed value as the backends store it; InvalidArgumentError names a value of the wrong type."""
     if value is None:
@@ -223,50 +249,32 @@ def encode_value(index: str, column: IndexColumn, value: Any, is_key: bool) -> A
             raise InvalidArgumentError(f"index {index}: key field {column.name} needs a value, got None")
         return None
     kind = column.type
-    ok = (isinstance(value, uuid.UUID) if kind == "uuid"
-          else isinstance(value, str) if kind == "str"
-          else type(value) is int and -(1 << 63) <= value < 1 << 63 if kind == "int"
-          else type(value) in (int, float) and math.isfinite(value) if kind == "float"
-          else type(value) is bool if kind == "bool"
-          else isinstance(value, dt.datetime) and value.utcoffset() is not None if kind == "datetime"
-          else True)
-    if not ok:
+    try:
+        stored = _ENCODE[kind](value)
+    except TypeError:
         raise InvalidArgumentError(f"index {index}: field {column.name} is {kind}, got "
-                                   f"{type(value).__name__} {value!r:.60}")
-    if kind == "uuid":
-        return value.bytes
+                                   f"{type(value).__name__} {value!r:.60}") from None
     if kind == "str" and is_key and len(value) > MAX_KEY_CHARS:
         raise InvalidArgumentError(f"index {index}: key field {column.name} is longer than {MAX_KEY_CHARS} characters")
-    if kind == "float":
-        return float(value)
-    if kind == "bool":
-        return int(value)
-    if kind == "datetime":
-        return micros(value)
     if kind == "json":
         try:
             return json.dumps(value, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"index {index}: field {column.name} is not a JSON value: {exc}") from None
-    return value
+    return stored
+
+
+def _text(raw: Any) -> Any:
+    return bytes(raw).decode() if isinstance(raw, bytes | bytearray) else raw
+
+
+_DECODE: dict[str, Callable[[Any], Any]] = {
+    "uuid": lambda raw: uuid.UUID(bytes=bytes(raw)), "str": _text, "int": int, "float": float, "bool": bool,
+    "datetime": lambda raw: _EPOCH + dt.timedelta(microseconds=int(raw)), "json": json.loads}
 
 
 def decode_value(kind: str, raw: Any) -> Any:
-    if raw is None:
-        return None
-    if kind == "uuid":
-        return uuid.UUID(bytes=bytes(raw))
-    if kind == "float":
-        return float(raw)
-    if kind == "bool":
-        return bool(raw)
-    if kind == "datetime":
-        return _EPOCH + dt.timedelta(microseconds=int(raw))
-    if kind == "json":
-        return json.loads(raw)
-    if kind == "str" and isinstance(raw, bytes | bytearray):
-        return bytes(raw).decode()
-    return raw
+    return None if raw is None else _DECODE[kind](raw)
 
 
 def encode_row(spec: IndexSpec, values: Mapping[str, Any]) -> list[Any]:
@@ -278,11 +286,27 @@ def encode_row(spec: IndexSpec, values: Mapping[str, Any]) -> list[Any]:
     return [encode_value(spec.name, f, values[f.name], f.name in keys) for f in spec.fields]
 
 
-def decode_entry(spec: IndexSpec, row: Sequence[Any]) -> IndexEntry:
-    """A stored row (shard, row_key, ref_key, the fields in declaration order) as an entry."""
-    shard, row_key, ref_key, *values = row
-    fields = {f.name: decode_value(f.type, v) for f, v in zip(spec.fields, values, strict=True)}
-    return IndexEntry(int(shard), uuid.UUID(bytes=bytes(row_key)), int(ref_key), fields)
+_DECODE_EXPR = {"uuid": "UUID(bytes={v})", "str": "_text({v})", "int": "{v}", "float": "float({v})",
+                "bool": "bool({v})", "datetime": "EPOCH + timedelta(microseconds={v})", "json": "loads({v})"}
+
+
+def entry_decoder(spec: IndexSpec) -> Callable[[Sequence[Any]], IndexEntry]:
+    """What turns a stored row (shard, row_key, ref_key, the fields in declaration order) into an entry.
+    A query decodes many rows, so the function is generated for the spec, as namedtuple does: one
+    expression per field, no lookups (field names are checked identifiers)."""
+    keys = spec.keys
+    items = []
+    for n, f in enumerate(spec.fields):
+        expr = _DECODE_EXPR[f.type].format(v=f"v{n}")
+        items.append(f"{f.name!r}: {expr if f.name in keys else f'None if v{n} is None else {expr}'}")
+    names = ", ".join(f"v{n}" for n in range(len(spec.fields)))
+    source = (f"def decode(row):\n    shard, row_key, ref_key, {names} = row\n"
+              f"    return IndexEntry(shard, UUID(bytes=row_key), ref_key, {{{', '.join(items)}}})\n")
+    scope: dict[str, Any] = {"IndexEntry": IndexEntry, "UUID": uuid.UUID, "_text": _text, "EPOCH": _EPOCH,
+                             "timedelta": dt.timedelta, "loads": json.loads}
+    exec(source, scope)  # the source is built from the validated spec only
+    decode: Callable[[Sequence[Any]], IndexEntry] = scope["decode"]
+    return decode
 
 
 def check_conditions(spec: IndexSpec, conditions: Sequence[Condition]) -> list[tuple[str, str, Any]]:
@@ -299,30 +323,36 @@ def check_conditions(spec: IndexSpec, conditions: Sequence[Condition]) -> list[t
 
 
 # -- the apply plan, shared by every backend -------------------------------------------------
+Entry = Callable[[IndexChange], tuple[int, list[Any]]]  # a change's entry shard and encoded row
+
+
 def plan(
-    changes: Sequence[IndexChange], locators: Mapping[uuid.UUID, Locator], entry_shard: Callable[[IndexChange], int]
+    changes: Sequence[IndexChange], locators: Mapping[uuid.UUID, Locator], entry: Entry
 ) -> tuple[list[EntryWrite], dict[uuid.UUID, tuple[int, Locator]], int]:
     """The entry writes and new locators (with each row's source shard) of ``changes`` applied in order
-    over ``locators``, and how many changes were superseded. A locator with a negative ref_key is a
-    placeholder (a row whose locator is being created) and counts as none."""
-    current = {k: v for k, v in locators.items() if v.ref_key >= 0}
-    writes: dict[tuple[int, uuid.UUID], EntryWrite] = {}
+    over ``locators``, and how many changes were superseded. ``entry`` gives a change's entry shard and
+    encoded row. A locator with a negative ref_key is a placeholder (a row whose locator is being
+    created) and counts as none."""
+    # Keyed by the row key's int: hashing a UUID goes through Python code, hashing an int does not.
+    current = {k.int: v for k, v in locators.items() if v.ref_key >= 0}
+    writes: dict[tuple[int, int], EntryWrite] = {}
     updated: dict[uuid.UUID, tuple[int, Locator]] = {}
     superseded = 0
     for change in changes:
-        found = current.get(change.row_key)
+        key = change.row_key.int
+        found = current.get(key)
         if found is not None and found.ref_key >= change.ref_key:
             superseded += 1
             continue
-        target = entry_shard(change)
+        target, row = entry(change)
         if found is not None and found.entry_shard != target:
-            writes[(found.entry_shard, change.row_key)] = EntryWrite(
-                found.entry_shard, change.row_key, change.ref_key, None)
-        writes[(target, change.row_key)] = EntryWrite(target, change.row_key, change.ref_key, change.values)
-        current[change.row_key] = Locator(change.ref_key, target)
-        updated[change.row_key] = (change.shard, current[change.row_key])
-    # In (shard, row_key) order: two appliers writing the same entries lock them in the same order.
-    return [writes[k] for k in sorted(writes, key=lambda k: (k[0], k[1].bytes))], updated, superseded
+            writes[(found.entry_shard, key)] = EntryWrite(found.entry_shard, change.row_key, change.ref_key, None)
+        writes[(target, key)] = EntryWrite(target, change.row_key, change.ref_key, change.values, row=row)
+        current[key] = located = Locator(change.ref_key, target)
+        updated[change.row_key] = (change.shard, located)
+    # In (shard, row_key) order: two appliers writing the same entries lock them in the same order
+    # (a UUID's int orders like its bytes).
+    return [writes[k] for k in sorted(writes)], updated, superseded
 
 
 def repair_plan(fixes: Sequence[Fix], locators: Mapping[uuid.UUID, Locator],
@@ -339,7 +369,7 @@ def repair_plan(fixes: Sequence[Fix], locators: Mapping[uuid.UUID, Locator],
         writes.extend(EntryWrite(s, fix.row_key, fix.ref_key, None, True) for s in fix.clear if s != fix.entry_shard)
         if fix.values is not None:
             writes.append(EntryWrite(fix.entry_shard, fix.row_key, fix.ref_key, fix.values, True))
-    return todo, sorted(writes, key=lambda w: (w.shard, w.row_key.bytes))
+    return todo, sorted(writes, key=lambda w: (w.shard, w.row_key.int))
 
 
 def unapplied(changes: Sequence[IndexChange], positions: Mapping[int, int]) -> list[IndexChange]:
@@ -369,8 +399,10 @@ class StatementCache(Generic[S]):
 
     def __call__(self, spec: IndexSpec) -> S:
         found = self._built.get(spec.table)
-        if found is None or found[0] != spec:
-            found = (spec, self._build(spec))
+        if found is None or found[0] is not spec:
+            # Equal specs are often distinct objects (each catalog read makes one): keep the last one
+            # seen, so its next calls skip the deep comparison.
+            found = (spec, found[1] if found is not None and found[0] == spec else self._build(spec))
             with self._lock:
                 self._built[spec.table] = found
         return found[1]
@@ -382,17 +414,26 @@ def order_by(spec: IndexSpec, quote: Callable[[str], str]) -> dict[str, str]:
     return {d: " ORDER BY " + ", ".join(f"{c} {d.upper()}" for c in columns) for d in ("asc", "desc")}
 
 
-def where_clause(shards: Sequence[int] | None, conditions: Sequence[tuple[str, str, Any]],
-                 quote: Callable[[str], str], mark: str) -> tuple[str, list[Any]]:
-    """`` WHERE ...`` (or nothing) of a query over ``shards`` (all when None) and the checked conditions."""
-    where, args = [], list[Any]()
-    if shards is not None:
-        where.append(f"shard IN ({', '.join([mark] * len(shards))})")
-        args.extend(shards)
-    for field, op, value in conditions:
-        where.append(f"{quote(field)} {op} {mark}")
-        args.append(value)
-    return (" WHERE " + " AND ".join(where) if where else ""), args
+class QueryTexts:
+    """The SQL of a query, by shape (shard count, the conditions' fields and operators, order), each built
+    once: ``SELECT ... WHERE shard IN (...) AND <conditions> ORDER BY ... LIMIT <mark>``."""
+
+    def __init__(self, select: str, spec: IndexSpec, quote: Callable[[str], str], mark: str) -> None:
+        self._select, self._order, self._quote, self._mark = select, order_by(spec, quote), quote, mark
+        self._texts: dict[tuple[Any, ...], str] = {}
+
+    def __call__(self, shards: Sequence[int] | None, conditions: Sequence[tuple[str, str, Any]],
+                 order: Order) -> tuple[str, list[Any]]:
+        """The text and its arguments but the limit (the caller appends it)."""
+        shape = (None if shards is None else len(shards), tuple((f, op) for f, op, _ in conditions), order)
+        text = self._texts.get(shape)
+        if text is None:
+            where = [] if shards is None else [f"shard IN ({', '.join([self._mark] * len(shards))})"]
+            where.extend(f"{self._quote(f)} {op} {self._mark}" for f, op, _ in conditions)
+            text = (self._select + (" WHERE " + " AND ".join(where) if where else "") + self._order[order]
+                    + f" LIMIT {self._mark}")
+            self._texts[shape] = text
+        return text, [*(shards or ()), *(value for _, _, value in conditions)]
 
 
 class IndexRecorder(ABC):
@@ -412,8 +453,7 @@ class IndexRecorder(ABC):
 
     @abstractmethod
     def apply(self, spec: IndexSpec, stream: Stream | None, changes: Sequence[IndexChange],
-              positions: Mapping[int, int], entry_shard: Callable[[IndexChange], int],
-              remote: Remote) -> ApplyResult:
+              positions: Mapping[int, int], entry: Entry, remote: Remote) -> ApplyResult:
         """Apply changes of source shards held by this node in one transaction (see the module docstring),
         recording the stream's new ``positions`` (shard: location) in it; with no stream, no position is
         read or written. ``remote`` writes what belongs to other nodes and returns this node's share."""

@@ -19,6 +19,7 @@ import pymysql
 from .errors import ConfigurationError
 from .indexing import (
     ApplyResult,
+    Entry,
     EntryWrite,
     Fix,
     IndexChange,
@@ -28,16 +29,14 @@ from .indexing import (
     IndexSpec,
     Locator,
     Order,
+    QueryTexts,
     Remote,
     StatementCache,
     Stream,
-    decode_entry,
-    encode_row,
-    order_by,
+    entry_decoder,
     plan,
     repair_plan,
     unapplied,
-    where_clause,
 )
 
 T = TypeVar("T")
@@ -114,7 +113,8 @@ class _SQL:
             f" entry_shard = IF(VALUES(ref_key) > ref_key, VALUES(entry_shard), entry_shard),"
             f" ref_key = GREATEST(ref_key, VALUES(ref_key))")
         self.select = f"SELECT {self.columns} FROM {t}"
-        self.order = order_by(spec, _q)
+        self.query = QueryTexts(self.select, spec, _q, "%s")
+        self.decode = entry_decoder(spec)
         self.scan = f"SELECT {self.columns} FROM {t} WHERE shard = %s AND row_key > %s ORDER BY row_key LIMIT %s"
 
 
@@ -205,8 +205,7 @@ class MySQLIndexRecorder(IndexRecorder):
 
     # -- writes ---------------------------------------------------------------------
     def apply(self, spec: IndexSpec, stream: Stream | None, changes: Sequence[IndexChange],
-              positions: Mapping[int, int], entry_shard: Callable[[IndexChange], int],
-              remote: Remote) -> ApplyResult:
+              positions: Mapping[int, int], entry: Entry, remote: Remote) -> ApplyResult:
         sql = self._statements(spec)
 
         def run(cur: Cursor) -> ApplyResult:
@@ -217,7 +216,7 @@ class MySQLIndexRecorder(IndexRecorder):
                             [spec.table, stream, *shards])
                 todo = unapplied(changes, {int(s): int(loc) for s, loc, _ in cur.fetchall()})
             locators = self._lock(cur, sql, {c.row_key.bytes: c.shard for c in todo})
-            writes, updated, superseded = plan(todo, locators, entry_shard)
+            writes, updated, superseded = plan(todo, locators, entry)
             statements = self._entry_statements(spec, remote(writes))
             located = [(k.bytes, shard, loc.ref_key, loc.entry_shard) for k, (shard, loc) in updated.items()]
             for part in _chunks(located):
@@ -264,7 +263,7 @@ class MySQLIndexRecorder(IndexRecorder):
         sql = self._statements(spec)
         out: list[Statement] = []
         for force in (False, True):
-            puts = [(w.shard, w.row_key.bytes, w.ref_key, *encode_row(spec, w.values))
+            puts = [(w.shard, w.row_key.bytes, w.ref_key, *w.encoded(spec))
                     for w in writes if w.values is not None and w.force is force]
             for chunk in _chunks(puts):
                 out.append(((sql.force_put if force else sql.put).format(rows=", ".join([sql.row] * len(chunk))),
@@ -304,18 +303,19 @@ class MySQLIndexRecorder(IndexRecorder):
     def query(self, spec: IndexSpec, shards: Sequence[int] | None, conditions: Sequence[tuple[str, str, Any]],
               order: Order, limit: int) -> list[IndexEntry]:
         sql = self._statements(spec)
-        where, args = where_clause(shards, conditions, _q, "%s")
-        text = sql.select + where + sql.order[order] + " LIMIT %s"
+        text, args = sql.query(shards, conditions, order)
 
         def run(cur: Cursor) -> list[IndexEntry]:
             cur.execute(text, [*args, limit])
-            return [decode_entry(spec, row) for row in cur.fetchall()]
+            return [sql.decode(row) for row in cur.fetchall()]
         return self._call("query index", run)
 
     def scan(self, spec: IndexSpec, shard: int, after: uuid.UUID | None, limit: int) -> list[IndexEntry]:
+        sql = self._statements(spec)
+
         def run(cur: Cursor) -> list[IndexEntry]:
-            cur.execute(self._statements(spec).scan, (shard, after.bytes if after else b"", limit))
-            return [decode_entry(spec, row) for row in cur.fetchall()]
+            cur.execute(sql.scan, (shard, after.bytes if after else b"", limit))
+            return [sql.decode(row) for row in cur.fetchall()]
         return self._call("scan index", run)
 
     def locators(self, spec: IndexSpec, row_keys: Sequence[uuid.UUID]) -> dict[uuid.UUID, Locator]:

@@ -18,6 +18,7 @@ from typing import Any
 from .errors import ConfigurationError
 from .indexing import (
     ApplyResult,
+    Entry,
     EntryWrite,
     Fix,
     IndexChange,
@@ -27,16 +28,14 @@ from .indexing import (
     IndexSpec,
     Locator,
     Order,
+    QueryTexts,
     Remote,
     StatementCache,
     Stream,
-    decode_entry,
-    encode_row,
-    order_by,
+    entry_decoder,
     plan,
     repair_plan,
     unapplied,
-    where_clause,
 )
 from .retry import RetryPolicy, retry_call
 
@@ -96,7 +95,8 @@ class _SQL:
             f" ON CONFLICT (row_key) DO UPDATE SET ref_key = excluded.ref_key, entry_shard = excluded.entry_shard"
             f" WHERE excluded.ref_key > {loc}.ref_key")
         self.select = f"SELECT {self.columns} FROM {t}"
-        self.order = order_by(spec, _q)
+        self.query = QueryTexts(self.select, spec, _q, "?")
+        self.decode = entry_decoder(spec)
         self.scan = f"SELECT {self.columns} FROM {t} WHERE shard = ? AND row_key > ? ORDER BY row_key LIMIT ?"
 
 
@@ -154,13 +154,11 @@ class SQLiteIndexRecorder(IndexRecorder):
 
     # -- writes ---------------------------------------------------------------------
     def apply(self, spec: IndexSpec, stream: Stream | None, changes: Sequence[IndexChange],
-              positions: Mapping[int, int], entry_shard: Callable[[IndexChange], int],
-              remote: Remote) -> ApplyResult:
-        return retry_call(lambda: self._apply(spec, stream, changes, positions, entry_shard, remote), self._retry)
+              positions: Mapping[int, int], entry: Entry, remote: Remote) -> ApplyResult:
+        return retry_call(lambda: self._apply(spec, stream, changes, positions, entry, remote), self._retry)
 
     def _apply(self, spec: IndexSpec, stream: Stream | None, changes: Sequence[IndexChange],
-               positions: Mapping[int, int], entry_shard: Callable[[IndexChange], int],
-               remote: Remote) -> ApplyResult:
+               positions: Mapping[int, int], entry: Entry, remote: Remote) -> ApplyResult:
         sql = self._statements(spec)
         with self._write() as conn:
             todo = list(changes)
@@ -168,7 +166,7 @@ class SQLiteIndexRecorder(IndexRecorder):
                 found = self._positions(conn, spec, stream, sorted({c.shard for c in changes}))
                 todo = unapplied(changes, {s: p.location for s, p in found.items()})
             locators = self._locators(conn, sql, sorted({c.row_key.bytes for c in todo}))
-            writes, updated, superseded = plan(todo, locators, entry_shard)
+            writes, updated, superseded = plan(todo, locators, entry)
             self._write_entries(conn, spec, remote(writes))
             conn.executemany(sql.put_locator, [(k.bytes, shard, loc.ref_key, loc.entry_shard)
                                                for k, (shard, loc) in updated.items()])
@@ -196,7 +194,7 @@ class SQLiteIndexRecorder(IndexRecorder):
     def _write_entries(self, conn: sqlite3.Connection, spec: IndexSpec, writes: Sequence[EntryWrite]) -> None:
         sql = self._statements(spec)
         for force in (False, True):
-            puts = [(w.shard, w.row_key.bytes, w.ref_key, *encode_row(spec, w.values))
+            puts = [(w.shard, w.row_key.bytes, w.ref_key, *w.encoded(spec))
                     for w in writes if w.values is not None and w.force is force]
             conn.executemany(sql.force_put if force else sql.put, puts)
         conn.executemany(sql.delete, [(w.shard, w.row_key.bytes, w.ref_key)
@@ -238,16 +236,16 @@ class SQLiteIndexRecorder(IndexRecorder):
     def query(self, spec: IndexSpec, shards: Sequence[int] | None, conditions: Sequence[tuple[str, str, Any]],
               order: Order, limit: int) -> list[IndexEntry]:
         sql = self._statements(spec)
-        where, args = where_clause(shards, conditions, _q, "?")
-        text = sql.select + where + sql.order[order] + " LIMIT ?"
+        text, args = sql.query(shards, conditions, order)
         with self._read() as conn:
             rows = conn.execute(text, [*args, limit]).fetchall()
-        return [decode_entry(spec, row) for row in rows]
+        return [sql.decode(row) for row in rows]
 
     def scan(self, spec: IndexSpec, shard: int, after: uuid.UUID | None, limit: int) -> list[IndexEntry]:
+        sql = self._statements(spec)
         with self._read() as conn:
-            rows = conn.execute(self._statements(spec).scan, (shard, after.bytes if after else b"", limit)).fetchall()
-        return [decode_entry(spec, row) for row in rows]
+            rows = conn.execute(sql.scan, (shard, after.bytes if after else b"", limit)).fetchall()
+        return [sql.decode(row) for row in rows]
 
     def locators(self, spec: IndexSpec, row_keys: Sequence[uuid.UUID]) -> dict[uuid.UUID, Locator]:
         with self._read() as conn:
