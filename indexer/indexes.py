@@ -104,11 +104,11 @@ class Index:
         self._lock = threading.Lock()
 
     def _current(self, refresh: bool = False) -> IndexDefinition:
-        with self._lock:
-            if refresh or self._record is None or time.monotonic() - self._read_at > _REFRESH:
-                self._record = self._catalog.get(self.name)
+        record = self._record
+        if refresh or record is None or time.monotonic() - self._read_at > _REFRESH:
+            with self._lock:
+                self._record = record = self._catalog.get(self.name)
                 self._read_at = time.monotonic()
-            record = self._record
         if self._pinned is not None:
             return record.version(self._pinned).definition
         if record.active is None:
@@ -175,7 +175,7 @@ class Index:
         if column.type == "datetime" and isinstance(value, dt.datetime):
             if value.utcoffset() is None:
                 raise InvalidQueryError(f"index {self.name}: {column.name} needs a time with a zone")
-            return value.astimezone(dt.UTC)
+            return value  # stored as microseconds since the epoch, whatever its zone
         try:
             return convert(self.name, column, value)
         except EntryFieldError as exc:

@@ -172,12 +172,12 @@ class IndexStore:
             raise InvalidArgumentError(f"order must be 'asc' or 'desc', got {order!r}")
         if type(limit) is not int or not 1 <= limit <= MAX_QUERY_LIMIT:
             raise InvalidArgumentError(f"limit must be an integer in [1, {MAX_QUERY_LIMIT}], got {limit!r}")
-        given = [Condition(*c) for c in conditions]
+        given = [c if type(c) is Condition else Condition(*c) for c in conditions]
         stored = check_conditions(spec, given)
-        shard_values = [c.value for c in given if c.field == spec.shard_field and c.op == "="]
-        if shard_values:
-            shard = self.entry_shard(spec, shard_values[0])
-            return self._recorder_of(shard).query(spec, [shard], stored, order, limit)
+        for c in given:
+            if c.field == spec.shard_field and c.op == "=":
+                shard = self.entry_shard(spec, c.value)
+                return self._recorder_of(shard).query(spec, [shard], stored, order, limit)
         if not scatter:
             raise InvalidArgumentError(
                 f"index {spec.name}: a query without {spec.shard_field} reads every shard; ask for it with scatter")

@@ -1,10 +1,16 @@
 """The MySQL/MariaDB backend's index tables: one entry table and one locator table per index version.
 
-Sessions run READ COMMITTED (see :mod:`logstore.mysql`), where a locking read of a
-missing row locks nothing. An apply therefore first upserts a placeholder locator
-(ref_key -1) for every row of the batch, in row_key order: that creates or
-exclusively locks each row, so two appliers of the same row (live processing and a
-backfill) take turns, and appliers of different rows never deadlock on each other.
+Two appliers of the same row (live processing and a backfill) must take turns on
+its locator. Sessions run READ COMMITTED (see :mod:`logstore.mysql`), where a
+locking read locks the rows that exist and nothing for a missing one. So an apply
+locks and reads the existing locators (``SELECT ... FOR UPDATE``), plans, and then
+inserts the locators of its new rows before writing anything else: an insert of a
+row another applier is inserting waits for it, and fails once it commits; the apply
+then rolls back and starts again, finding the row. Rows are locked and inserted in
+row_key order, so appliers of different rows do not deadlock on each other.
+
+A repair locks rows differently, with placeholder upserts (ref_key -1) that create
+or lock each row: it writes every locked row's locator, so none stays behind.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 import pymysql
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, StorageUnavailableError
 from .indexing import (
     ApplyResult,
     Entry,
@@ -52,6 +58,7 @@ class Call(Protocol):
 Statement = tuple[str, list[Any]]
 _CHUNK = 500
 _NO_TABLE = 1146
+_DUPLICATE = 1062
 _KEY_STR = "VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin"  # no PAD SPACE: 'a' != 'a '
 _TYPES = {"uuid": "BINARY(16)", "str": "MEDIUMTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin", "int": "BIGINT",
           "float": "DOUBLE", "bool": "TINYINT(1)", "datetime": "BIGINT",
@@ -95,7 +102,6 @@ class _SQL:
         )
         self.drop = f"DROP TABLE IF EXISTS {t}, {loc}"
         self.columns = ", ".join(["shard", "row_key", "ref_key", *fields])
-        self.row = f"({_marks(3 + len(fields))})"
         # Assignments run left to right and later ones see earlier results: ref_key goes last.
         updates = ", ".join(f"{c} = IF(VALUES(ref_key) > ref_key, VALUES({c}), {c})" for c in fields)
         self.put = (f"INSERT INTO {t} ({self.columns}) VALUES {{rows}} ON DUPLICATE KEY UPDATE {updates},"
@@ -108,6 +114,8 @@ class _SQL:
         self.lock = (f"INSERT INTO {loc} (row_key, shard, ref_key, entry_shard) VALUES {{rows}}"
                      f" ON DUPLICATE KEY UPDATE row_key = row_key")
         self.locators = f"SELECT row_key, ref_key, entry_shard FROM {loc} WHERE row_key IN ({{marks}})"
+        self.lock_locators = self.locators + " FOR UPDATE"
+        self.create_locators = f"INSERT INTO {loc} (row_key, shard, ref_key, entry_shard) VALUES {{rows}}"
         self.put_locators = (
             f"INSERT INTO {loc} (row_key, shard, ref_key, entry_shard) VALUES {{rows}} ON DUPLICATE KEY UPDATE"
             f" entry_shard = IF(VALUES(ref_key) > ref_key, VALUES(entry_shard), entry_shard),"
@@ -121,6 +129,30 @@ class _SQL:
 def _chunks(items: Sequence[T]) -> Iterator[Sequence[T]]:
     for start in range(0, len(items), _CHUNK):
         yield items[start:start + _CHUNK]
+
+
+def _values(rows: Sequence[Sequence[Any]]) -> tuple[str, list[Any]]:
+    """Rows as the text of a VALUES list: integers, floats, bytes and NULL written as literals (cheaper than
+    the driver's escaping, which showed as the apply's largest cost), strings left as parameters."""
+    args: list[Any] = []
+    parts = []
+    for row in rows:
+        items = []
+        for value in row:
+            kind = type(value)
+            if kind is int:
+                items.append(str(value))
+            elif kind is bytes:
+                items.append(f"X'{value.hex()}'")
+            elif value is None:
+                items.append("NULL")
+            elif kind is float:  # finite: the index refuses others
+                items.append(repr(value))
+            else:
+                items.append("%s")
+                args.append(value)
+        parts.append(f"({', '.join(items)})")
+    return ", ".join(parts), args
 
 
 def _size(statement: Statement) -> int:
@@ -210,18 +242,31 @@ class MySQLIndexRecorder(IndexRecorder):
 
         def run(cur: Cursor) -> ApplyResult:
             shards = sorted({c.shard for c in changes})
+            keys = sorted({c.row_key.bytes for c in changes})
+            # One round trip: the stream's positions and the rows' existing locators, locked.
+            reads: list[Statement] = []
+            if stream is not None and shards:
+                reads.append((f"{_POSITIONS} AND shard IN ({_marks(len(shards))}) FOR UPDATE",
+                              [spec.table, stream, *shards]))
+            reads.extend((sql.lock_locators.format(marks=", ".join(f"X'{k.hex()}'" for k in chunk)), [])
+                         for chunk in _chunks(keys))
+            results = [r.rows or () for r in self._run_script(cur, reads)] if reads else []
             todo = list(changes)
             if stream is not None and shards:
-                cur.execute(f"{_POSITIONS} AND shard IN ({_marks(len(shards))}) FOR UPDATE",
-                            [spec.table, stream, *shards])
-                todo = unapplied(changes, {int(s): int(loc) for s, loc, _ in cur.fetchall()})
-            locators = self._lock(cur, sql, {c.row_key.bytes: c.shard for c in todo})
+                todo = unapplied(changes, {int(s): int(loc) for s, loc, _ in results.pop(0)})
+            locators = {uuid.UUID(bytes=raw): Locator(int(ref), int(where))
+                        for rows in results for raw, ref, where in rows}
             writes, updated, superseded = plan(todo, locators, entry)
+            created = [(k.bytes, shard, loc.ref_key, loc.entry_shard)
+                       for k, (shard, loc) in updated.items() if k not in locators]
+            if created:
+                self._create_locators(cur, sql, created)
             statements = self._entry_statements(spec, remote(writes))
-            located = [(k.bytes, shard, loc.ref_key, loc.entry_shard) for k, (shard, loc) in updated.items()]
+            located = [(k.bytes, shard, loc.ref_key, loc.entry_shard)
+                       for k, (shard, loc) in updated.items() if k in locators]
             for part in _chunks(located):
-                statements.append((sql.put_locators.format(rows=", ".join(["(%s, %s, %s, %s)"] * len(part))),
-                                   [a for row in part for a in row]))
+                text, args = _values(part)
+                statements.append((sql.put_locators.format(rows=text), args))
             if stream is not None and positions:
                 statements.append((
                     "INSERT INTO cellstream_index_positions (index_table, stream, shard, location) VALUES "
@@ -231,6 +276,19 @@ class MySQLIndexRecorder(IndexRecorder):
             self._script(cur, statements)
             return ApplyResult(len(todo) - superseded, superseded, len(changes) - len(todo))
         return self._transaction("apply index", run)
+
+    def _create_locators(self, cur: Cursor, sql: _SQL, rows: Sequence[tuple[bytes, int, int, int]]) -> None:
+        """Insert the locators of rows that had none, before anything else is written: if another applier
+        created one meanwhile, the insert waits for its commit, fails, and the apply starts again (from
+        reading the locators) before its plan reached any node."""
+        try:
+            self._script(cur, [(sql.create_locators.format(rows=_values(part)[0]), [])
+                               for part in _chunks(sorted(rows))])
+        except pymysql.err.IntegrityError as exc:
+            if not exc.args or exc.args[0] != _DUPLICATE:
+                raise
+            raise StorageUnavailableError(f"storage node {self.name}: another applier created a locator of the "
+                                          "same row first; the batch is planned again") from exc
 
     def _lock(self, cur: Cursor, sql: _SQL, rows: Mapping[bytes, int]) -> dict[uuid.UUID, Locator]:
         """Lock the locators of rows (row_key: its shard), in row_key order, and read them."""
@@ -266,8 +324,8 @@ class MySQLIndexRecorder(IndexRecorder):
             puts = [(w.shard, w.row_key.bytes, w.ref_key, *w.encoded(spec))
                     for w in writes if w.values is not None and w.force is force]
             for chunk in _chunks(puts):
-                out.append(((sql.force_put if force else sql.put).format(rows=", ".join([sql.row] * len(chunk))),
-                            [a for row in chunk for a in row]))
+                text, args = _values(chunk)
+                out.append(((sql.force_put if force else sql.put).format(rows=text), args))
         out.extend((sql.delete, [w.shard, w.row_key.bytes, w.ref_key])
                    for w in writes if w.values is None and not w.force)
         out.extend((sql.force_delete, [w.shard, w.row_key.bytes]) for w in writes if w.values is None and w.force)

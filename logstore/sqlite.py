@@ -147,8 +147,10 @@ class _Database:
 
     @contextmanager
     def read(self) -> Iterator[sqlite3.Connection]:
-        with _errors("read"):
+        try:
             yield self.conn()
+        except sqlite3.Error as exc:
+            raise _translate(exc, "read") from exc
 
     @contextmanager
     def write(self, busy_timeout: float | None = None) -> Iterator[sqlite3.Connection]:
