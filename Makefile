@@ -45,7 +45,9 @@ bench: $(VENV)/.test
 	$(BIN)/python bench/logstore_bench.py; \
 	$(BIN)/python bench/tailer_bench.py; \
 	$(BIN)/python bench/app_bench.py; \
-	$(BIN)/python bench/app_kafka_bench.py
+	$(BIN)/python bench/app_kafka_bench.py; \
+	$(BIN)/python bench/index_bench.py; \
+	$(BIN)/python bench/index_bench.py --mysql
 
 services-up:
 	scripts/services.sh up

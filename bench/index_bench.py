@@ -21,7 +21,8 @@ trip_created_at, fare): ~125 per driver in 2-3 of 8 cities over 30 days, one in 
 3. Single-shard query p50: after a backfill and activation, ``--queries`` queries ``Index.query(
    driver_partner_uuid=d, city_uuid=c, trip_created_at=(start, end), limit=100)`` against the same SELECT
    on the entry table through the raw library, rows decoded to the same values; each pair alternates
-   which goes first and must return the same row_keys. Target: index/raw p50 <= 1.5.
+   which goes first and must return the same row_keys. Target: index/raw p50 <= 1.5. Before the queries,
+   ``cellstream index verify`` checks that the index equals the cells (none may differ) and is timed.
 
 Results: bench/results/index.json (MariaDB: index_mysql.json) or ``--out``. Store: a fresh SQLite
 directory; ``--store`` a mysql:// URL of an empty database; ``--mysql`` a fresh database on
@@ -60,6 +61,7 @@ from indexer.backfill import backfill
 from indexer.catalog import IndexCatalog
 from indexer.definitions import IndexDefinition, load_indexes
 from indexer.indexes import Index, IndexApplier
+from indexer.verify import verify
 from logstore import Cell, mysql_index, sqlite_index
 from logstore.config import MySQLTarget, SQLiteTarget, parse_node_url
 from logstore.indexing import ApplyResult, IndexChange, IndexSpec, Stream
@@ -267,11 +269,12 @@ def serve_lag(url: str, out: str) -> None:
                 assert not running.done(), running.exception()
                 await asyncio.sleep(0.05)
             Path(out + ".ready").touch()  # claimed at the heads (start_from now) and marked live
-            expected, deadline = Path(out + ".expected"), None
+            expected, deadline, want = Path(out + ".expected"), None, set[str]()
             while not running.done() and (deadline is None or time.monotonic() < deadline):
                 if expected.exists():
-                    deadline = deadline or time.monotonic() + 60
-                    if len(got) >= int(expected.read_text()):
+                    if deadline is None:
+                        deadline, want = time.monotonic() + 60, set(json.loads(expected.read_text()))
+                    if want.issubset(got):  # the parent's cells: any other cell the app saw does not count
                         break
                 await asyncio.sleep(0.05)
             stop.set()
@@ -290,7 +293,7 @@ def lag(store: logstore.Store, url: str, trips: Trips, rate: int, seconds: float
         assert child.poll() is None, "the app process died"
         time.sleep(0.05)
     put_at = paced_puts(store, "BASE", rate, seconds, trips.body)
-    Path(out + ".tmp").write_text(str(len(put_at)))
+    Path(out + ".tmp").write_text(json.dumps(list(put_at)))
     os.replace(out + ".tmp", out + ".expected")
     assert child.wait(180) == 0, "the app process failed"
     ms = latencies(put_at, json.loads(Path(out).read_text()), "index")
@@ -307,6 +310,8 @@ def queries(store: logstore.Store, raw: Raw, trips: Trips, count: int) -> dict[s
     built = backfill(store, NAME, 1)
     built_s = time.perf_counter() - started
     IndexCatalog(store).activate(NAME, 1)
+    checked = verify(store, NAME)  # the index built live and by the backfill equals the cells
+    assert checked.mismatches == [] and checked.pending == 0, checked.counts()
     index, rng, warm = Index(store, NAME), random.Random(7), count // 10
     table, asks = index.definition.spec.table, list[Ask]()
     for _ in range(warm + count):  # the first tenth warms both sides up, untimed
@@ -337,7 +342,9 @@ def queries(store: logstore.Store, raw: Raw, trips: Trips, count: int) -> dict[s
             "index_p99_ms": round(percentile(times["index"], 0.99) * 1e3, 3),
             "raw_p99_ms": round(percentile(times["raw"], 0.99) * 1e3, 3), "target": "<= 1.5", "met": p50 / r50 <= 1.5,
             "backfill": {"cells": built.cells, "applied": built.applied, "superseded": built.superseded,
-                         "seconds": round(built_s, 2), "cells_per_s": round(built.cells / built_s)}}
+                         "seconds": round(built_s, 2), "cells_per_s": round(built.cells / built_s)},
+            "verify": {"rows": checked.rows, "cells": checked.cells, "mismatches": 0,
+                       "seconds": round(checked.seconds, 2), "rows_per_s": round(checked.rows / checked.seconds)}}
 
 
 def run(url: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
@@ -358,7 +365,8 @@ def run(url: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
             qu = queries(store, raw, trips, args.queries)
             print(f"single-shard query p50 ({qu['mean_rows']} rows): index {qu['index_p50_ms']} ms; raw SELECT "
                   f"{qu['raw_p50_ms']} ms; ratio {qu['ratio_p50']} (target <= 1.5: {verdict(qu['met'])}); backfill "
-                  f"{qu['backfill']['cells_per_s']} cells/s", flush=True)
+                  f"{qu['backfill']['cells_per_s']} cells/s; verify {qu['verify']['rows_per_s']} rows/s, "
+                  "no mismatch", flush=True)
         finally:
             raw.conn.close()
     return {"store": "mysql" if raw.mysql else "sqlite", "shards": SHARDS, "apply": ap, "lag": la, "query": qu}
