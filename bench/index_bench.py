@@ -56,6 +56,7 @@ import pymysql
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
 from bench.pacing import latencies, paced_puts
+from bench.scratch import drop_database
 from indexer import App
 from indexer.backfill import backfill
 from indexer.catalog import IndexCatalog
@@ -372,15 +373,6 @@ def run(url: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     return {"store": "mysql" if raw.mysql else "sqlite", "shards": SHARDS, "apply": ap, "lag": la, "query": qu}
 
 
-def drop(url: str) -> None:
-    t = parse_node_url(url)
-    assert isinstance(t, MySQLTarget)
-    conn = pymysql.connect(host=t.host, port=t.port, user=t.user, password=t.password, autocommit=True)
-    with conn.cursor() as cur:
-        cur.execute(f"DROP DATABASE IF EXISTS `{t.database}`")
-    conn.close()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", help="a mysql:// URL of an empty database (default: a fresh SQLite directory)")
@@ -401,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run(url, args, tmp)
         finally:
             if args.mysql:
-                drop(url)
+                drop_database(url)
     name = "index_mysql.json" if result["store"] == "mysql" else "index.json"
     out = Path(args.out or Path(__file__).with_name("results") / name)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -31,6 +31,7 @@ import pymysql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
+from bench.scratch import drop_database
 from logstore.cell import decode_body, shard_of
 from logstore.config import MySQLTarget, parse_node_url
 from logstore.mysql import _SHARD_TABLE
@@ -236,7 +237,7 @@ def open_figures(server: str) -> dict[str, float]:
     url = f"{server}/csbench_open_{uuid.uuid4().hex[:8]}"
     created = timed(lambda: logstore.open(url).close())
     reopened = timed(lambda: logstore.open(url).close())
-    drop(url)
+    drop_database(url)
     return {"create_4096_shards_s": created, "reopen_4096_shards_s": reopened}
 
 
@@ -272,15 +273,6 @@ def rss_paging(url: str, cells: int) -> dict[str, Any]:
             "preloaded": have, "target": "< 200 MB"}
 
 
-def drop(url: str) -> None:
-    t = parse_node_url(url)
-    assert isinstance(t, MySQLTarget)
-    conn = pymysql.connect(host=t.host, port=t.port, user=t.user, password=t.password, autocommit=True)
-    with conn.cursor() as cur:
-        cur.execute(f"DROP DATABASE IF EXISTS `{t.database}`")
-    conn.close()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", default=SERVER, help="MariaDB server URL without database")
@@ -309,14 +301,14 @@ def main() -> int:
         results = bench.results
     finally:
         bench.close()
-        drop(url)
+        drop_database(url)
     results["open"] = open_figures(args.server.rstrip("/"))
     if args.rss_cells:
         print(f"paging a {args.rss_cells}-cell shard (loading first)", file=sys.stderr)
         try:
             results["paging_rss"] = rss_paging(rss_url, args.rss_cells)
         finally:
-            drop(rss_url)
+            drop_database(rss_url)
     results["max_rss_of_bench_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

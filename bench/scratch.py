@@ -20,6 +20,15 @@ class Scratch(NamedTuple):
     prefix: str  # topic prefix
 
 
+def drop_database(url: str) -> None:
+    """Drop the database of a mysql:// URL, if it exists."""
+    target = parse_node_url(url)
+    conn = pymysql.connect(**{k: v for k, v in target.model_dump().items() if k != "database"})
+    with conn.cursor() as cur:
+        cur.execute(f"DROP DATABASE IF EXISTS `{target.database}`")  # type: ignore[union-attr]
+    conn.close()
+
+
 @contextlib.contextmanager
 def scratch(server: str, zookeeper: str, kafka: str, name: str) -> Iterator[Scratch]:
     """``server`` is a mysql:// URL without a database; everything made under ``name`` is dropped on exit."""
@@ -29,10 +38,7 @@ def scratch(server: str, zookeeper: str, kafka: str, name: str) -> Iterator[Scra
     try:
         yield Scratch(url, zookeeper + chroot, f"bench{tag}")
     finally:
-        conn = pymysql.connect(**{k: v for k, v in parse_node_url(url).model_dump().items() if k != "database"})
-        with conn.cursor() as cur:
-            cur.execute(f"DROP DATABASE IF EXISTS `{database}`")
-        conn.close()
+        drop_database(url)
         client = KazooClient(hosts=zookeeper)
         client.start(timeout=10)
         client.delete(chroot, recursive=True)
