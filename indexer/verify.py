@@ -37,6 +37,7 @@ from logstore.indexing import Fix, IndexEntry, Locator, encode_row
 
 from .catalog import IndexCatalog, IndexStateError
 from .definitions import EntryFieldError, IndexDefinition
+from .indexes import InvalidQueryError
 
 logger = logging.getLogger(__name__)
 Kind = Literal["missing", "stale", "different", "misplaced", "orphan", "locator"]
@@ -179,7 +180,7 @@ def verify(store: Store, name: str, version: int | None = None, *, sample: float
     """Compare index ``name`` (its active version, or ``version``) with the cells; with ``repair``, fix
     every mismatch found. Reads the whole log of the column and every entry; checks ``sample`` of the rows."""
     if not isinstance(sample, int | float) or not 0 < sample <= 1:
-        raise ValueError(f"sample must be a rate in (0, 1], got {sample!r}")
+        raise InvalidQueryError(f"sample must be a rate in (0, 1], got {sample!r}")
     started = time.monotonic()
     record = IndexCatalog(store).get(name)
     number = version if version is not None else record.active

@@ -19,6 +19,7 @@ from cellstream.cli import main
 from indexer import App
 from indexer.backfill import backfill
 from indexer.catalog import IndexCatalog, IndexStateError
+from indexer.indexes import InvalidQueryError
 from indexer.verify import verify
 from logstore.indexing import EntryWrite
 
@@ -222,6 +223,8 @@ def test_verify_refuses_what_it_cannot_check(sqlite_url: str, yaml_file: Path,
             verify(store, NAME)
         with pytest.raises(IndexStateError, match="version 1 is building"):
             verify(store, NAME, 1)
+        with pytest.raises(InvalidQueryError, match="sample must be a rate"):
+            verify(store, NAME, 1, sample=1.5)
     assert main(["index", "verify", NAME, "--sample", "0", "--store", sqlite_url]) == 2
     assert "not a rate in (0, 1]" in capsys.readouterr().err
     assert main(["index", "verify", "nope", "--store", sqlite_url]) == 1
