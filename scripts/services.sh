@@ -6,9 +6,9 @@
 #   scripts/services.sh down   [service...]   stop the services this script started
 #   scripts/services.sh status [service...]   show what answers and what we started
 #
-# Services (default: all, in this order): mariadb zookeeper kafka.
-# PostgreSQL will be added in the same style: one <name>_up / <name>_down /
-# <name>_status function each, plus an entry in SERVICES below.
+# Services (default: all, in this order): mariadb postgresql zookeeper kafka.
+# Each has one <name>_up / <name>_down / <name>_status function, plus an entry
+# in SERVICES below.
 #
 # ZooKeeper and Kafka (KRaft mode, no ZooKeeper needed; ZooKeeper is for the
 # tailer's coordination) run on Java from the jars of scripts/kafka/pom.xml,
@@ -33,6 +33,7 @@
 #
 # Connection settings used by the tests:
 #   MariaDB   127.0.0.1:3306  user cellstream  password cellstream
+#   PostgreSQL 127.0.0.1:5432 user cellstream  password cellstream (superuser)
 #   ZooKeeper 127.0.0.1:2181  (all four-letter-word commands allowed)
 #   Kafka     127.0.0.1:9092  PLAINTEXT, one KRaft node (controller on
 #             127.0.0.1:9093), auto topic creation disabled
@@ -43,7 +44,7 @@ SVC_DIR="$ROOT/.services"
 STATE_FILE="$SVC_DIR/started"
 LOCK_FILE="$SVC_DIR/lock"
 
-SERVICES=(mariadb zookeeper kafka)
+SERVICES=(mariadb postgresql zookeeper kafka)
 STOP_TIMEOUT=60
 
 log() { printf 'services: %s\n' "$*" >&2; }
@@ -496,6 +497,151 @@ service_status() {
 
 mariadb_status() {
   service_status mariadb "$MARIADB_HOST" "$MARIADB_PORT"
+  echo
+}
+
+# ===========================================================================
+# PostgreSQL (Debian's packages; a private cluster run by the postgres user,
+# which PostgreSQL requires: it refuses to run as root)
+# ===========================================================================
+PG_HOST=127.0.0.1
+PG_PORT=5432
+PG_USER=cellstream
+PG_PASSWORD=cellstream
+PG_PACKAGES=(postgresql postgresql-client)
+PG_DIR="$SVC_DIR/postgresql"
+PG_DATA="$PG_DIR/data"
+PG_LOG="$PG_DIR/postgresql.log"
+PG_INIT_MARK="$PG_DIR/.initialized"
+PG_START_TIMEOUT=60
+
+# The server binaries of the newest installed major version.
+pg_bin() {
+  local dir
+  dir="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)"
+  [ -n "$dir" ] && [ -x "$dir/$1" ] && printf '%s\n' "$dir/$1"
+}
+
+postgresql_installed() { pg_bin initdb >/dev/null && pg_bin pg_ctl >/dev/null && find_bin psql >/dev/null; }
+
+# Does 127.0.0.1:5432 accept the test credentials over TCP?
+postgresql_answers() {
+  local psql
+  psql="$(find_bin psql)" || return 1
+  PGPASSWORD="$PG_PASSWORD" PGCONNECT_TIMEOUT=3 "$psql" -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" \
+    -d postgres -w -tAc 'select 1' >/dev/null 2>&1
+}
+
+# The postmaster of our data dir, if it runs.
+postgresql_our_pid() {
+  local pid
+  pid="$(head -n 1 "$PG_DATA/postmaster.pid" 2>/dev/null || true)"
+  proc_alive "$pid" postgres "$PG_DATA" || return 1
+  printf '%s\n' "$pid"
+}
+
+# Run a command as the postgres user (or as ourselves when not root).
+as_postgres() {
+  if is_root; then
+    runuser -u postgres -- "$@"
+  else
+    "$@"
+  fi
+}
+
+postgresql_install() {
+  postgresql_installed && return 0
+  is_root || die "postgresql: not installed; as root run: apt-get install -y --no-install-recommends ${PG_PACKAGES[*]}"
+  log "postgresql: installing ${PG_PACKAGES[*]} (apt)..."
+  apt_install "${PG_PACKAGES[@]}"
+  postgresql_installed || die "postgresql: installed ${PG_PACKAGES[*]} but initdb/pg_ctl/psql still not found"
+}
+
+postgresql_init() {
+  if [ -f "$PG_INIT_MARK" ] && [ -f "$PG_DATA/PG_VERSION" ]; then
+    return 0
+  fi
+  rm -rf "$PG_DATA"
+  mkdir -p "$PG_DATA"
+  is_root && chown -R postgres: "$PG_DIR"
+  log "postgresql: initializing data dir $PG_DATA"
+  local pwfile="$PG_DIR/.pw"
+  printf '%s\n' "$PG_PASSWORD" >"$pwfile"
+  is_root && chown postgres: "$pwfile"
+  if ! as_postgres "$(pg_bin initdb)" -D "$PG_DATA" -U "$PG_USER" --pwfile="$pwfile" --auth-local=trust \
+    --auth-host=scram-sha-256 -E UTF8 --locale=C.UTF-8 >"$PG_DIR/initdb.log" 2>&1; then
+    rm -f "$pwfile"
+    tail -n 30 "$PG_DIR/initdb.log" >&2
+    die "postgresql: initdb failed (log: $PG_DIR/initdb.log)"
+  fi
+  rm -f "$pwfile"
+  touch "$PG_INIT_MARK"
+}
+
+postgresql_up() {
+  local pid t0=$SECONDS
+  if pid="$(postgresql_our_pid)"; then
+    state_add postgresql "$PG_DATA"
+    postgresql_answers || die "postgresql: our server (pid $pid) does not accept $PG_USER over TCP (log: $PG_LOG)"
+    log "postgresql: already running (pid $pid, started by us), reusing"
+    return 0
+  fi
+  state_del postgresql
+  if tcp_open "$PG_HOST" "$PG_PORT"; then
+    postgresql_install
+    postgresql_answers && { log "postgresql: already running, reusing"; return 0; }
+    die "postgresql: $PG_HOST:$PG_PORT is in use but does not accept $PG_USER/$PG_PASSWORD; stop it or create that superuser"
+  fi
+  postgresql_install
+  mkdir -p "$PG_DIR"
+  if is_root; then
+    chmod 755 "$SVC_DIR"
+    chown postgres: "$PG_DIR"
+    runuser -u postgres -- test -x "$PG_DIR" -a -w "$PG_DIR" ||
+      die "postgresql: user postgres cannot reach $PG_DIR (it needs search access to every parent)"
+  fi
+  postgresql_init
+  log "postgresql: starting (data dir $PG_DATA)"
+  touch "$PG_LOG"
+  is_root && chown postgres: "$PG_LOG"
+  state_add postgresql "$PG_DATA"
+  # pg_ctl detaches the server (its stdio goes to the log), so `make` can exit while it runs.
+  if ! as_postgres "$(pg_bin pg_ctl)" -D "$PG_DATA" -l "$PG_LOG" -w -t "$PG_START_TIMEOUT" \
+    -o "-c listen_addresses=$PG_HOST -p $PG_PORT -k $PG_DIR -c max_connections=200 -c fsync=on" \
+    start >/dev/null 2>&1 9>&-; then
+    tail -n 30 "$PG_LOG" >&2 || true
+    die "postgresql: the server did not start (log: $PG_LOG)"
+  fi
+  pid="$(postgresql_our_pid)" || die "postgresql: started but no postmaster for $PG_DATA found"
+  postgresql_answers || die "postgresql: started (pid $pid) but $PG_USER cannot log in over TCP (log: $PG_LOG)"
+  log "postgresql: started on $PG_HOST:$PG_PORT (pid $pid, $((SECONDS - t0))s)"
+}
+
+postgresql_down() {
+  local pid
+  if ! state_get postgresql >/dev/null; then
+    log "postgresql: not started by us, leaving it alone"
+    return 0
+  fi
+  if ! pid="$(postgresql_our_pid)"; then
+    log "postgresql: not running"
+    state_del postgresql
+    return 0
+  fi
+  log "postgresql: stopping (pid $pid)"
+  as_postgres "$(pg_bin pg_ctl)" -D "$PG_DATA" -m fast -w -t "$STOP_TIMEOUT" stop >/dev/null 2>&1 ||
+    kill -TERM "$pid" 2>/dev/null || true
+  if ! wait_gone "$pid" postgres "$STOP_TIMEOUT"; then
+    log "postgresql: still running after ${STOP_TIMEOUT}s, killing"
+    kill -KILL "$pid" 2>/dev/null || true
+    wait_gone "$pid" postgres 10 || die "postgresql: could not stop pid $pid"
+  fi
+  state_del postgresql
+  log "postgresql: stopped"
+}
+
+postgresql_status() {
+  service_status postgresql "$PG_HOST" "$PG_PORT"
   echo
 }
 

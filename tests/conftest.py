@@ -1,7 +1,8 @@
-"""Fixtures: a fresh SQLite directory or a fresh MariaDB database per test.
+"""Fixtures: a fresh SQLite directory, MariaDB database, PostgreSQL database, ZooKeeper chroot or
+Kafka topic prefix per test.
 
-The MariaDB server is the real one `make test` starts (scripts/services.sh).
-A missing server fails the tests that need it; nothing here skips or mocks it.
+The servers are the real ones `make test` starts (scripts/services.sh). A missing
+server fails the tests that need it; nothing here skips or mocks it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pymysql
@@ -62,6 +64,33 @@ def mysql_database_factory() -> Iterator[object]:
         for name in names:
             cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
     admin.close()
+
+
+# -- PostgreSQL (the warehouse the connectors load) -----------------------------------
+POSTGRES_SERVER = os.environ.get("CELLSTREAM_TEST_POSTGRES", "postgresql://cellstream:cellstream@127.0.0.1:5432")
+
+
+def postgres_admin() -> Any:
+    import psycopg
+
+    try:
+        return psycopg.connect(f"{POSTGRES_SERVER.rstrip('/')}/postgres", autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        pytest.fail(f"PostgreSQL is not reachable at {POSTGRES_SERVER.split('@')[-1]} ({exc}); run the suite "
+                    "with `make test`, which installs and starts it", pytrace=False)
+
+
+@pytest.fixture
+def postgres_database() -> Iterator[str]:
+    """The URL of a new, empty PostgreSQL database; dropped after the test."""
+    name = f"cst_{uuid.uuid4().hex[:12]}"
+    with postgres_admin() as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{POSTGRES_SERVER.rstrip('/')}/{name}"
+    finally:
+        with postgres_admin() as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture

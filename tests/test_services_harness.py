@@ -122,3 +122,15 @@ def test_shared_services_answer() -> None:
             f"ZooKeeper does not answer on {SHARED_ZOOKEEPER}; run the suite with `make test`"
         )
     assert kafka_brokers(SHARED_KAFKA), f"Kafka does not answer on {SHARED_KAFKA}; run the suite with `make test`"
+
+
+def test_a_fresh_postgres_database_is_empty_and_writable(postgres_database: str) -> None:
+    """The PostgreSQL of scripts/services.sh: each test gets its own database, with JSONB and COPY."""
+    import psycopg
+
+    with psycopg.connect(postgres_database, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'").fetchone() == (0,)
+        conn.execute("CREATE TABLE t (k int PRIMARY KEY, body jsonb)")
+        with conn.cursor() as cur, cur.copy("COPY t (k, body) FROM STDIN") as copy:
+            copy.write_row((1, '{"a": [1, 2]}'))
+        assert conn.execute("SELECT body -> 'a' ->> 1 FROM t").fetchone() == ("2",)
