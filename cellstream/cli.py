@@ -22,7 +22,7 @@ from typing import Any, NoReturn, TextIO
 import logstore
 from logstore import Cell, Store
 
-from . import app_cli, index_cli, tail_cli
+from . import app_cli, connect_cli, index_cli, tail_cli
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     tail_cli.add_parser(sub, common, UsageError)
     app_cli.add_parsers(sub, common)
     index_cli.add_parser(sub, common)
+    connect_cli.add_parser(sub, common)
 
     # The demo ignores CELLSTREAM_STORE: it writes demo data, so only an explicit --store is used.
     p = sub.add_parser("demo", help="run the pipeline demo (a throwaway embedded store by default)")
@@ -279,8 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "limit", None) is not None and args.limit < 1:
             raise UsageError("--limit must be at least 1")
         with logstore.open(args.store, shards=getattr(args, "shards", None)) as store:
-            if getattr(args, "index_func", None) is not None:
-                return int(args.index_func(store, args, out))
+            if getattr(args, "store_func", None) is not None:
+                return int(args.store_func(store, args, out))
             code: int = args.func(store, args, out)
             return code
     except UsageError as exc:

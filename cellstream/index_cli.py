@@ -63,7 +63,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     a.add_argument("--sample", type=_rate, default=1.0, metavar="RATE", help="the fraction of rows to check")
     a.add_argument("--repair", action="store_true", help="fix the mismatches found")
     a.add_argument("--show", type=int, default=20, metavar="N", help="mismatches to list (default 20)")
-    p.set_defaults(index_func=run)
+    p.set_defaults(store_func=run)
 
 
 def _rate(text: str) -> float:

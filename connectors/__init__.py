@@ -1,1 +1,2 @@
-"""connectors: warehouse ingestion sinks (built in a later issue)."""
+"""connectors: warehouse ingestion. A sink (:mod:`connectors.sink`) is ``add(cell, position)`` + ``flush()``;
+:mod:`connectors.parquet` writes a Hive-style Parquet lake that replays cannot duplicate."""

@@ -39,7 +39,7 @@ from .deadletters import DeadLetterStore
 from .definitions import IndexDefinition, load_indexes
 from .dlq import DeadLetterQueue
 from .errors import ConfigurationError, DrainTimeoutError, TakenOverError
-from .handlers import Counts, Handler, Processor, Trigger
+from .handlers import BatchApplier, Counts, Handler, Processor, Trigger
 from .indexes import IndexApplier, lag
 from .metrics import AppMetrics
 
@@ -119,11 +119,23 @@ class App:
         for name in dict.fromkeys(d.name for d in loaded):
             for definition in catalog.get(name).maintained():
                 applier = IndexApplier(self.store, definition)
-                if any(t.name == applier.name for t in self.triggers):
-                    raise ConfigurationError(f"app {self.name} already keeps {applier.name}")
-                self.triggers.append(Trigger(applier.name, definition.column, applier.apply_one, 5, applier))
+                self.batch_handler(applier.name, definition.column, applier, applier.apply_one)
                 kept.append(definition)
         return kept
+
+    def batch_handler(self, name: str, column: str, applier: BatchApplier, one: Handler, *,
+                      max_attempts: int = 5) -> None:
+        """Hand ``column``'s cells to ``applier`` in batches (see :class:`~indexer.handlers.BatchApplier`);
+        ``one`` takes a single cell: a dead letter's replay, or the cells of a batch that failed, one by one."""
+        if self._processor is not None:
+            raise ConfigurationError("add handlers before the app starts")
+        try:
+            check_column(column)
+        except InvalidCellError as exc:
+            raise ConfigurationError(f"handler column: {exc}") from None
+        if any(t.name == name for t in self.triggers):
+            raise ConfigurationError(f"app {self.name} already has a handler named {name}")
+        self.triggers.append(Trigger(name, column, one, max_attempts, applier))
 
     # -- shared parts -----------------------------------------------------------
     @property

@@ -30,7 +30,7 @@ import functools
 import math
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -179,6 +179,15 @@ def _datetime(value: Any, wrong: Any) -> dt.datetime:
 # -- loading, with the line of every error ---------------------------------------------
 def load_indexes(source: str | Path) -> list[IndexDefinition]:
     """The index definitions in a YAML file (a Path) or YAML text (a str)."""
+    return list(load_yaml(source, IndexFile, "<indexes>", "a mapping with an 'indexes' list").indexes)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def load_yaml(source: str | Path, model: type[M], label: str, shape: str) -> M:
+    """A pydantic model from a YAML file (a Path) or text (a str, called ``label`` in errors); a
+    DefinitionError names the line and the dotted field of the first problem (list items by their name)."""
     if isinstance(source, Path):
         name = str(source)
         try:
@@ -186,7 +195,7 @@ def load_indexes(source: str | Path) -> list[IndexDefinition]:
         except OSError as exc:
             raise DefinitionError(name, None, "", f"cannot read it: {exc.strerror or exc}") from None
     else:
-        name, text = "<indexes>", source
+        name, text = label, source
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -196,9 +205,9 @@ def load_indexes(source: str | Path) -> list[IndexDefinition]:
     except yaml.YAMLError as exc:
         raise DefinitionError(name, None, "", f"not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise DefinitionError(name, 1, "", "the file must be a mapping with an 'indexes' list")
+        raise DefinitionError(name, 1, "", f"the file must be {shape}")
     try:
-        return list(IndexFile.model_validate(data).indexes)
+        return model.model_validate(data)
     except ValidationError as exc:
         error = exc.errors()[0]
         line, field, message = _locate(root, tuple(error["loc"]), error["msg"].removeprefix("Value error, "))

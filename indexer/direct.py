@@ -94,6 +94,14 @@ class HandlerPublisher(Publisher):
         self._kick(partition)
         return item.future
 
+    async def before_commit(self) -> None:
+        """Flush the handlers that buffer (warehouse sinks) before the worker commits their positions."""
+        try:
+            await self.processor.checkpoint()
+        except Exception as exc:
+            retriable = bool(getattr(exc, "retriable", False))
+            raise PublishError(f"a handler could not flush: {type(exc).__name__}: {exc}", retriable=retriable) from exc
+
     def abandon(self, partition: int) -> None:
         """Cancel what is queued; cells being handled (taken off the queue) finish."""
         queue = self._queues.get(partition)

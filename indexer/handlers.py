@@ -46,7 +46,9 @@ def tailer_deadletter(record: dict[str, Any]) -> tuple[dict[str, Any], Failure]:
 
 
 class BatchApplier(Protocol):
-    """A handler that takes a whole batch of a column's cells at once (an index version)."""
+    """A handler that takes a whole batch of a column's cells at once (an index version, a sink). One that
+    only buffers what it applied also has ``flush()`` (blocking), which :meth:`Processor.checkpoint` calls
+    before the source commits positions."""
 
     name: str
 
@@ -195,6 +197,13 @@ class Processor:
             if not await self._deadletter(trigger, source, coordinates(cell), cell.body, one):
                 return False
         return True
+
+    async def checkpoint(self) -> None:
+        """Before the source commits positions: flush every buffering handler (raises what a flush raised)."""
+        loop = asyncio.get_running_loop()
+        appliers = {id(t.applier): t.applier for t in self.triggers if hasattr(t.applier, "flush")}
+        for applier in appliers.values():  # one handler may serve several columns
+            await loop.run_in_executor(self._pool, applier.flush)  # type: ignore[union-attr]
 
     async def undecodable(self, where: dict[str, Any], source: dict[str, Any], error: Failure) -> bool:
         """A cell that cannot be decoded goes to the DLQ of every handler of its column, with no attempt."""

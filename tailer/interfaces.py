@@ -124,6 +124,11 @@ class Publisher(ABC):
         """Give up messages of ``partition`` queued but not yet under way (the worker is about to
         stop or hand the shard over): their futures fail, so the cells are sent again later."""
 
+    async def before_commit(self) -> None:  # noqa: B027
+        """Called before the worker commits acknowledged positions: a sink that acknowledges what it only
+        buffered makes it durable here (flush-before-commit). A PublishError skips this commit (the
+        positions are committed later, after a flush that succeeds); a non-retriable one stops the worker."""
+
     def refuses(self, message: Message) -> PublishError | None:
         """The non-retriable error if the sink can never accept ``message`` (e.g. too large), else None."""
         return None

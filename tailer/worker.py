@@ -543,6 +543,17 @@ class Tailer:
                 if st.acked > st.committed or st.deadlettered != st.claim.deadlettered}
         if not todo:
             return
+        try:
+            await self.publisher.before_commit()
+        except PublishError as exc:
+            if not exc.retriable:
+                logger.error("%s: the sink cannot make acknowledged cells durable (%s); stopping", self.config.name,
+                             exc)
+                self.error = exc
+                self._wakeup.set()
+                return
+            logger.warning("%s: commit skipped, the sink did not flush: %s", self.config.name, exc)
+            return
         results = await asyncio.to_thread(self.coordinator.commit, todo)
         for shard, result in results.items():
             st = self._shards.get(shard)

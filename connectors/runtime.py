@@ -1,0 +1,81 @@
+"""Running a connector: the stream-processing runtime of :mod:`indexer` with a sink as its batch handler.
+
+The app named like the connector tails the logstore (direct mode: the embedded
+default). Each column's cells reach the sink in batches, in per-shard order:
+``convert`` on the way in (a cell that cannot convert goes to the app's dead-letter
+queue with the reason, like any handler's; `cellstream dlq` triages it), then
+``write``. Before the source commits positions, its checkpoint flushes the sink
+(:meth:`indexer.handlers.Processor.checkpoint`): flush-before-commit, so a crash
+replays only cells after the last commit, and the sinks make replays harmless.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from indexer import App
+from logstore import Cell, Store
+
+from .config import ConnectorConfig
+from .parquet import ParquetSink
+from .sink import Position, Sink
+
+
+def position(cell: Cell) -> Position:
+    """A cell's source position: its shard and added_id, in whichever mode it was delivered."""
+    return Position(cell.shard, cell.added_id)
+
+
+class SinkApplier:
+    """A sink as a batch handler. Its calls come from the runtime's threads, one at a time under a lock."""
+
+    def __init__(self, sink: Sink, name: str) -> None:
+        self.sink = sink
+        self.name = name
+        self._lock = threading.Lock()
+        self.written = 0
+
+    def prepare(self, cell: Cell) -> tuple[Any, Cell]:
+        """ConversionError (non-retriable: dead-lettered at once) when the cell cannot become a row."""
+        return self.sink.convert(cell), cell
+
+    def apply(self, prepared: Sequence[tuple[Any, Cell]], batch: Sequence[Cell] = ()) -> None:
+        starts: dict[tuple[str, int], int] = {}
+        for cell in [*batch, *(c for _, c in prepared)]:  # the batch holds the dead-lettered cells too
+            at, key = position(cell), (cell.column, cell.shard)
+            starts[key] = min(at.offset, starts.get(key, at.offset))
+        with self._lock:
+            for (column, partition), start in starts.items():
+                self.sink.begin(column, partition, start)
+            for converted, cell in prepared:
+                self.sink.write(converted, cell, position(cell))
+            self.written += len(prepared)
+
+    def flush(self) -> None:
+        with self._lock:
+            self.sink.flush()
+
+    def replay(self, cell: Cell) -> None:
+        """One cell on its own (a dead letter replayed): written and flushed at once, since no commit follows."""
+        converted = self.sink.convert(cell)
+        with self._lock:
+            self.sink.flush()  # what live processing buffered goes first: files hold ranges of positions
+            self.sink.write(converted, cell, position(cell), replay=True)
+            self.sink.flush()
+
+
+def build_sink(config: ConnectorConfig) -> Sink:
+    return ParquetSink(config.sink)
+
+
+def connector_app(config: ConnectorConfig, store: str | Store, sink: Sink | None = None) -> tuple[App, SinkApplier]:
+    """The app that runs the connector, and its sink's handler."""
+    app = App(config.name, store=store, commit_interval=config.checkpoint_interval, start_from=config.start_from,
+              page_size=config.page_size)
+    applier = SinkApplier(sink or build_sink(config), f"sink:{config.sink.type}")
+    for column in config.columns:
+        app.batch_handler(f"{applier.name}:{column}", column, applier, applier.replay,
+                          max_attempts=config.max_attempts)
+    return app, applier
