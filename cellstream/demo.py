@@ -18,6 +18,7 @@ from typing import TextIO
 import logstore
 
 from .demo_app import app_demo
+from .demo_connect import connect_demo
 from .demo_index import index_demo
 from .demo_tailer import tailer_demo
 
@@ -107,5 +108,6 @@ def _demo(url: str, out: TextIO, shards: int | None) -> int:
         tailer_demo(store, out)
         app_demo(store, out, blocked="rider-3")
         index_demo(store, out, trips[1])
+        connect_demo(store, out)
     _say(out, "\ndemo finished")
     return 0

@@ -170,6 +170,7 @@ def test_demo_runs_on_the_embedded_default(capsys: pytest.CaptureFixture[str]) -
     assert "get_cell_latest(STATUS) -> ref_key 2" in out
     assert "different body: CellConflictError" in out
     assert "page 2: next location" in out and "caught up at location" in out
+    assert "(run 2): loaded 1 cells" in out and "field 'fare' was float, got string" in out
     assert out.rstrip().endswith("demo finished")
 
 
