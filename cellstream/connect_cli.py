@@ -24,7 +24,7 @@ from typing import Any
 import indexer
 import logstore
 from connectors.config import ConnectorConfig, load_connector
-from connectors.errors import ConnectorError, SinkConfigError
+from connectors.errors import ConnectorError, SinkConfigError, SinkUnavailableError
 from connectors.runtime import connector_app
 
 from .app_cli import _fail
@@ -94,6 +94,13 @@ def _run(store: logstore.Store, config: ConnectorConfig, args: argparse.Namespac
             counts = asyncio.run(load())
         finally:
             bar.close()
+        # The stop's checkpoint may have failed to flush (it then commits nothing): say so, not success.
+        applier.flush()
+        behind = sum(cells for _, cells in _behind(store, config).values())
+        if behind:
+            raise SinkUnavailableError(f"connector {config.name}: {behind} cells loaded but their positions not "
+                                       "committed (the last checkpoint failed); run it again, the sink takes "
+                                       "them again harmlessly")
     finally:
         with contextlib.suppress(Exception):
             applier.sink.close()

@@ -11,7 +11,7 @@ from typing import TextIO
 import pyarrow.parquet as pq
 
 import logstore
-from connectors.config import load_connector
+from connectors.config import ParquetSinkSpec, load_connector
 from connectors.parquet import ParquetSink
 from connectors.runtime import connector_app
 from connectors.sink import CELL_COLUMNS
@@ -27,10 +27,11 @@ def connect_demo(store: logstore.Store, out: TextIO) -> None:
     _say(out, f"\n== 10. a warehouse connector: {EXAMPLE.name} loads BASE and STATUS into a Parquet lake")
     with tempfile.TemporaryDirectory(prefix="cellstream-lake-") as tmp:
         config = load_connector(EXAMPLE)
-        config = config.model_copy(update={"sink": config.sink.model_copy(update={"root": Path(tmp) / "lake"})})
-        root = config.sink.root
+        assert isinstance(config.sink, ParquetSinkSpec)
+        lake = config.sink.model_copy(update={"root": Path(tmp) / "lake"})
+        config, root = config.model_copy(update={"sink": lake}), lake.root
         for run in (1, 2):
-            sink = ParquetSink(config.sink)
+            sink = ParquetSink(lake)
             app, _ = connector_app(config, store, sink)
             with app:
                 counts = app.drain(timeout=60)

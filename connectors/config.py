@@ -8,6 +8,14 @@
       type: parquet
       root: lake                     # relative to the file's directory
       max_rows: 100000
+
+or a PostgreSQL sink (see :mod:`connectors.postgres`):
+
+    sink:
+      type: postgres
+      url: postgresql://user:password@127.0.0.1:5432/warehouse
+      columns:
+        BASE: {mode: latest, promote: [{field: city, type: text}, {field: fare, type: double}]}
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from indexer.definitions import DefinitionError, load_yaml
 from logstore import InvalidCellError
@@ -23,10 +31,15 @@ from logstore.cell import check_column
 
 from .errors import SinkConfigError
 from .parquet import ParquetSinkConfig
+from .postgres import PostgresSinkConfig
 
 
 class ParquetSinkSpec(ParquetSinkConfig):
     type: Literal["parquet"]
+
+
+class PostgresSinkSpec(PostgresSinkConfig):
+    type: Literal["postgres"]
 
 
 class ConnectorConfig(BaseModel):
@@ -38,7 +51,7 @@ class ConnectorConfig(BaseModel):
     start_from: Literal["beginning", "now"] = "beginning"
     page_size: int = Field(1000, ge=1, le=10_000, description="cells read per shard at a time")
     max_attempts: int = Field(5, ge=1, description="attempts at a batch before it is retried cell by cell")
-    sink: ParquetSinkSpec
+    sink: ParquetSinkSpec | PostgresSinkSpec = Field(discriminator="type")
 
     @field_validator("columns")
     @classmethod
@@ -52,6 +65,14 @@ class ConnectorConfig(BaseModel):
             raise ValueError("a column is listed twice")
         return value
 
+    @model_validator(mode="after")
+    def _tables_for_columns(self) -> ConnectorConfig:
+        if isinstance(self.sink, PostgresSinkSpec):
+            missing = [c for c in self.columns if c not in self.sink.columns]
+            if missing:
+                raise ValueError(f"sink: no table for {', '.join(missing)} (sink.columns.<column>: mode, promote)")
+        return self
+
 
 def load_connector(source: str | Path) -> ConnectorConfig:
     """The configuration in a YAML file (a Path) or text (a str). A relative sink root is taken from the
@@ -60,7 +81,7 @@ def load_connector(source: str | Path) -> ConnectorConfig:
         config = load_yaml(source, ConnectorConfig, "<connector>", "a mapping with name, columns and sink")
     except DefinitionError as exc:
         raise SinkConfigError(str(exc)) from None
-    if isinstance(source, Path) and not config.sink.root.is_absolute():
+    if isinstance(source, Path) and isinstance(config.sink, ParquetSinkSpec) and not config.sink.root.is_absolute():
         sink = config.sink.model_copy(update={"root": source.parent / config.sink.root})
         config = config.model_copy(update={"sink": sink})
     return config

@@ -18,8 +18,9 @@ from typing import Any
 from indexer import App
 from logstore import Cell, Store
 
-from .config import ConnectorConfig
+from .config import ConnectorConfig, ParquetSinkSpec
 from .parquet import ParquetSink
+from .postgres import PostgresSink
 from .sink import Position, Sink
 
 
@@ -67,7 +68,9 @@ class SinkApplier:
 
 
 def build_sink(config: ConnectorConfig) -> Sink:
-    return ParquetSink(config.sink)
+    if isinstance(config.sink, ParquetSinkSpec):
+        return ParquetSink(config.sink)
+    return PostgresSink(config.sink)
 
 
 def connector_app(config: ConnectorConfig, store: str | Store, sink: Sink | None = None) -> tuple[App, SinkApplier]:

@@ -217,6 +217,8 @@ def load_yaml(source: str | Path, model: type[M], label: str, shape: str) -> M:
 def _locate(root: yaml.Node | None, loc: tuple[Any, ...], message: str) -> tuple[int | None, str, str]:
     """The line and the dotted field of a validation error, list items named by their ``name``."""
     node, path, parts = root, list[str](), list(loc)
+    while parts and _tag(node) == parts[0]:  # a tagged union's member, named by the mapping's own type
+        parts.pop(0)
     while parts and (child := _child(node, parts[0])) is not None:
         part, node = parts.pop(0), child
         named = _child(child, "name") if isinstance(part, int) else None
@@ -224,6 +226,8 @@ def _locate(root: yaml.Node | None, loc: tuple[Any, ...], message: str) -> tuple
             path[-1] += f"[{named.value if isinstance(named, yaml.ScalarNode) else part}]"
         else:
             path.append(str(part))
+        while parts and _tag(node) == parts[0]:
+            parts.pop(0)
     line = node.start_mark.line + 1 if node is not None else None
     # A check across fields says which one it is about first ("shard_field: ..."): point at that key.
     head, sep, rest = message.partition(": ")
@@ -233,6 +237,12 @@ def _locate(root: yaml.Node | None, loc: tuple[Any, ...], message: str) -> tuple
         path.append(head)
     path.extend(str(p) for p in parts)  # a missing field: named, on the line of what should hold it
     return line, ".".join(path), message
+
+
+def _tag(node: yaml.Node | None) -> str | None:
+    """The ``type`` of a mapping node (what a tagged union's error location names it by)."""
+    found = _entry(node, "type")
+    return str(found[1].value) if found is not None and isinstance(found[1], yaml.ScalarNode) else None
 
 
 def _entry(node: yaml.Node | None, name: Any) -> tuple[yaml.Node, yaml.Node] | None:
