@@ -49,6 +49,8 @@ class ConnectorConfig(BaseModel):
     columns: list[str] = Field(min_length=1)
     checkpoint_interval: float = Field(5.0, gt=0, description="seconds between flush-then-commit checkpoints")
     start_from: Literal["beginning", "now"] = "beginning"
+    brokers: str | None = Field(None, description="host:port,...: read the tailer's Kafka topics (else the logstore)")
+    topic_prefix: str = Field("cells", description="with brokers: the tailer's topics are <prefix>.<column>")
     page_size: int = Field(1000, ge=1, le=10_000, description="cells read per shard at a time")
     max_attempts: int = Field(5, ge=1, description="attempts at a batch before it is retried cell by cell")
     sink: ParquetSinkSpec | PostgresSinkSpec = Field(discriminator="type")

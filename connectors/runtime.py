@@ -1,10 +1,12 @@
 """Running a connector: the stream-processing runtime of :mod:`indexer` with a sink as its batch handler.
 
 The app named like the connector tails the logstore (direct mode: the embedded
-default). Each column's cells reach the sink in batches, in per-shard order:
-``convert`` on the way in (a cell that cannot convert goes to the app's dead-letter
-queue with the reason, like any handler's; `cellstream dlq` triages it), then
-``write``. Before the source commits positions, its checkpoint flushes the sink
+default) or, given ``brokers``, consumes the tailer's Kafka topics as a faust app
+(Kafka mode: a consumer group, commits only through the checkpoint). Each column's
+cells reach the sink in batches, in per-shard order: ``convert`` on the way in (a
+cell that cannot convert goes to the app's dead-letter queue with the reason, like
+any handler's; `cellstream dlq` triages it), then ``write``. Before the source
+commits positions, its checkpoint flushes the sink
 (:meth:`indexer.handlers.Processor.checkpoint`): flush-before-commit, so a crash
 replays only cells after the last commit, and the sinks make replays harmless.
 """
@@ -75,8 +77,8 @@ def build_sink(config: ConnectorConfig) -> Sink:
 
 def connector_app(config: ConnectorConfig, store: str | Store, sink: Sink | None = None) -> tuple[App, SinkApplier]:
     """The app that runs the connector, and its sink's handler."""
-    app = App(config.name, store=store, commit_interval=config.checkpoint_interval, start_from=config.start_from,
-              page_size=config.page_size)
+    app = App(config.name, store=store, brokers=config.brokers, commit_interval=config.checkpoint_interval,
+              start_from=config.start_from, page_size=config.page_size, topic_prefix=config.topic_prefix)
     applier = SinkApplier(sink or build_sink(config), f"sink:{config.sink.type}")
     for column in config.columns:
         app.batch_handler(f"{applier.name}:{column}", column, applier, applier.replay,

@@ -83,6 +83,15 @@ class _Consumer(faust_aiokafka.Consumer):
     def _new_consumer_thread(self) -> _ConsumerThread:
         return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
+    async def _commit(self, offsets: Any) -> bool:
+        """Every commit (periodic, on rebalance, on stop) first runs the app's checkpoint: handlers that only
+        buffered what they acknowledged flush it. If that fails nothing is committed (tried again later)."""
+        checkpoint = getattr(self.app, "cellstream_checkpoint", None)
+        if checkpoint is not None and not await checkpoint():
+            return False
+        done: bool = await super()._commit(offsets)
+        return done
+
 
 class _View(NamedTuple):
     """Where the assigned partitions end and what the group committed, as fetched at ``taken``."""
@@ -180,6 +189,7 @@ class KafkaRunner:
             broker_session_timeout=self.config.session_timeout,
         )
         app.transport.Consumer = _Consumer  # type: ignore[misc]  # read when faust builds its consumer
+        app.cellstream_checkpoint = self._checkpoint  # type: ignore[attr-defined]  # read by _Consumer._commit
         source = app.topic(*self.topics, self.tailer_deadletters, value_serializer="raw", key_serializer="raw")
         app.agent(source, name=f"{self.group}.cells")(self._agent)
         app.on_partitions_assigned.connect(self._on_assigned)
@@ -224,6 +234,20 @@ class KafkaRunner:
         if self._datadir is not None:
             shutil.rmtree(self._datadir, ignore_errors=True)
         self._state = "stopped"
+
+    async def _checkpoint(self) -> bool:
+        """Flush the buffering handlers before a commit; False skips the commit. A flush that fails for good
+        (not retriable) stops the app, as a failed delivery would."""
+        try:
+            await self.processor.checkpoint()
+        except Exception as exc:
+            if getattr(exc, "retriable", False):
+                logger.warning("%s: commit skipped, a handler could not flush: %s", self.group, exc)
+            else:
+                logger.error("%s: a handler cannot make acknowledged cells durable (%s); stopping", self.group, exc)
+                self._error = exc
+            return False
+        return True
 
     @property
     def _stopping(self) -> bool:

@@ -192,3 +192,22 @@ def test_a_bad_file_is_one_clear_line(sqlite_url: str, tmp_path: Path, capsys: p
     err = capsys.readouterr().err.strip()
     assert err.startswith("cellstream: error: ") and "\n" not in err
     assert "sink.yaml:6: sink.max_rows: Input should be greater than or equal to 1" in err
+
+
+def test_a_kafka_source_loads_the_tailers_topics_and_commits_through_the_checkpoint(
+        sqlite_url: str, tmp_path: Path, topic_prefix: str) -> None:
+    from .test_app_kafka import KAFKA, publish
+
+    path = tmp_path / "sink.yaml"
+    path.write_text(CONFIG.format(interval=0.2, rows=100_000).replace("name: lake", f"name: {topic_prefix}-lake")
+                    + f"brokers: {KAFKA}\ntopic_prefix: {topic_prefix}\n")
+    config = load_connector(path)
+    with logstore.open(sqlite_url, shards=SHARDS) as store:
+        trips(store, 100)
+        publish(store, topic_prefix)
+        for expected in (200, 0):  # the second run starts from the offsets the first committed
+            app, _ = connector_app(config, store)
+            with app:
+                assert app.drain(timeout=90).processed == expected
+            for column in ("BASE", "FARE"):
+                assert lake(tmp_path / "lake", column) == source(store, column)
