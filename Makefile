@@ -47,7 +47,8 @@ bench: $(VENV)/.test
 	$(BIN)/python bench/app_bench.py; \
 	$(BIN)/python bench/app_kafka_bench.py; \
 	$(BIN)/python bench/index_bench.py; \
-	$(BIN)/python bench/index_bench.py --mysql
+	$(BIN)/python bench/index_bench.py --mysql; \
+	$(BIN)/python bench/connect_bench.py
 
 services-up:
 	scripts/services.sh up

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import psycopg
 from psycopg import sql
+from psycopg.types.json import Jsonb
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from logstore import Cell
@@ -42,6 +43,8 @@ PromotedType = Literal["text", "bigint", "double", "boolean", "timestamptz", "uu
 _SQL_TYPES = {"text": "text", "bigint": "bigint", "double": "double precision", "boolean": "boolean",
               "timestamptz": "timestamptz", "uuid": "uuid", "jsonb": "jsonb"}
 _NAME = r"^[a-z_][a-z0-9_]{0,62}$"
+_BINARY_TYPES = {"text": "text", "bigint": "int8", "double": "float8", "boolean": "bool", "timestamptz": "timestamptz",
+                 "uuid": "uuid", "jsonb": "jsonb"}
 
 
 class Promoted(BaseModel):
@@ -109,7 +112,7 @@ def _value(promoted: Promoted, value: Any) -> Any:
     if kind == "uuid" and isinstance(value, str):
         return uuid.UUID(value)
     if kind == "jsonb":
-        return json.dumps(value, separators=(",", ":"))
+        return Jsonb(value)
     raise ValueError(f"{type(value).__name__} {value!r:.40}")
 
 
@@ -167,7 +170,7 @@ class PostgresSink(Sink):
             except ValueError as exc:
                 raise ConversionError(f"body field {field.field!r} does not fit {field.type}: {exc}") from None
         return (cell.row_key, cell.ref_key, cell.added_id, cell.shard, cell.created_at,
-                json.dumps(cell.body, separators=(",", ":")), *promoted)
+                Jsonb(cell.body), *promoted)
 
     def _buffer(self, converted: tuple[Any, ...], cell: Cell, position: Position) -> None:
         self._rows.setdefault(cell.column, []).append(converted)
@@ -193,13 +196,15 @@ class PostgresSink(Sink):
         columns = sql.SQL(", ").join(sql.Identifier(n) for n in names)
         # Dropped at the end: the next table's staging has that table's columns.
         conn.execute(sql.SQL("CREATE TEMP TABLE staging_rows (LIKE {}) ON COMMIT DROP").format(table))
-        with conn.cursor() as cur, cur.copy(sql.SQL("COPY staging_rows ({}) FROM STDIN").format(columns)) as copy:
+        copy_sql = sql.SQL("COPY staging_rows ({}) FROM STDIN (FORMAT BINARY)").format(columns)
+        with conn.cursor() as cur, cur.copy(copy_sql) as copy:
+            copy.set_types(["uuid", "int8", "int8", "int4", "timestamptz", "jsonb",
+                            *(_BINARY_TYPES[p.type] for p in spec.promote)])
             for row in rows:
                 copy.write_row(row)
-        if spec.mode == "history":
-            conn.execute(sql.SQL("INSERT INTO {table} ({columns}) SELECT DISTINCT ON (row_key, ref_key) {columns} "
-                                 "FROM staging_rows ORDER BY row_key, ref_key ON CONFLICT (row_key, ref_key) "
-                                 "DO NOTHING").format(table=table, columns=columns))
+        if spec.mode == "history":  # a cell twice in one statement is a conflict like any other: no DISTINCT
+            conn.execute(sql.SQL("INSERT INTO {table} ({columns}) SELECT {columns} FROM staging_rows "
+                                 "ON CONFLICT (row_key, ref_key) DO NOTHING").format(table=table, columns=columns))
         else:
             updates = sql.SQL(", ").join(sql.SQL("{0} = excluded.{0}").format(sql.Identifier(n)) for n in names[1:])
             conn.execute(sql.SQL("INSERT INTO {table} AS t ({columns}) SELECT DISTINCT ON (row_key) {columns} "

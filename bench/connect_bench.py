@@ -1,0 +1,178 @@
+"""Warehouse sink benchmark (issue 6): python bench/connect_bench.py [--cells N] [--postgres URL].
+
+Each sink against the raw library doing the same write of the same rows, in the same run:
+
+1. Parquet lake: ``ParquetSink.add`` for every cell, then ``flush`` (files per column, date and shard,
+   zstd) against pyarrow building the same rows (``Table.from_pylist`` of the flattened bodies with the
+   cell's columns) and writing the same files with ``pyarrow.parquet.write_table``.
+2. PostgreSQL: ``PostgresSink.add`` for every cell, then ``flush`` (COPY into a staging table, one
+   ``INSERT ... ON CONFLICT`` per table; history mode, two promoted columns) against psycopg COPYing the
+   same rows straight into a table of the same shape, in one transaction.
+
+Then, for information, the whole connector (``cellstream connect``'s runtime, direct mode) loading the
+same cells into the lake, against the raw paged read of the log.
+
+Rounds alternate which side goes first; each prints cells/s and the ratio (target >= 0.6). Results go to
+bench/results/connect.json. The store is a fresh SQLite directory; PostgreSQL is the server of
+``scripts/services.sh`` (a fresh database, dropped after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import logstore
+from connectors.config import ConnectorConfig
+from connectors.parquet import ParquetSink, ParquetSinkConfig
+from connectors.postgres import PostgresSink, PostgresSinkConfig
+from connectors.runtime import connector_app
+from connectors.sink import Position, flatten, utc_date
+
+SERVER = os.environ.get("CELLSTREAM_TEST_POSTGRES", "postgresql://cellstream:cellstream@127.0.0.1:5432")
+SHARDS = 64
+
+
+def trips(store: logstore.Store, n: int) -> list[logstore.Cell]:
+    cells: list[logstore.Cell] = []
+    for start in range(0, n, 5000):
+        cells.extend(store.put_cells([(uuid.uuid4(), "BASE", 1, {
+            "city": f"city-{i % 50}", "fare": {"total": 10 + i % 97 * 0.5, "currency": "DKK"},
+            "driver": str(uuid.uuid4()), "pooled": i % 3 == 0, "seats": 1 + i % 4})
+            for i in range(start, min(n, start + 5000))]))
+    return sorted(cells, key=lambda c: (c.shard, c.added_id))
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+# -- 1. parquet --------------------------------------------------------------------------------
+def sink_parquet(cells: list[logstore.Cell], root: Path) -> None:
+    sink = ParquetSink(ParquetSinkConfig(root=root))
+    for cell in cells:
+        sink.add(cell, Position(cell.shard, cell.added_id))
+    sink.flush()
+
+
+def raw_parquet(cells: list[logstore.Cell], root: Path) -> None:
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for cell in cells:
+        row = {"row_key": str(cell.row_key), "column": cell.column, "ref_key": cell.ref_key,
+               "added_id": cell.added_id, "shard": cell.shard, "created_at": cell.created_at, **flatten(cell.body)}
+        groups.setdefault((utc_date(cell.created_at), cell.shard), []).append(row)
+    for (date, shard), rows in groups.items():
+        directory = root / "BASE" / f"date={date}"
+        directory.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), directory / f"p{shard:05d}.parquet", compression="zstd")
+
+
+# -- 2. postgres -------------------------------------------------------------------------------
+def sink_postgres(cells: list[logstore.Cell], url: str, table: str) -> None:
+    sink = PostgresSink(PostgresSinkConfig.model_validate({"url": url, "columns": {"BASE": {
+        "mode": "history", "table": table, "promote": [{"field": "city", "type": "text"},
+                                                        {"field": "fare.total", "type": "double"}]}}}))
+    for cell in cells:
+        sink.add(cell, Position(cell.shard, cell.added_id))
+    sink.flush()
+    sink.close()
+
+
+def raw_postgres(cells: list[logstore.Cell], url: str, table: str) -> None:
+    with psycopg.connect(url) as conn:
+        conn.execute(f"CREATE TABLE {table} (row_key uuid NOT NULL, ref_key bigint NOT NULL, added_id bigint NOT NULL,"
+                     " shard integer NOT NULL, created_at timestamptz NOT NULL, body jsonb NOT NULL, city text,"
+                     " fare_total double precision, PRIMARY KEY (row_key, ref_key))")
+        conn.commit()
+        with conn.transaction(), conn.cursor() as cur, cur.copy(
+                f"COPY {table} (row_key, ref_key, added_id, shard, created_at, body, city, fare_total) "
+                "FROM STDIN") as copy:
+            for c in cells:
+                copy.write_row((c.row_key, c.ref_key, c.added_id, c.shard, c.created_at,
+                                json.dumps(c.body, separators=(",", ":")), c.body["city"], c.body["fare"]["total"]))
+
+
+def count(url: str, table: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
+        return int(row[0]) if row else 0
+
+
+# -- 3. the whole connector ----------------------------------------------------------------------
+def connector(store: logstore.Store, root: Path, n: int) -> dict[str, Any]:
+    read = timed(lambda: [store.get_cells_for_shard(s, 0, 10_000, columns=["BASE"]) for s in range(SHARDS)])
+    config = ConnectorConfig.model_validate({"name": "bench", "columns": ["BASE"], "checkpoint_interval": 2.0,
+                                             "sink": {"type": "parquet", "root": str(root)}})
+    app, _ = connector_app(config, store)
+    with app:
+        seconds = timed(lambda: app.drain(timeout=600))
+    return {"cells": n, "connector_cells_per_s": round(n / seconds), "raw_read_cells_per_s": round(n / read)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--postgres", default=SERVER, help="a postgresql:// server URL without a database")
+    parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "connect.json"))
+    args = parser.parse_args(argv)
+    database = f"csbench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(f"{args.postgres}/postgres", autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {database}")
+    url = f"{args.postgres}/{database}"
+    totals = {"parquet sink": 0.0, "pyarrow": 0.0, "postgres sink": 0.0, "COPY": 0.0}
+    try:
+        with tempfile.TemporaryDirectory(prefix="cellstream-bench-") as tmp, \
+                logstore.open(f"sqlite:///{tmp}/store", shards=SHARDS) as store:
+            cells = trips(store, args.cells)
+            for r in range(args.rounds):
+                sides: list[tuple[str, Callable[[], Any]]] = [
+                    ("parquet sink", lambda r=r: sink_parquet(cells, Path(tmp) / f"sink{r}")),
+                    ("pyarrow", lambda r=r: raw_parquet(cells, Path(tmp) / f"raw{r}")),
+                    ("postgres sink", lambda r=r: sink_postgres(cells, url, f"sink{r}")),
+                    ("COPY", lambda r=r: raw_postgres(cells, url, f"raw{r}"))]
+                for pair in (sides[:2], sides[2:]):
+                    for name, fn in pair if r % 2 == 0 else pair[::-1]:
+                        totals[name] += timed(fn)
+                assert count(url, f"sink{r}") == count(url, f"raw{r}") == len(cells)
+            whole = connector(store, Path(tmp) / "connector", len(cells))
+    finally:
+        with psycopg.connect(f"{args.postgres}/postgres", autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+    n = args.cells * args.rounds
+    rate = {name: n / seconds for name, seconds in totals.items()}
+    result = {"cells": args.cells, "rounds": args.rounds, "shards": SHARDS,
+              "parquet": {"sink_cells_per_s": round(rate["parquet sink"]),
+                          "pyarrow_cells_per_s": round(rate["pyarrow"]),
+                          "ratio": round(rate["parquet sink"] / rate["pyarrow"], 3), "target": ">= 0.6"},
+              "postgres": {"sink_cells_per_s": round(rate["postgres sink"]), "copy_cells_per_s": round(rate["COPY"]),
+                           "ratio": round(rate["postgres sink"] / rate["COPY"], 3), "target": ">= 0.6"},
+              "connector": whole}
+    for name, raw in (("parquet", "pyarrow"), ("postgres", "copy")):
+        part = result[name]
+        assert isinstance(part, dict)
+        print(f"{name} sink: {part['sink_cells_per_s']} cells/s; raw {raw}: {part[raw + '_cells_per_s']} cells/s; "
+              f"ratio {part['ratio']} (target >= 0.6: {'met' if part['ratio'] >= 0.6 else 'MISSED'})", flush=True)
+    print(f"connector (runtime + parquet sink): {whole['connector_cells_per_s']} cells/s; raw paged read of the "
+          f"log {whole['raw_read_cells_per_s']} cells/s (for information)")
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
