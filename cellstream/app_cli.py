@@ -6,7 +6,8 @@
   cellstream dlq --app MODULE:APP replay (ID | --match FILTER) [--dry-run]
 
 MODULE is an importable module (the current directory is on the path) or a file
-path; APP is the name of its :class:`indexer.App`. Exit codes: 0 success, 1 no such
+path; APP is the name of its :class:`indexer.App`. ``--app`` may also be a
+connector's YAML file (``cellstream connect``), with ``--store``. Exit codes: 0 success, 1 no such
 dead letter, 2 bad input, 4 configuration error, 5 a server unreachable, 6 other
 failure, 7 a handler stalled (too many open dead letters), 130 interrupted.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import indexer
+from connectors.errors import ConnectorError, SinkConfigError
 from indexer import App, DLQFilter
 
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_FAILED, EXIT_STALLED = 0, 1, 2, 4, 5, 6, 7
@@ -64,8 +66,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.set_defaults(app_func=cmd_run)
 
-    p = sub.add_parser("dlq", help="triage an app's dead letters")
-    p.add_argument("--app", required=True, metavar="MODULE:APP")
+    p = sub.add_parser("dlq", help="triage an app's (or a connector's) dead letters")
+    p.add_argument("--app", required=True, metavar="MODULE:APP|CONNECTOR.yaml")
     actions = p.add_subparsers(dest="action", required=True, parser_class=type(p))
     a = actions.add_parser("list", parents=[common], help="entries, oldest first")
     _filters(a)
@@ -109,6 +111,10 @@ def run_app(args: argparse.Namespace, out: Any) -> int:
     except logstore.InvalidArgumentError as exc:
         return _fail(exc, EXIT_USAGE)
     except (indexer.IndexerError, logstore.LogstoreError) as exc:
+        return _fail(exc, EXIT_UNAVAILABLE if exc.retriable else EXIT_FAILED)
+    except SinkConfigError as exc:  # a connector's file, through --app FILE.yaml
+        return _fail(exc, EXIT_USAGE)
+    except ConnectorError as exc:
         return _fail(exc, EXIT_UNAVAILABLE if exc.retriable else EXIT_FAILED)
 
 
@@ -160,8 +166,20 @@ def _run_workers(args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
+def dlq_app(args: argparse.Namespace) -> App:
+    """The app whose dead letters to triage: ``MODULE:APP``, or a connector's YAML file (with --store)."""
+    if not args.app.endswith((".yaml", ".yml")):
+        return load_app(args.app)
+    from connectors.config import load_connector
+    from connectors.runtime import connector_app
+
+    if not args.store:
+        raise indexer.ConfigurationError(f"--app {args.app} is a connector: give its store with --store URL")
+    return connector_app(load_connector(Path(args.app)), args.store)[0]
+
+
 def cmd_dlq(args: argparse.Namespace, out: Any) -> int:
-    app = load_app(args.app)
+    app = dlq_app(args)
     dlq = app.dlq
     if args.action in ("list", "stats"):
         match = DLQFilter.build(handler=args.handler, status=args.status, error=args.error,

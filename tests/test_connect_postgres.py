@@ -106,6 +106,16 @@ def test_a_value_that_does_not_fit_its_column_goes_to_the_dlq(
         [entry] = DeadLetterStore(store, "warehouse").entries()
         assert entry.cell["row_key"] == str(bad.row_key) and "'fare.total' does not fit double" in entry.message
         assert psql(postgres_database, "SELECT count(*) FROM cells_base") == [["5"]]
+        # Triage: the fix is in the file (fare.total as text in a new table); the entry is replayed with it.
+        path = tmp_path / "warehouse.yaml"
+        path.write_text(path.read_text().replace("{field: fare.total, type: double}",
+                                                 "{field: fare.total, type: text}")
+                        .replace("mode: latest", "mode: latest\n      table: base_v2"))
+        dlq = ["dlq", "--app", str(path)]
+        assert main([*dlq, "replay", entry.id, "--store", sqlite_url, "--json"]) == 0
+        assert psql(postgres_database, "SELECT fare_total FROM base_v2") == [["free"]]
+        assert main([*dlq, "list", "--status", "open", "--store", sqlite_url, "--json"]) == 0
+        assert DeadLetterStore(store, "warehouse").entries()[0].status == "resolved"
 
 
 def test_sigkill_mid_load_then_a_restart_leave_the_source_exactly(
