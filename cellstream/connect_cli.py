@@ -6,7 +6,8 @@
 ``run`` loads the cells of the file's columns into its sink until SIGTERM or SIGINT;
 with ``--drain`` it loads what the log holds now (with a progress bar: cells, cells/s,
 ETA), checkpoints, prints the counts and exits. ``status`` shows each shard's
-committed position and lag in cells. Exit codes: 0 success, 2 a bad file or option,
+committed position and lag in cells (with a Kafka source: each topic partition's
+committed offset and lag in messages). Exit codes: 0 success, 2 a bad file or option,
 4 a store configuration problem, 5 a server or the sink unavailable, 6 other
 failure, 7 the connector stalled (too many open dead letters).
 """
@@ -78,7 +79,8 @@ def _run(store: logstore.Store, config: ConnectorConfig, args: argparse.Namespac
             return EXIT_OK
         from tqdm import tqdm
 
-        total = sum(cells for _, cells in _behind(store, config).values())
+        total = _kafka_lag(config) if config.brokers is not None else sum(
+            cells for _, cells in _behind(store, config).values())
         bar = tqdm(total=total, unit="cells", file=sys.stderr, disable=out.as_json, dynamic_ncols=True)
 
         async def load() -> indexer.Counts:
@@ -96,7 +98,8 @@ def _run(store: logstore.Store, config: ConnectorConfig, args: argparse.Namespac
             bar.close()
         # The stop's checkpoint may have failed to flush (it then commits nothing): say so, not success.
         applier.flush()
-        behind = sum(cells for _, cells in _behind(store, config).values())
+        behind = _kafka_lag(config) if config.brokers is not None else sum(
+            cells for _, cells in _behind(store, config).values())
         if behind:
             raise SinkUnavailableError(f"connector {config.name}: {behind} cells loaded but their positions not "
                                        "committed (the last checkpoint failed); run it again, the sink takes "
@@ -114,6 +117,8 @@ def _run(store: logstore.Store, config: ConnectorConfig, args: argparse.Namespac
 
 
 def _status(store: logstore.Store, config: ConnectorConfig, args: argparse.Namespace, out: Any) -> int:
+    if config.brokers is not None:
+        return _kafka_status(config, out)
     rows = []
     for shard, (location, behind) in _behind(store, config).items():
         if location is None and behind == 0:
@@ -123,4 +128,28 @@ def _status(store: logstore.Store, config: ConnectorConfig, args: argparse.Names
         out.emit(row, f"shard {row['shard']}: committed {row['committed']}, lag {row['lag_cells']} cells")
     if not rows:
         out.emit([], f"connector {config.name}: nothing to load")
+    return EXIT_OK
+
+
+def _kafka_positions(config: ConnectorConfig) -> list[tuple[str, int, int | None, int]]:
+    from indexer.kafka import group_positions
+
+    assert config.brokers is not None
+    return asyncio.run(group_positions(config.brokers, config.name,
+                                       [f"{config.topic_prefix}.{column}" for column in config.columns]))
+
+
+def _kafka_lag(config: ConnectorConfig) -> int:
+    return sum(end - (committed or 0) for _, _, committed, end in _kafka_positions(config))
+
+
+def _kafka_status(config: ConnectorConfig, out: Any) -> int:
+    """Each partition of the connector's topics: what its consumer group committed, and how far behind it is."""
+    found = _kafka_positions(config)
+    for topic, partition, committed, end in found:
+        row = {"connector": config.name, "topic": topic, "partition": partition, "committed": committed,
+               "lag_messages": end - (committed or 0)}
+        out.emit(row, f"{topic}[{partition}]: committed {committed}, lag {row['lag_messages']} messages")
+    if not found:
+        out.emit([], f"connector {config.name}: its topics have no partitions yet")
     return EXIT_OK

@@ -102,6 +102,34 @@ class _View(NamedTuple):
     committed: dict[TP, int]
 
 
+async def group_positions(brokers: str, app: str, topics: list[str]) -> list[tuple[str, int, int | None, int]]:
+    """(topic, partition, committed offset or None, end offset) of every partition of ``topics`` for the
+    consumer group of ``app`` in Kafka mode: what ``status`` commands show as lag."""
+    probe = AIOKafkaConsumer(bootstrap_servers=brokers, client_id=f"{group_id(app)}.status", enable_auto_commit=False)
+    admin = AIOKafkaAdminClient(bootstrap_servers=brokers, client_id=f"{group_id(app)}.status")
+    try:
+        await probe.start()
+        await admin.start()
+        described = await admin.describe_topics(topics)
+        partitions = [TopicPartition(d["topic"], p["partition"]) for d in described if d["error_code"] == 0
+                      for p in sorted(d["partitions"], key=lambda p: p["partition"])]
+        if not partitions:
+            return []
+        ends = await probe.end_offsets(partitions)
+        found = await admin.list_consumer_group_offsets(group_id(app), partitions=partitions)
+    except (KafkaError, OSError) as exc:
+        raise SourceUnavailableError(f"Kafka at {brokers}: {type(exc).__name__}: {exc}") from None
+    finally:
+        await probe.stop()
+        await admin.close()
+    out = []
+    for tp in partitions:
+        meta = found.get(tp)
+        committed = meta.offset if meta is not None and meta.offset >= 0 else None
+        out.append((tp.topic, tp.partition, committed, ends[tp]))
+    return out
+
+
 def group_id(app: str) -> str:
     """The consumer group (and faust app id) of ``app`` in Kafka mode."""
     return f"app.{app}"

@@ -195,19 +195,22 @@ def test_a_bad_file_is_one_clear_line(sqlite_url: str, tmp_path: Path, capsys: p
 
 
 def test_a_kafka_source_loads_the_tailers_topics_and_commits_through_the_checkpoint(
-        sqlite_url: str, tmp_path: Path, topic_prefix: str) -> None:
+        sqlite_url: str, tmp_path: Path, topic_prefix: str, capsys: pytest.CaptureFixture[str]) -> None:
     from .test_app_kafka import KAFKA, publish
 
     path = tmp_path / "sink.yaml"
     path.write_text(CONFIG.format(interval=0.2, rows=100_000).replace("name: lake", f"name: {topic_prefix}-lake")
                     + f"brokers: {KAFKA}\ntopic_prefix: {topic_prefix}\n")
-    config = load_connector(path)
     with logstore.open(sqlite_url, shards=SHARDS) as store:
         trips(store, 100)
         publish(store, topic_prefix)
         for expected in (200, 0):  # the second run starts from the offsets the first committed
-            app, _ = connector_app(config, store)
-            with app:
-                assert app.drain(timeout=90).processed == expected
+            code = main(["connect", "run", str(path), "--drain", "--store", sqlite_url, "--json"])
+            printed = capsys.readouterr().out
+            assert code == 0 and json.loads(printed.splitlines()[-1])["processed"] == expected, printed
             for column in ("BASE", "FARE"):
                 assert lake(tmp_path / "lake", column) == source(store, column)
+        assert main(["connect", "status", str(path), "--store", sqlite_url, "--json"]) == 0
+        status = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert {row["topic"] for row in status} == {f"{topic_prefix}.BASE", f"{topic_prefix}.FARE"}
+        assert all(row["lag_messages"] == 0 and row["committed"] is not None for row in status)

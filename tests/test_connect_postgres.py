@@ -154,3 +154,23 @@ def test_the_password_is_never_printed(sqlite_url: str, tmp_path: Path, capsys: 
     err = capsys.readouterr().err
     assert code == 5 and err.startswith("cellstream: error: postgres sink: connecting failed")
     assert "s3cret-pw" not in err
+
+
+def test_from_the_tailers_kafka_topics(sqlite_url: str, postgres_database: str, tmp_path: Path,
+                                       topic_prefix: str) -> None:
+    from .test_app_kafka import KAFKA, publish
+
+    path = config_file(tmp_path, postgres_database)
+    path.write_text(path.read_text().replace("name: warehouse", f"name: {topic_prefix}-wh")
+                    + f"brokers: {KAFKA}\ntopic_prefix: {topic_prefix}\n")
+    with logstore.open(sqlite_url, shards=SHARDS) as store:
+        rows = [uuid.uuid4() for _ in range(40)]
+        store.put_cells([(r, "BASE", 1, trip(i)) for i, r in enumerate(rows)])
+        store.put_cells([(r, "BASE", 2, trip(i + 7)) for i, r in enumerate(rows[:10])])
+        store.put_cells([(r, "STATUS", 1, {"done": True}) for r in rows])
+        publish(store, topic_prefix)
+        assert main(["connect", "run", str(path), "--drain", "--store", sqlite_url, "--json"]) == 0
+        base = psql(postgres_database, "SELECT row_key, ref_key FROM cells_base")
+        assert {r[0]: int(r[1]) for r in base} == latest_of(store, "BASE")
+        status = psql(postgres_database, "SELECT row_key, ref_key FROM cells_status")
+        assert {(r[0], int(r[1])) for r in status} == history_of(store, "STATUS")
