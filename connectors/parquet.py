@@ -107,6 +107,7 @@ class ParquetSink(Sink):
             raise SinkConfigError(f"parquet sink: cannot create {self.root}: {exc.strerror}") from None
         self._clock = clock
         self._buffers: dict[tuple[str, str, int], _Buffer] = {}
+        self._latest: tuple[str, str, int] | None = None  # the buffer the last row went to
         self._schemas: dict[str, dict[str, Kind]] = {}
         self._changed: set[str] = set()  # columns whose registry changed since it was saved
         self._begun: set[tuple[str, int]] = set()  # (column, partition)s this process recovered and writes
@@ -136,9 +137,16 @@ class ParquetSink(Sink):
         buffer.rows.append(row)
         buffer.first, buffer.last = min(buffer.first, position.offset), max(buffer.last, position.offset)
         buffer.bytes += 64 + sum(len(v) if isinstance(v, str) else 8 for v in fields.values())
-        if (len(buffer.rows) >= self.config.max_rows or buffer.bytes >= self.config.max_bytes
+        self._latest = key
+
+    def _rotate(self, cell: Cell) -> None:
+        key = self._latest
+        buffer = self._buffers.get(key) if key is not None else None
+        if buffer is not None and key is not None and (
+                len(buffer.rows) >= self.config.max_rows or buffer.bytes >= self.config.max_bytes
                 or self._clock() - buffer.started >= self.config.max_seconds):
-            self._write({key: self._buffers.pop(key)})
+            self._write({key: buffer})
+            del self._buffers[key]  # only once written: a failed write keeps the rows for the next flush
 
     def _learn(self, column: str, schema: dict[str, Kind], name: str, kind: Kind | None) -> None:
         if kind is None:
@@ -170,8 +178,8 @@ class ParquetSink(Sink):
 
     # -- flush ----------------------------------------------------------------------
     def flush(self) -> None:
-        buffers, self._buffers = self._buffers, {}
-        self._write(buffers)
+        self._write(self._buffers)
+        self._buffers = {}  # only once written: after a failure the next flush writes them all again
 
     def _write(self, buffers: dict[tuple[str, str, int], _Buffer]) -> None:
         if not buffers:

@@ -57,17 +57,21 @@ class Sink(ABC):
     def write(self, converted: Any, cell: Cell, position: Position, *, replay: bool = False) -> None:
         """Buffer a converted cell (rotation may write files now). With ``replay`` (a dead letter sent
         again) its position is not checked against the partition's last one, nor recorded."""
-        if replay:
-            self._buffer(converted, cell, position)
-            return
         key = (cell.column, position.partition)  # a batch hands each column's cells over on their own
-        if position.offset <= self._last.get(key, -1):
+        if not replay and position.offset <= self._last.get(key, -1):
             return
-        self._buffer(converted, cell, position)
-        self._last[key] = position.offset
+        self._buffer(converted, cell, position)  # a failure here buffers nothing: the cell comes again
+        if not replay:
+            self._last[key] = position.offset
+        self._rotate(cell)  # may fail (writing): the row is buffered already, and goes with the next flush
 
     @abstractmethod
-    def _buffer(self, converted: Any, cell: Cell, position: Position) -> None: ...
+    def _buffer(self, converted: Any, cell: Cell, position: Position) -> None:
+        """Take the row into the buffer, as the last step: if this raises, nothing of the row was taken."""
+
+    def _rotate(self, cell: Cell) -> None:
+        """Write what the last row's buffer holds if it reached a limit (a sink that rotates files)."""
+        return None
 
     @abstractmethod
     def flush(self) -> None:

@@ -474,13 +474,19 @@ mariadb_down() {
     --socket="$MARIADB_SOCK" -uroot --connect-timeout=5 shutdown >/dev/null 2>&1; then
     kill -TERM "$pid" 2>/dev/null || true
   fi
-  if ! wait_gone "$pid" mariadbd "$STOP_TIMEOUT"; then
-    log "mariadb: still running after ${STOP_TIMEOUT}s, killing"
+  finish_stop mariadb "$pid" mariadbd
+}
+
+# finish_stop NAME PID COMM -- wait for a server asked to stop; kill it if it outlives STOP_TIMEOUT; forget it.
+finish_stop() {
+  local name="$1" pid="$2" comm="$3"
+  if ! wait_gone "$pid" "$comm" "$STOP_TIMEOUT"; then
+    log "$name: still running after ${STOP_TIMEOUT}s, killing"
     kill -KILL "$pid" 2>/dev/null || true
-    wait_gone "$pid" mariadbd 10 || die "mariadb: could not stop pid $pid"
+    wait_gone "$pid" "$comm" 10 || die "$name: could not stop pid $pid"
   fi
-  state_del mariadb
-  log "mariadb: stopped"
+  state_del "$name"
+  log "$name: stopped"
 }
 
 # "NAME: HOST:PORT answers=.. started-by-us=.. [pid=..]" (no newline) for a service that
@@ -631,13 +637,7 @@ postgresql_down() {
   log "postgresql: stopping (pid $pid)"
   as_postgres "$(pg_bin pg_ctl)" -D "$PG_DATA" -m fast -w -t "$STOP_TIMEOUT" stop >/dev/null 2>&1 ||
     kill -TERM "$pid" 2>/dev/null || true
-  if ! wait_gone "$pid" postgres "$STOP_TIMEOUT"; then
-    log "postgresql: still running after ${STOP_TIMEOUT}s, killing"
-    kill -KILL "$pid" 2>/dev/null || true
-    wait_gone "$pid" postgres 10 || die "postgresql: could not stop pid $pid"
-  fi
-  state_del postgresql
-  log "postgresql: stopped"
+  finish_stop postgresql "$pid" postgres
 }
 
 postgresql_status() {

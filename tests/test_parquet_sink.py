@@ -190,3 +190,37 @@ def test_files_of_interleaved_columns_rotated_apart_all_stay(store: logstore.Sto
     assert sink.files_written == 8  # 4 files a column: 3 + 3 + 3 + 1 rows
     for column in ("BASE", "FARE"):
         assert [r["ref"] for r in lake(tmp_path / "lake", column)] == list(range(1, 11))
+
+
+def test_a_failed_flush_keeps_every_row_for_the_next_one(store: logstore.Store, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime skips the commit when a flush fails and flushes again later: nothing may be dropped."""
+    import pyarrow.parquet as pq
+
+    from connectors.errors import SinkUnavailableError
+
+    cells = sorted(store.put_cells([(uuid.uuid4(), "BASE", 1, {"n": i}) for i in range(30)]),
+                   key=lambda c: (c.shard, c.added_id))
+    sink = ParquetSink(ParquetSinkConfig(root=tmp_path / "lake", max_rows=4))
+    real, calls, fail = pq.write_table, [], {2}
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) in fail:
+            raise OSError(28, "No space left on device")
+        real(*args, **kwargs)
+    monkeypatch.setattr(pq, "write_table", failing)
+    failed_adds = 0
+    for cell in cells:  # rotation writes on the way; the second one fails, and the cell's add with it
+        try:
+            sink.add(cell, Position(cell.shard, cell.added_id))
+        except SinkUnavailableError:
+            failed_adds += 1
+            sink.add(cell, Position(cell.shard, cell.added_id))  # the runtime delivers the batch again
+    fail.add(len(calls) + 2)  # the flush's second file
+    with pytest.raises(SinkUnavailableError, match="No space left"):
+        sink.flush()
+    sink.flush()
+    assert failed_adds == 1
+    assert [(r["shard"], r["added_id"]) for r in lake(tmp_path / "lake", "BASE")] == [
+        (c.shard, c.added_id) for c in cells]
