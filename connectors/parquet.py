@@ -70,18 +70,8 @@ class ParquetSinkConfig(BaseModel):
     compression: Literal["zstd", "snappy", "gzip", "none"] = "zstd"
 
 
-def _kind(value: Any) -> Kind | None:
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
-        return "string"
-    return "json"
+# A body value's kind by its exact type (bodies come from JSON: no subclasses); anything else is json.
+_KIND_OF: dict[type, Kind | None] = {bool: "bool", int: "int", float: "float", str: "string", type(None): None}
 
 
 class _Buffer:
@@ -124,8 +114,12 @@ class ParquetSink(Sink):
 
     def _buffer(self, fields: dict[str, Any], cell: Cell, position: Position) -> None:
         schema = self._schema(cell.column)
+        size = 64
         for name, value in fields.items():
-            self._learn(cell.column, schema, name, _kind(value))
+            kind = _KIND_OF.get(type(value), "json")
+            if kind is not None and schema.get(name) != kind:
+                self._learn(cell.column, schema, name, kind)
+            size += len(value) if kind == "string" else 8
         row: dict[str, Any] = {"row_key": str(cell.row_key), "column": cell.column, "ref_key": cell.ref_key,
                                "added_id": cell.added_id, "shard": cell.shard, "created_at": cell.created_at}
         row.update(fields)
@@ -136,7 +130,7 @@ class ParquetSink(Sink):
             buffer.first = buffer.last = position.offset
         buffer.rows.append(row)
         buffer.first, buffer.last = min(buffer.first, position.offset), max(buffer.last, position.offset)
-        buffer.bytes += 64 + sum(len(v) if isinstance(v, str) else 8 for v in fields.values())
+        buffer.bytes += size
         self._latest = key
 
     def _rotate(self, cell: Cell) -> None:

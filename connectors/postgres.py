@@ -116,12 +116,12 @@ def _value(promoted: Promoted, value: Any) -> Any:
     raise ValueError(f"{type(value).__name__} {value!r:.40}")
 
 
-def _lookup(body: dict[str, Any], path: str) -> Any:
+def _lookup(body: dict[str, Any], parts: tuple[str, ...]) -> Any:
     value: Any = body
-    for part in path.split("."):
-        if not isinstance(value, dict) or part not in value:
+    for part in parts:
+        if not isinstance(value, dict):
             return None
-        value = value[part]
+        value = value.get(part)
     return value
 
 
@@ -133,6 +133,8 @@ class PostgresSink(Sink):
         self.config = config
         self._rows: dict[str, list[tuple[Any, ...]]] = {}
         self._conn: psycopg.Connection[Any] | None = None
+        self._plans = {column: [(tuple(p.field.split(".")), p) for p in spec.promote]
+                       for column, spec in config.columns.items()}
         self.flushes = 0
 
     # -- connection -----------------------------------------------------------------
@@ -160,17 +162,18 @@ class PostgresSink(Sink):
 
     # -- rows -----------------------------------------------------------------------
     def convert(self, cell: Cell) -> tuple[Any, ...]:
-        spec = self.config.columns.get(cell.column)
-        if spec is None:
+        plan = self._plans.get(cell.column)
+        if plan is None:
             raise ConversionError(f"postgres sink: column {cell.column} has no table in the configuration")
+        body = cell.body
         promoted = []
-        for field in spec.promote:
+        for parts, field in plan:
             try:
-                promoted.append(_value(field, _lookup(cell.body, field.field)))
+                promoted.append(_value(field, _lookup(body, parts)))
             except ValueError as exc:
                 raise ConversionError(f"body field {field.field!r} does not fit {field.type}: {exc}") from None
-        return (cell.row_key, cell.ref_key, cell.added_id, cell.shard, cell.created_at,
-                Jsonb(cell.body), *promoted)
+        # The body goes as it is: the binary COPY's jsonb dumper serializes it.
+        return (cell.row_key, cell.ref_key, cell.added_id, cell.shard, cell.created_at, body, *promoted)
 
     def _buffer(self, converted: tuple[Any, ...], cell: Cell, position: Position) -> None:
         self._rows.setdefault(cell.column, []).append(converted)

@@ -113,4 +113,5 @@ def json_text(value: Any) -> str:
 
 
 def utc_date(when: dt.datetime) -> str:
-    return when.astimezone(dt.UTC).strftime("%Y-%m-%d")
+    """The cell's UTC date, YYYY-MM-DD (the store gives times in UTC already: no conversion then)."""
+    return (when if when.tzinfo is dt.UTC else when.astimezone(dt.UTC)).date().isoformat()
