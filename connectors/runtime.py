@@ -38,7 +38,6 @@ class SinkApplier:
         self.sink = sink
         self.name = name
         self._lock = threading.Lock()
-        self.written = 0
 
     def prepare(self, cell: Cell) -> tuple[Any, Cell]:
         """ConversionError (non-retriable: dead-lettered at once) when the cell cannot become a row."""
@@ -54,7 +53,6 @@ class SinkApplier:
                 self.sink.begin(column, partition, start)
             for converted, cell in prepared:
                 self.sink.write(converted, cell, position(cell))
-            self.written += len(prepared)
 
     def flush(self) -> None:
         with self._lock:

@@ -215,11 +215,12 @@ class App:
         except BaseException:
             await runner.stop()
             raise
+        indexed = any(isinstance(t.applier, IndexApplier) for t in self.triggers)  # else no lag to measure
         measuring: asyncio.Future[None] | None = None
         next_measure = since
         try:
             while not done(runner, since):
-                if time.monotonic() >= next_measure and (measuring is None or measuring.done()):
+                if indexed and time.monotonic() >= next_measure and (measuring is None or measuring.done()):
                     measuring = asyncio.ensure_future(asyncio.to_thread(self.measure_index_lag))
                     next_measure = time.monotonic() + self.config.index_lag_interval
                 if processor.stalled is not None:

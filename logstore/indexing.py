@@ -272,15 +272,6 @@ def _text(raw: Any) -> Any:
     return bytes(raw).decode() if isinstance(raw, bytes | bytearray) else raw
 
 
-_DECODE: dict[str, Callable[[Any], Any]] = {
-    "uuid": lambda raw: uuid.UUID(bytes=bytes(raw)), "str": _text, "int": int, "float": float, "bool": bool,
-    "datetime": lambda raw: _EPOCH + dt.timedelta(microseconds=int(raw)), "json": json.loads}
-
-
-def decode_value(kind: str, raw: Any) -> Any:
-    return None if raw is None else _DECODE[kind](raw)
-
-
 def encode_row(spec: IndexSpec, values: Mapping[str, Any]) -> list[Any]:
     """The stored form of every field of an entry, in declaration order."""
     try:
