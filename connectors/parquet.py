@@ -198,7 +198,7 @@ class ParquetSink(Sink):
         fields = [pa.field(name, arrow) for name, arrow in _CELL_SCHEMA]
         for name in names:
             kind = schema.get(name, "string")  # "string" when only nulls were seen so far
-            arrays.append(pa.array([_convert(kind, row.get(name)) for row in buffer.rows], _ARROW[kind]))
+            arrays.append(_array(kind, [row.get(name) for row in buffer.rows]))
             fields.append(pa.field(name, _ARROW[kind]))
         table = pa.Table.from_arrays(arrays, schema=pa.schema(fields))
         directory = self.root / column / f"date={date}"
@@ -262,6 +262,17 @@ class ParquetSink(Sink):
     def files(self, column: str) -> list[Path]:
         """The column's data files, in name order (for tests and status)."""
         return sorted((self.root / column).glob("date=*/p*.parquet"))
+
+
+def _array(kind: Kind, values: list[Any]) -> pa.Array:
+    """One field's column. The registry only widens, so the values are of its kind (or ints in a float
+    column) unless a conflict made it a string column: those values, and json ones, become JSON text."""
+    if kind != "json":
+        try:
+            return pa.array(values, _ARROW[kind])
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            pass
+    return pa.array([_convert(kind, value) for value in values], _ARROW[kind])
 
 
 def _convert(kind: Kind, value: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The PostgreSQL sink: one table per column, loaded by COPY into a staging table and one upsert per flush.
+"""The PostgreSQL sink: one table per column, loaded by COPY (into a staging table, then one upsert per flush).
 
 Each column's table holds row_key, ref_key, added_id, shard, created_at, the body as
 JSONB, and the configured *promoted* fields as typed columns. Two modes:
@@ -11,7 +11,13 @@ JSONB, and the configured *promoted* fields as typed columns. Two modes:
 A flush is one transaction: every buffered cell is COPYed into a temporary staging
 table, then moved with one ``INSERT ... SELECT ... ON CONFLICT`` per table, so
 writing the same cells twice leaves the tables as if written once, whatever the
-order. A promoted field whose value does not fit its type makes the cell a
+order. A history table first tries the COPY straight into the table, inside a
+savepoint: cells already there (a replay after a restart, or another process
+writing the same shard during a rebalance) raise a unique violation, the savepoint
+undoes the whole COPY, and the batch takes the staging path. Only replays pay for
+the second write on the server; a latest table always needs the upsert.
+
+A promoted field whose value does not fit its type makes the cell a
 ConversionError (dead-lettered); a missing one is NULL. The tables are created if
 missing, and promoted fields added to the configuration are added as columns.
 Connection errors become SinkUnavailableError (retried); the password is never logged.
@@ -136,6 +142,8 @@ class PostgresSink(Sink):
         self._plans = {column: [(tuple(p.field.split(".")), p) for p in spec.promote]
                        for column, spec in config.columns.items()}
         self.flushes = 0
+        self.direct = 0  # loads COPYed straight into a history table
+        self.staged = 0  # loads through staging and an upsert
 
     # -- connection -----------------------------------------------------------------
     def _connection(self) -> psycopg.Connection[Any]:
@@ -197,14 +205,20 @@ class PostgresSink(Sink):
         table = sql.Identifier(self.config.db_schema, _table(column, spec))
         names = ["row_key", "ref_key", "added_id", "shard", "created_at", "body", *(p.name for p in spec.promote)]
         columns = sql.SQL(", ").join(sql.Identifier(n) for n in names)
+        types = ["uuid", "int8", "int8", "int4", "timestamptz", "jsonb", *(_BINARY_TYPES[p.type] for p in spec.promote)]
+        if spec.mode == "history":
+            try:
+                with conn.transaction():
+                    self._copy(conn, table, columns, types, rows)
+                self.direct += 1
+                return
+            except psycopg.errors.UniqueViolation:
+                logger.info("postgres sink: %s already holds some of %d cells; loading them through staging",
+                            table.as_string(conn), len(rows))
+        self.staged += 1
         # Dropped at the end: the next table's staging has that table's columns.
         conn.execute(sql.SQL("CREATE TEMP TABLE staging_rows (LIKE {}) ON COMMIT DROP").format(table))
-        copy_sql = sql.SQL("COPY staging_rows ({}) FROM STDIN (FORMAT BINARY)").format(columns)
-        with conn.cursor() as cur, cur.copy(copy_sql) as copy:
-            copy.set_types(["uuid", "int8", "int8", "int4", "timestamptz", "jsonb",
-                            *(_BINARY_TYPES[p.type] for p in spec.promote)])
-            for row in rows:
-                copy.write_row(row)
+        self._copy(conn, sql.Identifier("staging_rows"), columns, types, rows)
         if spec.mode == "history":  # a cell twice in one statement is a conflict like any other: no DISTINCT
             conn.execute(sql.SQL("INSERT INTO {table} ({columns}) SELECT {columns} FROM staging_rows "
                                  "ON CONFLICT (row_key, ref_key) DO NOTHING").format(table=table, columns=columns))
@@ -215,6 +229,15 @@ class PostgresSink(Sink):
                                  "SET {updates} WHERE t.ref_key < excluded.ref_key").format(
                 table=table, columns=columns, updates=updates))
         conn.execute("DROP TABLE staging_rows")
+
+    @staticmethod
+    def _copy(conn: psycopg.Connection[Any], table: sql.Identifier, columns: sql.Composable, types: list[str],
+              rows: list[tuple[Any, ...]]) -> None:
+        with conn.cursor() as cur, cur.copy(sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
+                table, columns)) as copy:
+            copy.set_types(types)
+            for row in rows:
+                copy.write_row(row)
 
     def _drop_connection(self) -> None:
         if self._conn is not None:

@@ -4,6 +4,7 @@ poison cell to the DLQ, SIGKILL mid-load then a restart."""
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import signal
 import subprocess
@@ -174,3 +175,33 @@ def test_from_the_tailers_kafka_topics(sqlite_url: str, postgres_database: str, 
         assert {r[0]: int(r[1]) for r in base} == latest_of(store, "BASE")
         status = psql(postgres_database, "SELECT row_key, ref_key FROM cells_status")
         assert {(r[0], int(r[1])) for r in status} == history_of(store, "STATUS")
+
+
+def test_a_history_replay_falls_back_from_the_direct_copy_to_the_upsert(postgres_database: str) -> None:
+    from connectors.postgres import PostgresSink, PostgresSinkConfig
+    from connectors.sink import Position
+
+    start = dt.datetime(2026, 11, 22, tzinfo=dt.UTC)
+    cells = [logstore.Cell(row_key=uuid.uuid4(), column="STATUS", ref_key=n % 3 + 1, body={"done": n % 2 == 0},
+                           added_id=n + 1, shard=n % SHARDS, created_at=start + dt.timedelta(seconds=n))
+             for n in range(40)]
+    config = PostgresSinkConfig.model_validate(
+        {"url": postgres_database, "columns": {"STATUS": {"mode": "history", "promote": [
+            {"field": "done", "type": "boolean"}]}}})
+    sink = PostgresSink(config)
+    try:
+        for cell in cells[:25]:
+            sink.add(cell, Position(cell.shard, cell.added_id))
+        sink.flush()
+        assert (sink.direct, sink.staged) == (1, 0)
+        # A restarted process replays cells 10..24 with new ones: the COPY hits the key, nothing of it stays.
+        replay = PostgresSink(config)
+        for cell in cells[10:]:
+            replay.add(cell, Position(cell.shard, cell.added_id))
+        replay.flush()
+        assert (replay.direct, replay.staged) == (0, 1)
+        replay.close()
+    finally:
+        sink.close()
+    rows = psql(postgres_database, "SELECT row_key, ref_key, done FROM cells_status ORDER BY added_id")
+    assert rows == [[str(c.row_key), str(c.ref_key), "t" if c.body["done"] else "f"] for c in cells]
