@@ -22,7 +22,7 @@ from typing import Any, NoReturn, TextIO
 import logstore
 from logstore import Cell, Store
 
-from . import app_cli, connect_cli, index_cli, tail_cli
+from . import app_cli, connect_cli, index_cli, serve_cli, tail_cli
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,8 @@ def cmd_demo(args: argparse.Namespace, out: Output) -> int:
 def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--store", default=os.environ.get("CELLSTREAM_STORE"),
-                        help="sqlite:///dir, mysql://user:pw@host:port/db or a cluster file (env CELLSTREAM_STORE)")
+                        help="sqlite:///dir, mysql://user:pw@host:port/db, a cluster file or a worker node's "
+                        "http://host:port (env CELLSTREAM_STORE; a worker node's token: env CELLSTREAM_TOKEN)")
     common.add_argument("--json", action="store_true", help="print JSON (JSON lines for streams)")
     common.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
 
@@ -254,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     app_cli.add_parsers(sub, common)
     index_cli.add_parser(sub, common)
     connect_cli.add_parser(sub, common)
+    serve_cli.add_parser(sub, common)
 
     # The demo ignores CELLSTREAM_STORE: it writes demo data, so only an explicit --store is used.
     p = sub.add_parser("demo", help="run the pipeline demo (a throwaway embedded store by default)")

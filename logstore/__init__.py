@@ -18,6 +18,7 @@ from .config import (
     DEFAULT_SHARDS,
     MAX_SHARDS,
     ClusterConfig,
+    HttpTarget,
     MySQLTarget,
     NodeTarget,
     StoreOptions,
@@ -58,7 +59,11 @@ __all__ = [
 ]
 
 
-def _recorder(name: str, target: NodeTarget, options: StoreOptions) -> NodeRecorder:
+def _recorder(name: str, target: NodeTarget, options: StoreOptions, token: str | None = None) -> NodeRecorder:
+    if isinstance(target, HttpTarget):
+        from .client import HttpRecorder
+
+        return HttpRecorder(name, target, options, token)
     if isinstance(target, MySQLTarget):
         from .mysql import MySQLRecorder
 
@@ -68,13 +73,16 @@ def _recorder(name: str, target: NodeTarget, options: StoreOptions) -> NodeRecor
     return SQLiteRecorder(name, target, options)
 
 
-def open(target: str | os.PathLike[str], shards: int | None = None, **options: Any) -> Store:  # noqa: A001
+def open(target: str | os.PathLike[str], shards: int | None = None, *,  # noqa: A001
+         token: str | None = None, **options: Any) -> Store:
     """Open a logstore instance, creating it when missing.
 
-    ``target`` is ``sqlite:///dir``, ``mysql://user:pw@host:port/db`` or the path of
-    a cluster file. ``shards`` is fixed when the instance is created (default 4096);
-    opening an existing instance with another count raises ConfigurationError.
-    ``options`` are the fields of :class:`StoreOptions`.
+    ``target`` is ``sqlite:///dir``, ``mysql://user:pw@host:port/db``, the path of a
+    cluster file, or ``http://host:port``, a worker node (``cellstream serve``): the
+    same API over HTTP, with ``token`` (default: the CELLSTREAM_TOKEN environment
+    variable) as its Bearer token. ``shards`` is fixed when the instance is created
+    (default 4096); opening an existing instance with another count raises
+    ConfigurationError. ``options`` are the fields of :class:`StoreOptions`.
     """
     try:
         opts = StoreOptions(**options)
@@ -87,7 +95,12 @@ def open(target: str | os.PathLike[str], shards: int | None = None, **options: A
     recorders: dict[str, NodeRecorder] = {}
     try:
         if text.startswith(("sqlite:", "mysql:")) or "://" in text:
-            recorder = _recorder("node0", parse_node_url(text), opts)
+            node_target = parse_node_url(text)
+            if token is not None and not isinstance(node_target, HttpTarget):
+                raise InvalidArgumentError("a token is for a worker node's http:// URL only")
+            if isinstance(node_target, HttpTarget) and token is None:
+                token = os.environ.get("CELLSTREAM_TOKEN") or None
+            recorder = _recorder("node0", node_target, opts, token)
             recorders["node0"] = recorder
             found = recorder.read_meta()
             count = shards or (found.shard_count if found else DEFAULT_SHARDS)

@@ -73,10 +73,31 @@ class SQLiteTarget(BaseModel):
         return f"sqlite:///{self.directory}"
 
 
-NodeTarget = MySQLTarget | SQLiteTarget
+class HttpTarget(BaseModel):
+    """A worker node (``cellstream serve``): the logstore API over HTTP, for :func:`logstore.open` only."""
+
+    model_config = ConfigDict(frozen=True)
+
+    url: str
+
+    def redacted(self) -> str:
+        return self.url
+
+
+NodeTarget = MySQLTarget | SQLiteTarget | HttpTarget
 
 
 def parse_node_url(url: str) -> NodeTarget:
+    if url.startswith(("http://", "https://")):
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018  # raises on a bad port
+        except ValueError:
+            raise InvalidArgumentError(f"worker node URL {url!r} cannot be parsed: http://host:port") from None
+        if not parts.hostname or parts.query or parts.fragment or parts.username:
+            raise InvalidArgumentError(f"worker node URL {url!r}: expected http://host:port (a token goes "
+                                       "in the token argument, not the URL)")
+        return HttpTarget(url=url.rstrip("/"))
     if url.startswith("sqlite:///"):
         path = url[len("sqlite:///"):]
         if not path:
@@ -104,7 +125,7 @@ def parse_node_url(url: str) -> NodeTarget:
             database=database,
         )
     scheme = url.split(":", 1)[0] if ":" in url else url
-    raise InvalidArgumentError(f"unsupported store URL scheme {scheme!r} (use sqlite:/// or mysql://)")
+    raise InvalidArgumentError(f"unsupported store URL scheme {scheme!r} (use sqlite:///, mysql:// or http://)")
 
 
 class NodeConfig(BaseModel):
@@ -118,9 +139,11 @@ class NodeConfig(BaseModel):
     @classmethod
     def _url_parses(cls, url: str) -> str:
         try:
-            parse_node_url(url)
+            target = parse_node_url(url)
         except InvalidArgumentError as exc:
             raise ValueError(str(exc)) from None
+        if isinstance(target, HttpTarget):
+            raise ValueError("a storage node is sqlite:/// or mysql://; a worker node's URL is opened directly")
         return url
 
     @field_validator("shards")
@@ -173,7 +196,11 @@ class ClusterConfig(BaseModel):
 
 
 def single_node(url: str, shards: int) -> ClusterConfig:
-    return ClusterConfig(shards=shards, nodes=[NodeConfig(name="node0", url=url, shards=f"0-{shards - 1}")])
+    span = f"0-{shards - 1}"
+    if isinstance(parse_node_url(url), HttpTarget):  # parsed already; a cluster file may not name one
+        node = NodeConfig.model_construct(name="node0", url=url, shards=span)
+        return ClusterConfig.model_construct(shards=shards, nodes=[node])
+    return ClusterConfig(shards=shards, nodes=[NodeConfig(name="node0", url=url, shards=span)])
 
 
 def load_cluster_file(path: Path) -> ClusterConfig:

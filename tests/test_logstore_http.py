@@ -1,0 +1,47 @@
+"""The logstore contract through a worker node: ``logstore.open("http://...")`` must behave as the store
+behind it does (same cells, same typed errors), so apps switch between them by URL."""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import logstore
+from logstore.sqlite import DB_FILE
+
+from .logstore_contract import SHARDS, StoreContract
+from .worker_support import worker_node
+
+
+class TestHttpStore(StoreContract):
+    @pytest.fixture
+    def url(self, sqlite_url: str) -> Iterator[str]:
+        self.backing = sqlite_url
+        with worker_node(sqlite_url, SHARDS) as node:
+            yield node.url
+
+    def _db(self) -> Path:
+        return Path(self.backing[len("sqlite:///"):]) / DB_FILE
+
+    def corrupt_body(self, url: str, cell: logstore.Cell) -> None:
+        with sqlite3.connect(self._db()) as conn:
+            conn.execute("UPDATE cells SET body = x'7f00' WHERE added_id = ?", (cell.added_id,))
+
+    def shard_storage(self, url: str) -> set[int]:
+        with sqlite3.connect(self._db()) as conn:
+            return {s for (s,) in conn.execute("SELECT DISTINCT shard FROM cells")}
+
+    def test_default_is_4096_shards_and_creation_is_lazy(self, url: str) -> None:
+        # The node's store exists already: opened without a count, a client takes the node's.
+        with logstore.open(url) as store:
+            assert store.shard_count == SHARDS
+            assert store.get_cell(uuid.uuid4(), "BASE", 1) is None
+
+    def test_tailing_reader_never_skips_when_commits_are_delayed_out_of_order(self, url: str) -> None:
+        # The contract opens a fresh 2-shard instance: here, a node in front of one.
+        with worker_node(self.backing.rstrip("/") + "-two", 2) as node:
+            super().test_tailing_reader_never_skips_when_commits_are_delayed_out_of_order(node.url)
