@@ -48,7 +48,8 @@ bench: $(VENV)/.test
 	$(BIN)/python bench/app_kafka_bench.py; \
 	$(BIN)/python bench/index_bench.py; \
 	$(BIN)/python bench/index_bench.py --mysql; \
-	$(BIN)/python bench/connect_bench.py
+	$(BIN)/python bench/connect_bench.py; \
+	$(BIN)/python bench/worker_bench.py
 
 services-up:
 	scripts/services.sh up

@@ -21,6 +21,7 @@ from .demo_app import app_demo
 from .demo_connect import connect_demo
 from .demo_index import index_demo
 from .demo_tailer import tailer_demo
+from .demo_worker import worker_demo
 
 DEMO_SHARDS = 16
 CITIES = ["Aarhus", "Lisbon", "Oakland", "Sao Paulo", "Hyderabad"]
@@ -109,5 +110,6 @@ def _demo(url: str, out: TextIO, shards: int | None) -> int:
         app_demo(store, out, blocked="rider-3")
         index_demo(store, out, trips[1])
         connect_demo(store, out)
+        worker_demo(store, out, trips[0])
     _say(out, "\ndemo finished")
     return 0

@@ -19,10 +19,12 @@ at ``/openapi.json`` (:mod:`logstore.openapi`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import logging
 import re
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +54,7 @@ class ServerConfig(BaseModel):
     port: int = Field(8080, ge=0, le=65535, description="0 picks a free port")
     token: SecretStr | None = Field(None, description="required as a Bearer token on every request when set")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="larger request bodies get 413")
-    threads: int = Field(16, ge=1, le=512, description="blocking store calls at once")
+    threads: int = Field(8, ge=1, le=512, description="blocking store calls at once (the MySQL pool holds 8)")
 
 
 def is_loopback(host: str) -> bool:
@@ -144,12 +146,29 @@ class WorkerNode:
             where = f"{self.config.host}:{self.config.port}"
             raise ConfigurationError(f"cannot listen on {where}: {exc.strerror}") from None
         self._runner = runner
+        await self._warm()
         server = site._server  # the bound socket tells the port when 0 was asked for
         sockets = getattr(server, "sockets", None) or []
         if sockets:
             self._port = sockets[0].getsockname()[1]
         logger.info("worker node on %s (%s)", self.url,
                     "token required" if self.config.token else "no token: loopback only, unauthenticated")
+
+    async def _warm(self) -> None:
+        """Open the pool's connections now, not on the first requests (a MySQL connect takes far longer than
+        a read). Best effort: a storage node that does not answer is /readyz's to report."""
+        n = min(self.config.threads, self.store.options.pool_size)
+        together = threading.Barrier(n)
+
+        def warm(shard: int) -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                together.wait(timeout=2)  # all at once, so each takes its own connection
+            with contextlib.suppress(LogstoreError):
+                self.store.head(shard)
+
+        for shard in self._first_shard.values():
+            together.reset()
+            await asyncio.gather(*(self._call(warm, shard) for _ in range(n)))
 
     async def stop(self) -> None:
         runner, self._runner = self._runner, None
