@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,8 @@ __all__ = [
 ]
 
 
-def _recorder(name: str, target: NodeTarget, options: StoreOptions, token: str | None = None) -> NodeRecorder:
+def _recorder(name: str, target: NodeTarget, options: StoreOptions, token: str | None = None,
+              replicas: Sequence[MySQLTarget] = ()) -> NodeRecorder:
     if isinstance(target, HttpTarget):
         from .client import HttpRecorder
 
@@ -67,7 +69,7 @@ def _recorder(name: str, target: NodeTarget, options: StoreOptions, token: str |
     if isinstance(target, MySQLTarget):
         from .mysql import MySQLRecorder
 
-        return MySQLRecorder(name, target, options)
+        return MySQLRecorder(name, target, options, replicas)
     from .sqlite import SQLiteRecorder
 
     return SQLiteRecorder(name, target, options)
@@ -112,7 +114,7 @@ def open(target: str | os.PathLike[str], shards: int | None = None, *,  # noqa: 
                     f"cluster file {text} gives {cluster.shards} shards, opened with {shards}"
                 )
             for node in cluster.nodes:
-                recorders[node.name] = _recorder(node.name, node.target, opts)
+                recorders[node.name] = _recorder(node.name, node.target, opts, replicas=node.replica_targets)
         for node in cluster.nodes:
             recorders[node.name].initialize(node_meta(cluster, node))
     except BaseException:

@@ -10,6 +10,7 @@ A target given to :func:`logstore.open` is one of
       name = "a"
       url = "mysql://cellstream:secret@db-a:3306/cells"
       shards = "0-2047"
+      replicas = ["mysql://cellstream:secret@db-a2:3306/cells"]   # optional
       [[nodes]]
       name = "b"
       url = "mysql://cellstream:secret@db-b:3306/cells"
@@ -134,6 +135,30 @@ class NodeConfig(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     url: str = Field(repr=False)
     shards: str = Field(description='inclusive range "first-last"')
+    replicas: list[str] = Field(default_factory=list, repr=False,
+                                description="mysql:// URLs of the primary's replicas: reads fall back to them")
+
+    @field_validator("replicas")
+    @classmethod
+    def _replicas_parse(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            try:
+                target = parse_node_url(url)
+            except InvalidArgumentError as exc:
+                raise ValueError(str(exc)) from None
+            if not isinstance(target, MySQLTarget):
+                raise ValueError(f"a replica is a mysql:// URL, got {target.redacted()}")
+        return urls
+
+    @model_validator(mode="after")
+    def _replicas_of_mysql(self) -> NodeConfig:
+        if self.replicas and not isinstance(parse_node_url(self.url), MySQLTarget):
+            raise ValueError("only a mysql:// storage node has replicas")
+        return self
+
+    @property
+    def replica_targets(self) -> list[MySQLTarget]:
+        return [t for t in map(parse_node_url, self.replicas) if isinstance(t, MySQLTarget)]
 
     @field_validator("url")
     @classmethod

@@ -21,18 +21,19 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from functools import partial
 from operator import itemgetter
 from typing import Any, NamedTuple, TypeVar
 
 import pymysql
-from pymysql.constants import CLIENT, FIELD_TYPE, SERVER_STATUS
+from pymysql.constants import CLIENT, FIELD_TYPE
 from pymysql.converters import conversions
 
 from .cell import Cell
 from .config import MySQLTarget, StoreOptions
 from .errors import ConfigurationError, CorruptCellError, LogstoreError, StorageError, StorageUnavailableError
+from .mysql_pool import Connection, Pool, ReadFallback
 from .persistence import (
     FORMAT_VERSION,
     Coordinates,
@@ -51,7 +52,6 @@ from .retry import retry_call
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-Connection = pymysql.connections.Connection
 Statement = tuple[str, Sequence[Any]]
 # A statement tagged with (shard, rows) when it is an INSERT of that many rows.
 Tagged = tuple[Statement, tuple[int, int] | None]
@@ -155,67 +155,6 @@ def _row_to_cell(shard: int, row: tuple[Any, ...]) -> Cell:
     return make_cell(shard, added_id, row_key, column, ref_key, blob, created)
 
 
-class _Pool:
-    """A bounded LIFO pool of autocommit connections.
-
-    A connection comes back only when it is known clean: not after a driver error or
-    an interruption (state unknown), and never while still inside a transaction.
-    """
-
-    def __init__(self, connect: Callable[[], Connection], size: int, timeout: float) -> None:
-        self._connect = connect
-        self._idle: list[Connection] = []
-        self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(size)
-        self._timeout = timeout
-        self._closed = False
-
-    @contextmanager
-    def connection(self) -> Iterator[Connection]:
-        if not self._slots.acquire(timeout=self._timeout):
-            raise StorageUnavailableError("no free MySQL connection in the pool")
-        try:
-            with self._lock:
-                if self._closed:
-                    raise StorageError("the store is closed")
-                conn = self._idle.pop() if self._idle else None
-            if conn is None:
-                conn = self._connect()
-            try:
-                yield conn
-            except LogstoreError:
-                self._release(conn)  # our own error (a conflict, say): reusable unless mid-transaction
-                raise
-            except BaseException:
-                self.discard(conn)
-                raise
-            self._release(conn)
-        finally:
-            self._slots.release()
-
-    def _release(self, conn: Connection) -> None:
-        # Still inside a transaction (its COMMIT never ran), a connection would hold shard
-        # locks and commit stale writes with its next START TRANSACTION: never reuse it.
-        if not getattr(conn, "server_status", 0) & SERVER_STATUS.SERVER_STATUS_IN_TRANS:
-            with self._lock:
-                if not self._closed:
-                    self._idle.append(conn)
-                    return
-        self.discard(conn)
-
-    @staticmethod
-    def discard(conn: Connection) -> None:
-        with suppress(pymysql.Error, OSError):
-            conn.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            self.discard(conn)
-
-
 class Result(NamedTuple):
     rows: tuple[Any, ...] | None  # None for a statement without a result set
     insert_id: int  # from the OK packet: the first AUTO_INCREMENT id of an INSERT
@@ -233,11 +172,15 @@ def run_script(cur: pymysql.cursors.Cursor, statements: Sequence[Statement]) -> 
 
 
 class MySQLRecorder(NodeRecorder):
-    def __init__(self, name: str, target: MySQLTarget, options: StoreOptions) -> None:
+    def __init__(self, name: str, target: MySQLTarget, options: StoreOptions,
+                 replicas: Sequence[MySQLTarget] = ()) -> None:
         self.name = name
         self._target = target
         self._options = options
-        self._pool = _Pool(self._connect, options.pool_size, options.connect_timeout + options.read_timeout)
+        wait = options.connect_timeout + options.read_timeout
+        self._pool = Pool(self._connect, options.pool_size, wait)
+        self._replicas = [Pool(partial(self._replica_connect, r), options.pool_size, wait) for r in replicas]
+        self.fallback = ReadFallback(name)
         self._tables: set[int] = set()
         self._tables_lock = threading.Lock()
         from .mysql_index import MySQLIndexRecorder  # it uses this module's connections and scripts
@@ -245,8 +188,8 @@ class MySQLRecorder(NodeRecorder):
         self.indexes = MySQLIndexRecorder(name, self._call, run_script, options.max_statement_bytes)
 
     # -- connections and errors -----------------------------------------------------
-    def _raw_connect(self, database: str | None) -> Connection:
-        t, o = self._target, self._options
+    def _raw_connect(self, database: str | None, target: MySQLTarget | None = None) -> Connection:
+        t, o = target or self._target, self._options
         return pymysql.connect(
             host=t.host, port=t.port, user=t.user, password=t.password, database=database,
             autocommit=True, client_flag=CLIENT.MULTI_STATEMENTS, charset="utf8mb4",
@@ -268,6 +211,12 @@ class MySQLRecorder(NodeRecorder):
             finally:
                 admin.close()
             conn = self._raw_connect(self._target.database)
+        return self._session(conn)
+
+    def _replica_connect(self, target: MySQLTarget) -> Connection:
+        return self._session(self._raw_connect(target.database, target))
+
+    def _session(self, conn: Connection) -> Connection:
         try:
             with conn.cursor() as cur:
                 # READ COMMITTED: every statement sees the latest commits (and takes no gap locks).
@@ -275,26 +224,31 @@ class MySQLRecorder(NodeRecorder):
                 cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
                 cur.execute("SET SESSION auto_increment_increment = 1, auto_increment_offset = 1")
         except BaseException:
-            self._pool.discard(conn)
+            Pool.discard(conn)
             raise
         return conn
 
-    def _call(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
-        """Run ``fn`` on a pooled connection; translate driver errors; retry retriable ones."""
+    def _call(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T], *, read: bool = False) -> T:
+        """Run ``fn`` on a pooled connection; translate driver errors; retry retriable ones. A ``read`` falls
+        back to the node's replicas while its primary is unavailable (:class:`ReadFallback`)."""
         def attempt() -> T:
-            try:
-                with self._pool.connection() as conn, conn.cursor() as cur:
-                    return fn(cur)
-            except pymysql.Error as exc:
-                error = _translate(exc, self.name)
-                logger.log(logging.WARNING if error.retriable else logging.ERROR,
-                           "%s on %s failed: %s", what, self.name, error)
-                raise error from exc
-            except UnicodeError:
-                # pymysql encodes host names (IDNA) and passwords (latin-1) itself.
-                raise ConfigurationError(
-                    f"storage node {self.name}: host name or credentials cannot be encoded") from None
+            if not read or not self._replicas:
+                return self._on(self._pool, self.name, what, fn)
+            return self.fallback.read(partial(self._on, self._pool, self.name, what, fn), [
+                partial(self._on, pool, f"{self.name} replica {i}", what, fn) for i, pool in enumerate(self._replicas)])
         return retry_call(attempt, self._options.retry)
+
+    def _on(self, pool: Pool, where: str, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
+        try:
+            with pool.connection() as conn, conn.cursor() as cur:
+                return fn(cur)
+        except pymysql.Error as exc:
+            error = _translate(exc, where)
+            logger.log(logging.WARNING if error.retriable else logging.ERROR, "%s on %s failed: %s", what, where, error)
+            raise error from exc
+        except UnicodeError:
+            # pymysql encodes host names (IDNA) and passwords (latin-1) itself.
+            raise ConfigurationError(f"storage node {where}: host name or credentials cannot be encoded") from None
 
     def _read_shard(self, shard: int, sql: str, args: Sequence[Any]) -> tuple[tuple[Any, ...], ...]:
         def run(cur: pymysql.cursors.Cursor) -> tuple[tuple[Any, ...], ...]:
@@ -305,7 +259,7 @@ class MySQLRecorder(NodeRecorder):
                     return ()
                 raise
             return tuple(cur.fetchall())
-        return self._call("read", run)
+        return self._call("read", run, read=True)
 
     # -- metadata -------------------------------------------------------------------
     def read_meta(self) -> NodeMeta | None:
@@ -317,7 +271,7 @@ class MySQLRecorder(NodeRecorder):
                     return None
                 raise
             return dict(cur.fetchall())
-        rows = self._call("read metadata", run)
+        rows = self._call("read metadata", run, read=True)
         if not rows:
             return None
         if int(rows.get("format_version", 0)) != FORMAT_VERSION:
@@ -534,7 +488,7 @@ class MySQLRecorder(NodeRecorder):
                     return None
                 raise
             return tuple(cur.fetchall())
-        rows = self._call("read", run)
+        rows = self._call("read", run, read=True)
         if rows is None:
             return super().get_logs(locations, limit, columns)
         by_shard: dict[int, list[tuple[Any, ...]]] = {shard: [] for shard, _ in locations}
@@ -567,7 +521,7 @@ class MySQLRecorder(NodeRecorder):
         def run(cur: pymysql.cursors.Cursor) -> dict[int, int]:
             cur.execute("SELECT shard, cells FROM cellstream_shards")
             return {int(s): int(n) for s, n in cur.fetchall()}
-        return self._call("read", run)
+        return self._call("read", run, read=True)
 
     # -- consumer offsets -----------------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
@@ -594,7 +548,9 @@ class MySQLRecorder(NodeRecorder):
         def run(cur: pymysql.cursors.Cursor) -> list[OffsetRecord]:
             cur.execute(_OFFSETS, (consumer,))
             return [offset_record(*row) for row in cur.fetchall()]
-        return self._call("read offsets", run)
+        return self._call("read offsets", run, read=True)
 
     def close(self) -> None:
         self._pool.close()
+        for pool in self._replicas:
+            pool.close()

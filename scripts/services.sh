@@ -6,7 +6,7 @@
 #   scripts/services.sh down   [service...]   stop the services this script started
 #   scripts/services.sh status [service...]   show what answers and what we started
 #
-# Services (default: all, in this order): mariadb postgresql zookeeper kafka.
+# Services (default: all, in this order): mariadb mariadb_replica postgresql zookeeper kafka.
 # Each has one <name>_up / <name>_down / <name>_status function, plus an entry
 # in SERVICES below.
 #
@@ -32,7 +32,8 @@
 #   * `up` and `down` are idempotent.
 #
 # Connection settings used by the tests:
-#   MariaDB   127.0.0.1:3306  user cellstream  password cellstream
+#   MariaDB   127.0.0.1:3306  user cellstream  password cellstream (binary log on)
+#   MariaDB replica 127.0.0.1:3307, same user, replicating the csr_* databases of 3306
 #   PostgreSQL 127.0.0.1:5432 user cellstream  password cellstream (superuser)
 #   ZooKeeper 127.0.0.1:2181  (all four-letter-word commands allowed)
 #   Kafka     127.0.0.1:9092  PLAINTEXT, one KRaft node (controller on
@@ -44,7 +45,7 @@ SVC_DIR="$ROOT/.services"
 STATE_FILE="$SVC_DIR/started"
 LOCK_FILE="$SVC_DIR/lock"
 
-SERVICES=(mariadb postgresql zookeeper kafka)
+SERVICES=(mariadb mariadb_replica postgresql zookeeper kafka)
 STOP_TIMEOUT=60
 
 log() { printf 'services: %s\n' "$*" >&2; }
@@ -201,15 +202,41 @@ MARIADB_LOG="$MARIADB_DIR/error.log"
 MARIADB_INIT_MARK="$MARIADB_DIR/.initialized"
 MARIADB_START_TIMEOUT=90
 MARIADB_STARTED_PID=
-MARIADB_SOCK="$MARIADB_DIR/mysqld.sock"
-# A unix socket path must fit in sockaddr_un.sun_path (108 bytes).
-if [ "${#MARIADB_SOCK}" -gt 100 ]; then
-  if is_root; then
-    MARIADB_SOCK="/run/mysqld/cellstream-$(printf '%s' "$ROOT" | cksum | cut -d' ' -f1).sock"
-  else
-    MARIADB_SOCK="${TMPDIR:-/tmp}/cellstream-$(id -u)-$(printf '%s' "$ROOT" | cksum | cut -d' ' -f1).sock"
+MARIADB_NAME=mariadb
+# The primary writes a row-based binary log for its replica (mariadb_replica).
+MARIADB_EXTRA_ARGS=(--server-id=1 --log-bin=mysql-bin --binlog-format=ROW --expire-logs-days=2)
+
+# mariadb_sock DIR SUFFIX -> the socket path; a unix socket path must fit in sockaddr_un.sun_path (108 bytes).
+mariadb_sock() {
+  local sock="$1/mysqld.sock"
+  if [ "${#sock}" -gt 100 ]; then
+    if is_root; then
+      sock="/run/mysqld/cellstream-$(printf '%s' "$ROOT" | cksum | cut -d' ' -f1)$2.sock"
+    else
+      sock="${TMPDIR:-/tmp}/cellstream-$(id -u)-$(printf '%s' "$ROOT" | cksum | cut -d' ' -f1)$2.sock"
+    fi
   fi
-fi
+  printf '%s' "$sock"
+}
+MARIADB_SOCK="$(mariadb_sock "$MARIADB_DIR" "")"
+
+# The replica: a second mariadbd on 3307 with its own data dir, replicating from
+# the primary on 3306. It applies only the databases named csr_* (the tests'
+# replicated databases): the rest of the suite's writes are not its business.
+REPLICA_PORT=3307
+REPL_USER=repl
+REPL_PASSWORD=repl
+mariadb_replica_vars() {
+  MARIADB_NAME=mariadb_replica
+  MARIADB_PORT=$REPLICA_PORT
+  MARIADB_DIR="$SVC_DIR/mariadb-replica"
+  MARIADB_DATA="$MARIADB_DIR/data"
+  MARIADB_PID="$MARIADB_DIR/mariadbd.pid"
+  MARIADB_LOG="$MARIADB_DIR/error.log"
+  MARIADB_INIT_MARK="$MARIADB_DIR/.initialized"
+  MARIADB_SOCK="$(mariadb_sock "$MARIADB_DIR" -replica)"
+  MARIADB_EXTRA_ARGS=(--server-id=2 --read-only=1 '--replicate-wild-do-table=csr\_%.%' --relay-log=relay-bin)
+}
 
 mariadb_client() { find_bin mariadb mysql; }
 
@@ -259,19 +286,19 @@ mariadb_installed() {
 mariadb_install() {
   mariadb_installed && return 0
   if ! is_root; then
-    die "mariadb: not installed; as root run: apt-get install -y --no-install-recommends ${MARIADB_PACKAGES[*]}"
+    die "$MARIADB_NAME: not installed; as root run: apt-get install -y --no-install-recommends ${MARIADB_PACKAGES[*]}"
   fi
-  log "mariadb: installing ${MARIADB_PACKAGES[*]} (apt)..."
+  log "$MARIADB_NAME: installing ${MARIADB_PACKAGES[*]} (apt)..."
   local before pid
   before=" $(pids_of mariadbd | tr '\n' ' ') "
   apt_install "${MARIADB_PACKAGES[@]}"
-  mariadb_installed || die "mariadb: installed ${MARIADB_PACKAGES[*]} but mariadbd/mariadb-install-db/mariadb-admin/mariadb still not found"
+  mariadb_installed || die "$MARIADB_NAME: installed ${MARIADB_PACKAGES[*]} but mariadbd/mariadb-install-db/mariadb-admin/mariadb still not found"
   # policy-rc.d should have prevented it, but if the package started a
   # system server anyway, stop it: nobody would ever stop it otherwise.
   for pid in $(pids_of mariadbd); do
     [[ "$before" == *" $pid "* ]] && continue
     proc_alive "$pid" mariadbd "--datadir=$MARIADB_DATA" && continue
-    log "mariadb: stopping the system server the package started (pid $pid)"
+    log "$MARIADB_NAME: stopping the system server the package started (pid $pid)"
     if [ -x /etc/init.d/mariadb ]; then
       /etc/init.d/mariadb stop >/dev/null 2>&1 || true
     fi
@@ -293,12 +320,12 @@ mariadb_wait_ready() {
     fi
     if ! proc_alive "$pid" mariadbd; then
       tail -n 30 "$MARIADB_LOG" >&2 || true
-      die "mariadb: mariadbd exited during startup (log: $MARIADB_LOG)"
+      die "$MARIADB_NAME: mariadbd exited during startup (log: $MARIADB_LOG)"
     fi
     sleep 0.25
   done
   tail -n 30 "$MARIADB_LOG" >&2 || true
-  die "mariadb: no answer after ${MARIADB_START_TIMEOUT}s (log: $MARIADB_LOG)"
+  die "$MARIADB_NAME: no answer after ${MARIADB_START_TIMEOUT}s (log: $MARIADB_LOG)"
 }
 
 # Create the test account (idempotent).  With --skip-name-resolve, 'localhost'
@@ -359,10 +386,10 @@ mariadb_init_datadir() {
     chown "$user:" "$MARIADB_DATA"
     args+=(--user="$user")
   fi
-  log "mariadb: initializing data dir $MARIADB_DATA"
+  log "$MARIADB_NAME: initializing data dir $MARIADB_DATA"
   if ! "$installdb" "${args[@]}" >"$MARIADB_DIR/install-db.log" 2>&1; then
     tail -n 30 "$MARIADB_DIR/install-db.log" >&2
-    die "mariadb: mariadb-install-db failed (log: $MARIADB_DIR/install-db.log)"
+    die "$MARIADB_NAME: mariadb-install-db failed (log: $MARIADB_DIR/install-db.log)"
   fi
   touch "$MARIADB_INIT_MARK"
 }
@@ -381,7 +408,8 @@ mariadb_start() {
     --innodb-buffer-pool-size=512M
     --max-allowed-packet=64M
     --character-set-server=utf8mb4
-    --collation-server=utf8mb4_unicode_ci)
+    --collation-server=utf8mb4_unicode_ci
+    "${MARIADB_EXTRA_ARGS[@]}")
   # Durability defaults are kept on purpose (innodb_flush_log_at_trx_commit=1):
   # the benchmark measures durable puts.
   if is_root; then
@@ -402,10 +430,10 @@ mariadb_start() {
   pid=$!
   disown "$pid" 2>/dev/null || true
   # Record before waiting, so `down` stops it even if the wait fails.
-  state_add mariadb "$MARIADB_PID" "$MARIADB_SOCK"
+  state_add "$MARIADB_NAME" "$MARIADB_PID" "$MARIADB_SOCK"
   mariadb_wait_ready "$pid"
   MARIADB_STARTED_PID="$(mariadb_our_pid)" ||
-    die "mariadb: answers on $MARIADB_SOCK but no mariadbd process for $MARIADB_DATA found"
+    die "$MARIADB_NAME: answers on $MARIADB_SOCK but no mariadbd process for $MARIADB_DATA found"
 }
 
 mariadb_up() {
@@ -414,31 +442,36 @@ mariadb_up() {
   # 1. Our own instance from an earlier `up` (possibly with a lost state
   #    file): make sure it is recorded, ready and has the test account.
   if pid="$(mariadb_our_pid)"; then
-    state_add mariadb "$MARIADB_PID" "$MARIADB_SOCK"
+    state_add "$MARIADB_NAME" "$MARIADB_PID" "$MARIADB_SOCK"
     mariadb_wait_ready "$pid"
     mariadb_answers || mariadb_setup_users
-    mariadb_answers || die "mariadb: our server (pid $pid) does not accept $MARIADB_USER over TCP (log: $MARIADB_LOG)"
-    log "mariadb: already running (pid $pid, started by us), reusing"
-    return 0
+    mariadb_answers || die "$MARIADB_NAME: our server (pid $pid) does not accept $MARIADB_USER over TCP (log: $MARIADB_LOG)"
+    if [ "$MARIADB_NAME" = mariadb ] && [ "$(mariadb_root_sql -e 'SELECT @@log_bin')" != 1 ]; then
+      log "$MARIADB_NAME: running without the binary log its replica needs: restarting it"
+      mariadb_down
+    else
+      log "$MARIADB_NAME: already running (pid $pid, started by us), reusing"
+      return 0
+    fi
   fi
   # Not running: forget a stale record.
-  state_del mariadb
+  state_del "$MARIADB_NAME"
 
   # 2. Somebody else's server (docker compose, a developer's own, ...).
   if tcp_open "$MARIADB_HOST" "$MARIADB_PORT"; then
     if ! mariadb_client >/dev/null; then
       if is_root; then
-        log "mariadb: something listens on $MARIADB_HOST:$MARIADB_PORT; installing the client to check it"
+        log "$MARIADB_NAME: something listens on $MARIADB_HOST:$MARIADB_PORT; installing the client to check it"
         apt_install mariadb-client
       else
-        die "mariadb: something listens on $MARIADB_HOST:$MARIADB_PORT but no mariadb client to check it; as root run: apt-get install -y --no-install-recommends mariadb-client"
+        die "$MARIADB_NAME: something listens on $MARIADB_HOST:$MARIADB_PORT but no mariadb client to check it; as root run: apt-get install -y --no-install-recommends mariadb-client"
       fi
     fi
     if mariadb_answers; then
-      log "mariadb: already running, reusing"
+      log "$MARIADB_NAME: already running, reusing"
       return 0
     fi
-    die "mariadb: $MARIADB_HOST:$MARIADB_PORT is in use but does not accept $MARIADB_USER/$MARIADB_PASSWORD; stop it or create that user (GRANT ALL ON *.*)"
+    die "$MARIADB_NAME: $MARIADB_HOST:$MARIADB_PORT is in use but does not accept $MARIADB_USER/$MARIADB_PASSWORD; stop it or create that user (GRANT ALL ON *.*)"
   fi
 
   # 3. Start a private instance.
@@ -446,35 +479,35 @@ mariadb_up() {
   mariadb_prepare_dirs
   user="$(mariadb_run_user)"
   if is_root && [ "$user" = root ]; then
-    log "mariadb: user mysql cannot reach $MARIADB_DIR; running mariadbd as root"
+    log "$MARIADB_NAME: user mysql cannot reach $MARIADB_DIR; running mariadbd as root"
   fi
   mariadb_init_datadir "$user"
-  log "mariadb: starting mariadbd (data dir $MARIADB_DATA)"
+  log "$MARIADB_NAME: starting mariadbd (data dir $MARIADB_DATA)"
   mariadb_start "$user"
   pid="$MARIADB_STARTED_PID"
   mariadb_setup_users
-  mariadb_answers || die "mariadb: started (pid $pid) but $MARIADB_USER cannot log in over TCP (log: $MARIADB_LOG)"
-  log "mariadb: started on $MARIADB_HOST:$MARIADB_PORT (pid $pid, $((SECONDS - t0))s)"
+  mariadb_answers || die "$MARIADB_NAME: started (pid $pid) but $MARIADB_USER cannot log in over TCP (log: $MARIADB_LOG)"
+  log "$MARIADB_NAME: started on $MARIADB_HOST:$MARIADB_PORT (pid $pid, $((SECONDS - t0))s)"
 }
 
 mariadb_down() {
   local pid admin
-  if ! state_get mariadb >/dev/null; then
-    log "mariadb: not started by us, leaving it alone"
+  if ! state_get "$MARIADB_NAME" >/dev/null; then
+    log "$MARIADB_NAME: not started by us, leaving it alone"
     return 0
   fi
   if ! pid="$(mariadb_our_pid)"; then
-    log "mariadb: not running"
-    state_del mariadb
+    log "$MARIADB_NAME: not running"
+    state_del "$MARIADB_NAME"
     return 0
   fi
-  log "mariadb: stopping (pid $pid)"
+  log "$MARIADB_NAME: stopping (pid $pid)"
   admin="$(find_bin mariadb-admin mysqladmin || true)"
   if [ -z "$admin" ] || ! timeout "$STOP_TIMEOUT" "$admin" --no-defaults \
     --socket="$MARIADB_SOCK" -uroot --connect-timeout=5 shutdown >/dev/null 2>&1; then
     kill -TERM "$pid" 2>/dev/null || true
   fi
-  finish_stop mariadb "$pid" mariadbd
+  finish_stop "$MARIADB_NAME" "$pid" mariadbd
 }
 
 # finish_stop NAME PID COMM -- wait for a server asked to stop; kill it if it outlives STOP_TIMEOUT; forget it.
@@ -503,6 +536,48 @@ service_status() {
 
 mariadb_status() {
   service_status mariadb "$MARIADB_HOST" "$MARIADB_PORT"
+  echo
+}
+
+# SQL as the test user over TCP, on the server at port $1 (ours or somebody else's).
+mariadb_tcp_sql() {
+  local port="$1" cli
+  shift
+  cli="$(mariadb_client)" || return 1
+  "$cli" --no-defaults --protocol=TCP -h"$MARIADB_HOST" -P"$port" -u"$MARIADB_USER" -p"$MARIADB_PASSWORD" \
+    --connect-timeout=5 -N -B "$@"
+}
+
+mariadb_replica_up() {
+  (mariadb_replica_vars && mariadb_up)
+  # Replication, once: the replica keeps it (and resumes it) across restarts.
+  mariadb_tcp_sql "$MARIADB_PORT" -e "CREATE USER IF NOT EXISTS '$REPL_USER'@'%' IDENTIFIED BY '$REPL_PASSWORD';
+    GRANT REPLICATION SLAVE ON *.* TO '$REPL_USER'@'%'" ||
+    die "mariadb_replica: cannot create the replication user on the primary ($MARIADB_HOST:$MARIADB_PORT)"
+  if [ -z "$(mariadb_tcp_sql "$REPLICA_PORT" -e 'SHOW SLAVE STATUS')" ]; then
+    log "mariadb_replica: replicating from $MARIADB_HOST:$MARIADB_PORT"
+    mariadb_tcp_sql "$REPLICA_PORT" -e "CHANGE MASTER TO MASTER_HOST='$MARIADB_HOST', MASTER_PORT=$MARIADB_PORT,
+      MASTER_USER='$REPL_USER', MASTER_PASSWORD='$REPL_PASSWORD', MASTER_USE_GTID=current_pos; START SLAVE" ||
+      die "mariadb_replica: CHANGE MASTER failed"
+  else
+    mariadb_tcp_sql "$REPLICA_PORT" -e "START SLAVE" >/dev/null 2>&1 || true
+  fi
+  local i running
+  for ((i = 0; i < 240; i++)); do
+    running="$(mariadb_tcp_sql "$REPLICA_PORT" --column-names -E -e 'SHOW SLAVE STATUS' |
+      awk -F': ' '$1 ~ /Slave_(IO|SQL)_Running$/ && $2 == "Yes" { n++ } END { print n + 0 }')"
+    [ "$running" = 2 ] && return 0
+    sleep 0.25
+  done
+  mariadb_tcp_sql "$REPLICA_PORT" --column-names -E -e 'SHOW SLAVE STATUS' >&2 || true
+  die "mariadb_replica: replication from $MARIADB_HOST:$MARIADB_PORT did not start"
+}
+
+mariadb_replica_down() { (mariadb_replica_vars && mariadb_down); }
+mariadb_replica_answers() { (mariadb_replica_vars && mariadb_answers); }
+mariadb_replica_our_pid() { (mariadb_replica_vars && mariadb_our_pid); }
+mariadb_replica_status() {
+  (mariadb_replica_vars && service_status mariadb_replica "$MARIADB_HOST" "$MARIADB_PORT")
   echo
 }
 

@@ -18,10 +18,12 @@ import pymysql
 import pytest
 
 MYSQL_SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
+# The replica of MYSQL_SERVER that scripts/services.sh starts; it applies the csr_* databases.
+MYSQL_REPLICA = os.environ.get("CELLSTREAM_TEST_MYSQL_REPLICA", "mysql://cellstream:cellstream@127.0.0.1:3307")
 
 
-def mysql_admin() -> pymysql.connections.Connection:
-    parts = urlsplit(MYSQL_SERVER)
+def mysql_admin(server: str = MYSQL_SERVER) -> pymysql.connections.Connection:
+    parts = urlsplit(server)
     try:
         return pymysql.connect(
             host=parts.hostname, port=parts.port or 3306, user=parts.username,
@@ -42,6 +44,20 @@ def mysql_database() -> Iterator[str]:
     admin = mysql_admin()
     try:
         yield f"{MYSQL_SERVER.rstrip('/')}/{name}"
+    finally:
+        with admin.cursor() as cur:
+            cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+        admin.close()
+
+
+@pytest.fixture
+def replicated_database() -> Iterator[tuple[str, str]]:
+    """(primary URL, replica URL) of a new, empty database that MariaDB replicates; dropped after the test."""
+    name = f"csr_{uuid.uuid4().hex[:12]}"
+    admin = mysql_admin()
+    mysql_admin(MYSQL_REPLICA).close()  # fail now, naming the replica, when it is not there
+    try:
+        yield f"{MYSQL_SERVER.rstrip('/')}/{name}", f"{MYSQL_REPLICA.rstrip('/')}/{name}"
     finally:
         with admin.cursor() as cur:
             cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
