@@ -194,6 +194,27 @@ def cmd_shards(store: Store, args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK
 
 
+def cmd_pending(store: Store, args: argparse.Namespace, out: Output) -> int:
+    """Buffered writes per node; with --replay, write them home (until none waits, or --wait runs out)."""
+    if args.replay:
+        deadline = time.monotonic() + args.wait
+        while True:
+            report = store.replay_pending()
+            out.emit(report._asdict(), f"replayed {report.replayed}, failed {report.failed}, waiting "
+                                       f"{report.waiting}" + (f", unreachable: {', '.join(report.unreachable)}"
+                                                              if report.unreachable else ""))
+            if not (report.waiting or report.unreachable) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if report.waiting or report.unreachable:
+            return EXIT_UNAVAILABLE
+    stats = store.pending_stats()
+    out.emit({node: {"waiting": w, "failed": f} for node, (w, f) in stats.items()},
+             "\n".join(f"node {node}: {w} buffered cells waiting, {f} failed" for node, (w, f) in stats.items())
+             or "no buffered cells")
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace, out: Output) -> int:
     from .demo import run_demo
 
@@ -250,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shards", parents=[common], help="cells per shard and storage node")
     p.add_argument("--all", action="store_true", help="list empty shards too")
     p.set_defaults(func=cmd_shards)
+
+    p = sub.add_parser("pending", parents=[common], help="writes buffered while a primary was down")
+    p.add_argument("--replay", action="store_true", help="write them home now (a worker node does it every second)")
+    p.add_argument("--wait", type=float, default=0.0, help="with --replay: keep trying this many seconds")
+    p.set_defaults(func=cmd_pending)
 
     tail_cli.add_parser(sub, common, UsageError)
     app_cli.add_parsers(sub, common)

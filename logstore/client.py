@@ -30,6 +30,7 @@ from .config import HttpTarget, StoreOptions
 from .errors import ConfigurationError, CorruptCellError, StorageUnavailableError
 from .indexing import IndexRecorder
 from .persistence import NodeMeta, NodeRecorder, OffsetRecord, PendingCell, check_meta
+from .retry import RetryPolicy
 from .wire import cell_from_json, dumps, error_from_json, loads
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class HttpRecorder(NodeRecorder):
         check_meta(self.name, found, meta)
 
     # -- cells ----------------------------------------------------------------------
-    def insert(self, cells: Sequence[PendingCell]) -> list[Cell]:
+    def insert(self, cells: Sequence[PendingCell], retry: RetryPolicy | None = None) -> list[Cell]:
         system = any(c.column.startswith("_") for c in cells)
         docs = [{"row_key": str(c.row_key), "column": c.column, "ref_key": c.ref_key, "body": c.body} for c in cells]
         answer = self._request("POST", "/v1/system/cells" if system else "/v1/cells", {"cells": docs})

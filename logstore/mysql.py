@@ -30,6 +30,7 @@ import pymysql
 from pymysql.constants import CLIENT, FIELD_TYPE
 from pymysql.converters import conversions
 
+from . import mysql_pending
 from .cell import Cell
 from .config import MySQLTarget, StoreOptions
 from .errors import ConfigurationError, CorruptCellError, LogstoreError, StorageError, StorageUnavailableError
@@ -41,6 +42,7 @@ from .persistence import (
     NodeRecorder,
     OffsetRecord,
     PendingCell,
+    PendingRecord,
     check_meta,
     decode_log,
     make_cell,
@@ -48,7 +50,7 @@ from .persistence import (
     ordered_result,
     split_existing,
 )
-from .retry import retry_call
+from .retry import RetryPolicy, retry_call
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -228,7 +230,8 @@ class MySQLRecorder(NodeRecorder):
             raise
         return conn
 
-    def _call(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T], *, read: bool = False) -> T:
+    def _call(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T], *, read: bool = False,
+              policy: RetryPolicy | None = None) -> T:
         """Run ``fn`` on a pooled connection; translate driver errors; retry retriable ones. A ``read`` falls
         back to the node's replicas while its primary is unavailable (:class:`ReadFallback`)."""
         def attempt() -> T:
@@ -236,7 +239,7 @@ class MySQLRecorder(NodeRecorder):
                 return self._on(self._pool, self.name, what, fn)
             return self.fallback.read(partial(self._on, self._pool, self.name, what, fn), [
                 partial(self._on, pool, f"{self.name} replica {i}", what, fn) for i, pool in enumerate(self._replicas)])
-        return retry_call(attempt, self._options.retry)
+        return retry_call(attempt, policy or self._options.retry)
 
     def _on(self, pool: Pool, where: str, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
         try:
@@ -280,7 +283,7 @@ class MySQLRecorder(NodeRecorder):
 
     def initialize(self, meta: NodeMeta) -> None:
         def run(cur: pymysql.cursors.Cursor) -> None:
-            for statement in _SCHEMA:
+            for statement in (*_SCHEMA, mysql_pending.SCHEMA):
                 cur.execute(statement)
             values = [("format_version", str(FORMAT_VERSION)), ("shard_count", str(meta.shard_count)),
                       ("first", str(meta.first)), ("last", str(meta.last))]
@@ -403,7 +406,7 @@ class MySQLRecorder(NodeRecorder):
                              [a for c in chunk for a in c.coordinates]), (shard, len(chunk))))
         return out
 
-    def insert(self, cells: Sequence[PendingCell]) -> list[Cell]:
+    def insert(self, cells: Sequence[PendingCell], retry: RetryPolicy | None = None) -> list[Cell]:
         shards = sorted({c.shard for c in cells})
 
         def run(cur: pymysql.cursors.Cursor) -> list[Cell]:
@@ -441,7 +444,7 @@ class MySQLRecorder(NodeRecorder):
                     cur.execute("ROLLBACK")
                 raise
 
-        return self._call("write", run)
+        return self._call("write", run, policy=retry)
 
     # -- reads ----------------------------------------------------------------------
     def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None:
@@ -549,6 +552,29 @@ class MySQLRecorder(NodeRecorder):
             cur.execute(_OFFSETS, (consumer,))
             return [offset_record(*row) for row in cur.fetchall()]
         return self._call("read offsets", run, read=True)
+
+    # -- buffered writes (logstore.mysql_pending) -------------------------------------
+    supports_pending = True
+
+    def _quick(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
+        """Buffering is for when another node is down: this one answers at once or is skipped."""
+        quick = self._options.retry.model_copy(update={"deadline": self._options.buffer_after or 2.0})
+        return self._call(what, fn, policy=quick)
+
+    def buffer(self, node: str, cells: Sequence[PendingCell]) -> None:
+        mysql_pending.buffer(self._quick, node, cells)
+
+    def pending(self, limit: int) -> list[PendingRecord]:
+        return mysql_pending.pending(self._quick, limit)
+
+    def drop_pending(self, ids: Sequence[int]) -> None:
+        mysql_pending.drop(self._quick, ids)
+
+    def fail_pending(self, pid: int, reason: str) -> None:
+        mysql_pending.fail(self._quick, pid, reason)
+
+    def pending_counts(self) -> dict[str, tuple[int, int]]:
+        return mysql_pending.counts(self._quick)
 
     def close(self) -> None:
         self._pool.close()

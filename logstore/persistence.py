@@ -23,8 +23,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from .cell import Cell, decode_body, same_json
-from .errors import CellConflictError, ConfigurationError, CorruptCellError
+from .errors import CellConflictError, ConfigurationError, CorruptCellError, StorageError
 from .indexing import IndexRecorder
+from .retry import RetryPolicy
 
 FORMAT_VERSION = 1
 Coordinates = tuple[bytes, str, int]
@@ -44,6 +45,16 @@ class PendingCell(NamedTuple):
     @property
     def coordinates(self) -> Coordinates:
         return (self.row_key.bytes, self.column, self.ref_key)
+
+
+class PendingRecord(NamedTuple):
+    """A cell of storage node ``node`` buffered on another node while ``node``'s primary was unavailable;
+    ``failed`` says why it could not be written home for good (None while it waits)."""
+
+    id: int
+    node: str
+    cell: PendingCell
+    failed: str | None
 
 
 class NodeMeta(NamedTuple):
@@ -81,8 +92,30 @@ class NodeRecorder(ABC):
         """Create the node's schema and metadata if missing; raise ConfigurationError on mismatch."""
 
     @abstractmethod
-    def insert(self, cells: Sequence[PendingCell]) -> list[Cell]:
-        """Store ``cells`` atomically; return the stored cell for each, in order."""
+    def insert(self, cells: Sequence[PendingCell], retry: RetryPolicy | None = None) -> list[Cell]:
+        """Store ``cells`` atomically; return the stored cell for each, in order. ``retry`` replaces the
+        store's policy for this call (a write about to be buffered elsewhere waits less)."""
+
+    # -- buffered writes: only nodes that can hold other nodes' cells override these --------
+    supports_pending = False
+
+    def buffer(self, node: str, cells: Sequence[PendingCell]) -> None:
+        """Keep ``cells`` of storage node ``node`` until they are written home (idempotent)."""
+        raise StorageError(f"storage node {getattr(self, 'name', '?')} cannot hold other nodes' writes")
+
+    def pending(self, limit: int) -> list[PendingRecord]:
+        """Buffered cells waiting to go home, oldest first."""
+        return []
+
+    def drop_pending(self, ids: Sequence[int]) -> None:  # noqa: B027
+        """Forget buffered cells written home."""
+
+    def fail_pending(self, pid: int, reason: str) -> None:  # noqa: B027
+        """Keep a buffered cell that cannot go home, with why (for triage)."""
+
+    def pending_counts(self) -> dict[str, tuple[int, int]]:
+        """(waiting, failed) buffered cells by the node they belong to."""
+        return {}
 
     @abstractmethod
     def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None: ...

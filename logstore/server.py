@@ -13,7 +13,9 @@ at ``/openapi.json`` (:mod:`logstore.openapi`).
   field; an unknown path 404; a storage node that is down 503 (retriable). Errors are
   always a JSON document, never a traceback: an unexpected failure is logged here and
   answered with a 500 that says only that.
-- ``/metrics``: requests by route and status, their latency, cells written.
+- ``/metrics``: requests by route and status, their latency, cells written, buffered cells.
+- When the store buffers writes (a cluster whose nodes can hold each other's writes while a
+  primary is down), the node runs the replayer every ``replay_interval`` seconds.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from . import openapi, wire
@@ -55,6 +57,7 @@ class ServerConfig(BaseModel):
     token: SecretStr | None = Field(None, description="required as a Bearer token on every request when set")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="larger request bodies get 413")
     threads: int = Field(8, ge=1, le=512, description="blocking store calls at once (the MySQL pool holds 8)")
+    replay_interval: float = Field(1.0, gt=0, description="seconds between passes of the buffered-write replayer")
 
 
 def is_loopback(host: str) -> bool:
@@ -76,6 +79,10 @@ class _Metrics:
                                  registry=registry)
         self.cells = Counter("cellstream_worker_cells_written_total", "cells written through the node",
                              registry=registry)
+        self.replayed = Counter("cellstream_worker_buffered_cells_replayed_total",
+                                "buffered cells written home by this node's replayer", registry=registry)
+        self.pending = Gauge("cellstream_worker_buffered_cells_waiting",
+                             "buffered cells waiting for their primary, after the last replay pass", registry=registry)
 
 
 def _json(doc: Any, status: int = 200) -> web.Response:
@@ -96,6 +103,7 @@ class WorkerNode:
         self._pool: ThreadPoolExecutor | None = None
         self._runner: web.AppRunner | None = None
         self._port = self.config.port
+        self._replayer: asyncio.Task[None] | None = None
         self._first_shard = {store.node_of(s): s for s in reversed(range(store.shard_count))}
         self._openapi = wire.dumps(openapi.document())
 
@@ -147,6 +155,8 @@ class WorkerNode:
             raise ConfigurationError(f"cannot listen on {where}: {exc.strerror}") from None
         self._runner = runner
         await self._warm()
+        if self.store.buffers_writes:
+            self._replayer = asyncio.create_task(self._replay(), name="worker-node-replayer")
         server = site._server  # the bound socket tells the port when 0 was asked for
         sockets = getattr(server, "sockets", None) or []
         if sockets:
@@ -170,7 +180,27 @@ class WorkerNode:
             together.reset()
             await asyncio.gather(*(self._call(warm, shard) for _ in range(n)))
 
+    async def _replay(self) -> None:
+        """Write buffered cells home while their primaries answer again (Store.replay_pending), forever."""
+        while True:
+            await asyncio.sleep(self.config.replay_interval)
+            try:
+                report = await self._call(self.store.replay_pending)
+            except LogstoreError as exc:
+                logger.warning("buffered-write replay pass failed: %s", exc)
+                continue
+            self.metrics.replayed.inc(report.replayed)
+            self.metrics.pending.set(report.waiting)
+            if report.replayed or report.failed:
+                logger.info("replayed %d buffered cells home (%d failed, %d waiting)", report.replayed,
+                            report.failed, report.waiting)
+
     async def stop(self) -> None:
+        replayer, self._replayer = self._replayer, None
+        if replayer is not None:
+            replayer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await replayer
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()

@@ -37,6 +37,7 @@ from .persistence import (
     ordered_result,
     split_existing,
 )
+from .retry import RetryPolicy
 from .sqlite_index import SQLiteIndexRecorder
 
 logger = logging.getLogger(__name__)
@@ -241,7 +242,7 @@ class SQLiteRecorder(NodeRecorder):
         check_meta(self.name, stored, meta)
 
     # -- writes -----------------------------------------------------------
-    def insert(self, cells: Sequence[PendingCell]) -> list[Cell]:
+    def insert(self, cells: Sequence[PendingCell], retry: RetryPolicy | None = None) -> list[Cell]:
         stored: dict[Coordinates, Cell] = {}
         with self._write() as conn:
             # created_at is read under the write lock so it never decreases along added_id.

@@ -21,12 +21,28 @@ from .cell import (
     shard_of,
 )
 from .config import ClusterConfig, NodeConfig, StoreOptions
-from .errors import CellConflictError, CorruptCellError, InvalidArgumentError, InvalidCellError, StorageError
+from .errors import (
+    CellConflictError,
+    CorruptCellError,
+    InvalidArgumentError,
+    InvalidCellError,
+    StorageError,
+    StorageUnavailableError,
+)
 from .index_store import IndexStore
-from .persistence import Coordinates, NodeMeta, NodeRecorder, OffsetRecord, PendingCell
+from .persistence import Coordinates, NodeMeta, NodeRecorder, OffsetRecord, PendingCell, PendingRecord
 
 logger = logging.getLogger(__name__)
 MAX_PAGE = 100_000
+
+
+class PendingReport(NamedTuple):
+    """What one :meth:`Store.replay_pending` pass did."""
+
+    replayed: int
+    failed: int
+    waiting: int
+    unreachable: list[str]  # nodes holding buffered cells that did not answer: their cells wait too
 
 
 class ShardInfo(NamedTuple):
@@ -53,6 +69,8 @@ class Store:
                 self._node_of[shard] = node
         self._closed = False
         self._indexes: IndexStore | None = None
+        after = options.buffer_after
+        self._buffer_retry = options.retry.model_copy(update={"deadline": after}) if after is not None else None
 
     # -- instance ---------------------------------------------------------
     @property
@@ -151,9 +169,117 @@ class Store:
             if self._closed:
                 raise StorageError("the store is closed")
             group = by_node[name]
-            for cell, result in zip(group, self._recorders[name].insert(group), strict=True):
+            buffers = self._buffers_for(name)
+            try:
+                results = self._recorders[name].insert(group, self._buffer_retry if buffers else None)
+            except StorageUnavailableError as exc:
+                results = self._buffer(name, group, buffers, exc)
+            for cell, result in zip(group, results, strict=True):
                 stored[cell.coordinates] = result
         return [stored[c.coordinates] for c in pending]
+
+    # -- buffered writes ----------------------------------------------------
+    @property
+    def buffers_writes(self) -> bool:
+        """Whether a write to an unavailable primary can be buffered on another node (then someone must run
+        :meth:`replay_pending`: a worker node does, every second)."""
+        return any(self._buffers_for(name) for name in self._recorders)
+
+    def _buffers_for(self, node: str) -> list[str]:
+        """The other nodes that can hold ``node``'s writes while its primary is unavailable."""
+        if self._options.buffer_after is None:
+            return []
+        return [n for n in sorted(self._recorders) if n != node and self._recorders[n].supports_pending]
+
+    def _buffer(self, node: str, group: list[PendingCell], buffers: list[str],
+                failure: StorageUnavailableError) -> list[Cell]:
+        for other in buffers:
+            try:
+                self._recorders[other].buffer(node, group)
+            except StorageUnavailableError as exc:
+                logger.warning("cannot buffer %d cells of node %s on node %s either: %s", len(group), node, other, exc)
+                continue
+            logger.warning("node %s unavailable (%s): %d cells buffered on node %s until it returns",
+                           node, failure, len(group), other)
+            now = dt.datetime.now(dt.UTC)
+            # added_id 0: the cell has no place in its shard's log until it is written home.
+            return [Cell(c.row_key, c.column, c.ref_key, c.body, 0, c.shard, now) for c in group]
+        raise failure
+
+    def replay_pending(self, limit: int = 1000) -> PendingReport:
+        """Write buffered cells home to nodes whose primary answers again (any order: cells are idempotent).
+
+        A cell that conflicts with one written home meanwhile stays buffered, marked failed with the reason.
+        Returns what was written home, marked failed, and is still waiting.
+        """
+        replayed = failed = waiting = 0
+        unreachable: list[str] = []
+        for name, holder in sorted(self._recorders.items()):
+            if not holder.supports_pending:
+                continue
+            try:
+                done, bad = self._replay_from(holder, limit)
+                waiting += sum(w for w, _ in holder.pending_counts().values())
+            except StorageUnavailableError as exc:
+                logger.warning("buffered cells on node %s wait: it does not answer (%s)", name, exc)
+                unreachable.append(name)
+                continue
+            replayed, failed = replayed + done, failed + bad
+        return PendingReport(replayed, failed, waiting, unreachable)
+
+    def _replay_from(self, holder: NodeRecorder, limit: int) -> tuple[int, int]:
+        replayed = failed = 0
+        by_node: dict[str, list[PendingRecord]] = {}
+        for record in holder.pending(limit):
+            by_node.setdefault(record.node, []).append(record)
+        for node, records in by_node.items():
+            home = self._recorders.get(node)
+            if home is None:
+                for record in records:
+                    holder.fail_pending(record.id, f"no storage node {node} in the cluster map")
+                failed += len(records)
+                continue
+            try:
+                home.insert([r.cell for r in records], self._buffer_retry)
+            except StorageUnavailableError:
+                continue  # still down: next time
+            except CellConflictError:
+                done, bad = self._replay_one_by_one(home, holder, records)
+                replayed, failed = replayed + done, failed + bad
+                continue
+            holder.drop_pending([r.id for r in records])
+            replayed += len(records)
+        return replayed, failed
+
+    def _replay_one_by_one(self, home: NodeRecorder, holder: NodeRecorder,
+                           records: list[PendingRecord]) -> tuple[int, int]:
+        done = bad = 0
+        for record in records:
+            try:
+                home.insert([record.cell], self._buffer_retry)
+            except CellConflictError as exc:
+                logger.error("buffered cell of node %s cannot be written home: %s", record.node, exc)
+                holder.fail_pending(record.id, str(exc))
+                bad += 1
+                continue
+            holder.drop_pending([record.id])
+            done += 1
+        return done, bad
+
+    def pending_stats(self) -> dict[str, tuple[int, int]]:
+        """(waiting, failed) buffered cells by the node they belong to, summed over the nodes holding them
+        that answer (a holder that does not is logged)."""
+        out: dict[str, tuple[int, int]] = {}
+        for name, recorder in sorted(self._recorders.items()):
+            try:
+                found = recorder.pending_counts()
+            except StorageUnavailableError as exc:
+                logger.warning("cannot count the buffered cells on node %s: %s", name, exc)
+                continue
+            for node, (waiting, bad) in found.items():
+                w, f = out.get(node, (0, 0))
+                out[node] = (w + waiting, f + bad)
+        return out
 
     # -- random access ----------------------------------------------------
     def get_cell(self, row_key: uuid.UUID | str, column: str, ref_key: int) -> Cell | None:
