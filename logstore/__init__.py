@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -116,7 +117,15 @@ def open(target: str | os.PathLike[str], shards: int | None = None, *,  # noqa: 
             for node in cluster.nodes:
                 recorders[node.name] = _recorder(node.name, node.target, opts, replicas=node.replica_targets)
         for node in cluster.nodes:
-            recorders[node.name].initialize(node_meta(cluster, node))
+            try:
+                recorders[node.name].initialize(node_meta(cluster, node))
+            except StorageUnavailableError as exc:
+                if len(cluster.nodes) == 1:
+                    raise
+                # Its writes are buffered on the others and its reads go to its replicas meanwhile.
+                logging.getLogger(__name__).warning("storage node %s does not answer (%s); opening without it",
+                                                    node.name, exc)
+                recorders[node.name].defer_initialize(node_meta(cluster, node))
     except BaseException:
         for recorder in recorders.values():
             recorder.close()

@@ -183,6 +183,9 @@ class MySQLRecorder(NodeRecorder):
         self._pool = Pool(self._connect, options.pool_size, wait)
         self._replicas = [Pool(partial(self._replica_connect, r), options.pool_size, wait) for r in replicas]
         self.fallback = ReadFallback(name)
+        self._deferred: NodeMeta | None = None
+        self._deferred_lock = threading.Lock()
+        self._initializing: int | None = None  # the thread running the deferred initialization
         self._tables: set[int] = set()
         self._tables_lock = threading.Lock()
         from .mysql_index import MySQLIndexRecorder  # it uses this module's connections and scripts
@@ -242,6 +245,8 @@ class MySQLRecorder(NodeRecorder):
         return retry_call(attempt, policy or self._options.retry)
 
     def _on(self, pool: Pool, where: str, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
+        if pool is self._pool and self._deferred is not None and what != "initialize":
+            self._initialize_deferred()
         try:
             with pool.connection() as conn, conn.cursor() as cur:
                 return fn(cur)
@@ -280,6 +285,26 @@ class MySQLRecorder(NodeRecorder):
         if int(rows.get("format_version", 0)) != FORMAT_VERSION:
             raise ConfigurationError(f"storage node {self.name} has unknown format {rows.get('format_version')}")
         return NodeMeta(int(rows["shard_count"]), int(rows["first"]), int(rows["last"]))
+
+    def defer_initialize(self, meta: NodeMeta) -> None:
+        """The primary did not answer at open: it is initialized (and its metadata checked) before the first
+        statement that reaches it. Reads from replicas do not wait for that."""
+        self._deferred = meta
+
+    def _initialize_deferred(self) -> None:
+        if self._initializing == threading.get_ident():
+            return  # a statement of that initialization itself
+        with self._deferred_lock:  # other threads wait: no write before the shard rows exist
+            meta = self._deferred
+            if meta is None:
+                return
+            self._initializing = threading.get_ident()
+            try:
+                self.initialize(meta)  # raises StorageUnavailableError while the primary is still down
+            finally:
+                self._initializing = None
+            self._deferred = None
+            logger.info("storage node %s answers again: initialized", self.name)
 
     def initialize(self, meta: NodeMeta) -> None:
         def run(cur: pymysql.cursors.Cursor) -> None:

@@ -87,6 +87,11 @@ class NodeRecorder(ABC):
     def read_meta(self) -> NodeMeta | None:
         """The node's recorded metadata, or None when the node was never initialized."""
 
+    def defer_initialize(self, meta: NodeMeta) -> None:
+        """Initialize later, before the first statement that reaches the node (it did not answer at open).
+        Only a backend whose node can be down while the store is usable overrides this."""
+        raise ConfigurationError(f"storage node {getattr(self, 'name', '?')} must answer when the store opens")
+
     @abstractmethod
     def initialize(self, meta: NodeMeta) -> None:
         """Create the node's schema and metadata if missing; raise ConfigurationError on mismatch."""

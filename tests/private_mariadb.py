@@ -22,7 +22,7 @@ from typing import Self
 
 import pymysql
 
-from .services import HOST, free_port
+from .services import HOST, free_port, signal_group
 
 START_TIMEOUT = 60.0
 
@@ -109,17 +109,7 @@ class PrivateMariaDB:
 
     def _signal(self, sig: signal.Signals, timeout: float) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        signal_group(proc, sig, timeout)
 
     def kill(self) -> None:
         """Crash it (SIGKILL); safe when not running."""

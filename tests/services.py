@@ -67,6 +67,21 @@ def free_port() -> int:
         return port
 
 
+def signal_group(proc: subprocess.Popen[bytes] | None, sig: signal.Signals, timeout: float) -> None:
+    """Signal a server started in its own session, and wait for it (SIGKILL after ``timeout``)."""
+    if proc is None:
+        return
+    if proc.poll() is None:  # not reaped yet, so the pid (= process group) is still ours
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 def zk_four_letter(hosts: str, command: str = "ruok", timeout: float = 3.0) -> str:
     """Send a ZooKeeper four-letter-word command to "host:port"; the answer, or "" on any error."""
     host, _, port = hosts.rpartition(":")
@@ -179,17 +194,7 @@ class _JavaServer:
 
     def _signal(self, sig: signal.Signals, timeout: float) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:  # not reaped yet, so the pid (= process group) is still ours
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        signal_group(proc, sig, timeout)
 
     def stop(self) -> None:
         """Clean shutdown (SIGTERM, SIGKILL after 60 s); safe when not running."""

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -177,3 +178,29 @@ def test_a_worker_node_buffers_and_its_replayer_writes_home(mysql_database: str,
             assert main(["pending", "--store", str(cluster), "--replay", "--wait", "30"]) == 0
             assert "replayed 2, failed 0, waiting 0" in capsys.readouterr().out
             assert all(store.get_cell(k, "BASE", 1).added_id > 0 for k in keys[3:])  # type: ignore[union-attr]
+
+
+def test_a_store_opened_while_a_node_is_down_buffers_and_checks_the_node_when_it_returns(
+        mysql_database_factory: Any, tmp_path: Path) -> None:
+    with PrivateMariaDB(tmp_path / "node-a") as db:
+        cluster = cluster_file(tmp_path, db.url("cells"), mysql_database_factory())
+        with open_store(cluster):
+            pass  # node a is created
+        db.kill()
+        with open_store(cluster) as store:  # opens without node a
+            key = next(k for k in iter(uuid.uuid4, None) if store.shard_of(k) < 4)
+            assert store.put_cell(key, "BASE", 1, {"opened": "during the outage"}).added_id == 0
+            with pytest.raises(logstore.StorageUnavailableError):
+                store.get_cell(key, "BASE", 1)
+            db.start()
+            assert store.replay_pending().replayed == 1
+            stored = store.get_cell(key, "BASE", 1)
+            assert stored is not None and stored.added_id > 0
+        bad = tmp_path / "bad.toml"  # node a's shards are 0-3: a map that says otherwise is refused on return
+        bad.write_text(f'shards = 8\n[[nodes]]\nname = "a"\nurl = "{db.url("cells")}"\nshards = "0-2"\n'
+                       f'[[nodes]]\nname = "b"\nurl = "{mysql_database_factory()}"\nshards = "3-7"\n')
+        db.kill()
+        with open_store(bad) as store:
+            db.start()
+            with pytest.raises(logstore.ConfigurationError, match="holds shards 0-3"):
+                store.get_cell(next(k for k in iter(uuid.uuid4, None) if store.shard_of(k) < 3), "BASE", 1)
