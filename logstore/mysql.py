@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from functools import partial
 from operator import itemgetter
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import pymysql
 from pymysql.constants import CLIENT, FIELD_TYPE
@@ -34,7 +34,7 @@ from . import mysql_pending
 from .cell import Cell
 from .config import MySQLTarget, StoreOptions
 from .errors import ConfigurationError, CorruptCellError, LogstoreError, StorageError, StorageUnavailableError
-from .mysql_pool import Connection, Pool, ReadFallback
+from .mysql_pool import Connection, Pool, ReadFallback, Statement, run_script
 from .persistence import (
     FORMAT_VERSION,
     Coordinates,
@@ -54,7 +54,6 @@ from .retry import RetryPolicy, retry_call
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-Statement = tuple[str, Sequence[Any]]
 # A statement tagged with (shard, rows) when it is an INSERT of that many rows.
 Tagged = tuple[Statement, tuple[int, int] | None]
 
@@ -155,22 +154,6 @@ _CONVERSIONS: dict[Any, Any] = {**conversions, FIELD_TYPE.DATETIME: _utc_datetim
 def _row_to_cell(shard: int, row: tuple[Any, ...]) -> Cell:
     added_id, row_key, column, ref_key, blob, created = row
     return make_cell(shard, added_id, row_key, column, ref_key, blob, created)
-
-
-class Result(NamedTuple):
-    rows: tuple[Any, ...] | None  # None for a statement without a result set
-    insert_id: int  # from the OK packet: the first AUTO_INCREMENT id of an INSERT
-
-
-def run_script(cur: pymysql.cursors.Cursor, statements: Sequence[Statement]) -> list[Result]:
-    """Send ``statements`` in one round trip; return each one's result."""
-    sql = ";\n".join(s for s, _ in statements)
-    args = [a for _, params in statements for a in params]
-    cur.execute(sql, args)
-    results = [Result(cur.fetchall() if cur.description else None, cur.lastrowid)]
-    while cur.nextset():
-        results.append(Result(cur.fetchall() if cur.description else None, cur.lastrowid))
-    return results
 
 
 class MySQLRecorder(NodeRecorder):

@@ -1,5 +1,5 @@
-"""MySQL connections: the bounded pool of one server, and reads that fall back from a storage node's
-primary to its replicas.
+"""MySQL connections: the bounded pool of one server, multi-statement scripts in one round trip, and
+reads that fall back from a storage node's primary to its replicas.
 
 A storage node in the cluster file is a primary with optional replicas (MariaDB
 replication). Writes go to the primary only. A read goes to the primary; when the
@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import pymysql
 from pymysql.constants import SERVER_STATUS
@@ -27,6 +27,7 @@ from .errors import LogstoreError, StorageError, StorageUnavailableError
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Connection = pymysql.connections.Connection
+Statement = tuple[str, Sequence[Any]]
 
 
 class Pool:
@@ -90,6 +91,22 @@ class Pool:
             self.discard(conn)
 
 
+
+
+class Result(NamedTuple):
+    rows: tuple[Any, ...] | None  # None for a statement without a result set
+    insert_id: int  # from the OK packet: the first AUTO_INCREMENT id of an INSERT
+
+
+def run_script(cur: pymysql.cursors.Cursor, statements: Sequence[Statement]) -> list[Result]:
+    """Send ``statements`` in one round trip; return each one's result."""
+    sql = ";\n".join(s for s, _ in statements)
+    args = [a for _, params in statements for a in params]
+    cur.execute(sql, args)
+    results = [Result(cur.fetchall() if cur.description else None, cur.lastrowid)]
+    while cur.nextset():
+        results.append(Result(cur.fetchall() if cur.description else None, cur.lastrowid))
+    return results
 
 
 class ReadFallback:
