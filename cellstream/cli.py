@@ -194,6 +194,40 @@ def cmd_shards(store: Store, args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK
 
 
+def cmd_shards_move(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from tqdm import tqdm
+
+    from logstore.moves import move_shards
+
+    bars: dict[int, Any] = {}
+
+    def progress(shard: int, copied: int) -> None:
+        bar = bars.get(shard)
+        if bar is None:
+            bar = bars[shard] = tqdm(desc=f"shard {shard}", unit="cells", file=sys.stderr, leave=False,
+                                     disable=out.as_json or None)
+        bar.update(copied - bar.n)
+
+    try:
+        reports = move_shards(store, args.shard, args.to, progress)
+    finally:
+        for bar in bars.values():
+            bar.close()
+    for r in reports:
+        out.emit(r._asdict(), f"shard {r.shard}: moved from {r.source} to {r.target}, {r.cells} cells up to added_id "
+                              f"{r.head}; writes fenced {r.fenced_seconds * 1000:.0f} ms; the source copy stays "
+                              f"until `cellstream shards drop-moved {r.shard}`")
+    return EXIT_OK
+
+
+def cmd_shards_drop(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from logstore.moves import drop_moved
+
+    for shard, node in drop_moved(store, args.shard):
+        out.emit({"shard": shard, "dropped_from": node}, f"shard {shard}: the copy on node {node} is dropped")
+    return EXIT_OK
+
+
 def cmd_pending(store: Store, args: argparse.Namespace, out: Output) -> int:
     """Buffered writes per node; with --replay, write them home (until none waits, or --wait runs out)."""
     if args.replay:
@@ -268,9 +302,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll", type=_poll_arg, default=0.5, help="seconds between polls with --follow")
     p.set_defaults(func=cmd_log)
 
-    p = sub.add_parser("shards", parents=[common], help="cells per shard and storage node")
+    p = sub.add_parser("shards", parents=[common], help="cells per shard and storage node; move shards")
     p.add_argument("--all", action="store_true", help="list empty shards too")
     p.set_defaults(func=cmd_shards)
+    actions = p.add_subparsers(dest="action", required=False, parser_class=_Parser)
+    a = actions.add_parser("move", parents=[common], help="move shards to another MySQL node, online")
+    a.add_argument("shard", type=int, nargs="+")
+    a.add_argument("--to", required=True, metavar="NODE", help="the storage node (its name in the cluster file)")
+    a.set_defaults(func=cmd_shards_move)
+    a = actions.add_parser("drop-moved", parents=[common], help="drop the source copies of moved shards")
+    a.add_argument("shard", type=int, nargs="+")
+    a.set_defaults(func=cmd_shards_drop)
 
     p = sub.add_parser("pending", parents=[common], help="writes buffered while a primary was down")
     p.add_argument("--replay", action="store_true", help="write them home now (a worker node does it every second)")

@@ -35,6 +35,7 @@ from .errors import (
     InvalidArgumentError,
     InvalidCellError,
     LogstoreError,
+    ShardMovedError,
     StorageError,
     StorageUnavailableError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "LogstoreError",
     "OffsetRecord",
     "ShardInfo",
+    "ShardMovedError",
     "StorageError",
     "StorageUnavailableError",
     "Store",

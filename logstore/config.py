@@ -50,6 +50,7 @@ class StoreOptions(BaseModel):
     )
     sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
     retry: RetryPolicy = RetryPolicy()
+    map_refresh: float = Field(5.0, gt=0, description="seconds between reads of the shard moves the nodes record")
     buffer_after: float | None = Field(
         2.0, gt=0, description="seconds a write waits for an unavailable primary before it is buffered on "
         "another storage node that can hold it (a MySQL node); None: never buffer")

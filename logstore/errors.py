@@ -67,6 +67,18 @@ class StorageUnavailableError(StorageError):
     retriable = True
 
 
+class ShardMovedError(StorageError):
+    """The shard was moved to another storage node (``cellstream shards move``): the store reloads its
+    map and sends the call there, so callers only see this when the map cannot be reloaded. Retriable."""
+
+    retriable = True
+
+    def __init__(self, shard: int, node: str) -> None:
+        self.shard = shard
+        self.node = node
+        super().__init__(f"shard {shard} moved to storage node {node}")
+
+
 class CorruptCellError(StorageError):
     """A stored cell body cannot be decoded (unknown format version or damaged bytes).
 

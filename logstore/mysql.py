@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import re
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -33,7 +34,14 @@ from pymysql.converters import conversions
 from . import mysql_pending
 from .cell import Cell
 from .config import MySQLTarget, StoreOptions
-from .errors import ConfigurationError, CorruptCellError, LogstoreError, StorageError, StorageUnavailableError
+from .errors import (
+    ConfigurationError,
+    CorruptCellError,
+    LogstoreError,
+    ShardMovedError,
+    StorageError,
+    StorageUnavailableError,
+)
 from .mysql_pool import Connection, Pool, ReadFallback, Statement, run_script
 from .persistence import (
     FORMAT_VERSION,
@@ -64,6 +72,8 @@ _UNAVAILABLE = {1040, 1053, 1158, 1159, 1160, 1161, 1205, 1213, 1317, 1927, 2002
                 2014, 2055, 4031}
 _BAD_CONFIG = {1044, 1045, 1049, 1142, 1227}
 _NO_TABLE = 1146
+_SIGNAL = 1644  # SIGNAL from a trigger
+_MOVED = re.compile(r"cellstream: shard (\d+) moved to node ([A-Za-z0-9_.-]+)")
 _DUPLICATE = 1062
 
 _SCHEMA = (
@@ -72,6 +82,9 @@ _SCHEMA = (
     " value VARCHAR(255) NOT NULL) ENGINE=InnoDB",
     "CREATE TABLE IF NOT EXISTS cellstream_shards ("
     " shard INT NOT NULL PRIMARY KEY, cells BIGINT NOT NULL DEFAULT 0) ENGINE=InnoDB",
+    "CREATE TABLE IF NOT EXISTS cellstream_moves ("
+    " shard INT NOT NULL PRIMARY KEY, moved_to VARCHAR(64) CHARACTER SET ascii NOT NULL,"
+    " moved_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE=InnoDB",
     "CREATE TABLE IF NOT EXISTS cellstream_offsets ("
     " consumer VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, shard INT NOT NULL,"
     " owner VARCHAR(200) NOT NULL, location BIGINT NULL, doc TEXT NOT NULL,"
@@ -134,12 +147,20 @@ def _code(exc: pymysql.Error) -> int | None:
 def _translate(exc: pymysql.Error, node: str) -> LogstoreError:
     code = _code(exc)
     message = exc.args[1] if len(exc.args) > 1 else str(exc)
+    moved = _MOVED.match(str(message)) if code == _SIGNAL else None
+    if moved:  # the fence of logstore.moves
+        return ShardMovedError(int(moved.group(1)), moved.group(2))
     text = f"storage node {node}: MySQL error {code}: {message}"
     if code in _UNAVAILABLE or isinstance(exc, pymysql.err.InterfaceError):
         return StorageUnavailableError(text)
     if code in _BAD_CONFIG:
         return ConfigurationError(text)
     return StorageError(text)
+
+
+def _retry_here(exc: BaseException) -> bool:
+    # A moved shard is retriable for the store, which sends the call elsewhere: not against this node.
+    return bool(getattr(exc, "retriable", False)) and not isinstance(exc, ShardMovedError)
 
 
 def _utc_datetime(value: str | bytes) -> dt.datetime:
@@ -225,7 +246,7 @@ class MySQLRecorder(NodeRecorder):
                 return self._on(self._pool, self.name, what, fn)
             return self.fallback.read(partial(self._on, self._pool, self.name, what, fn), [
                 partial(self._on, pool, f"{self.name} replica {i}", what, fn) for i, pool in enumerate(self._replicas)])
-        return retry_call(attempt, policy or self._options.retry)
+        return retry_call(attempt, policy or self._options.retry, retriable=_retry_here)
 
     def _on(self, pool: Pool, where: str, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
         if pool is self._pool and self._deferred is not None and what != "initialize":
@@ -560,6 +581,18 @@ class MySQLRecorder(NodeRecorder):
             cur.execute(_OFFSETS, (consumer,))
             return [offset_record(*row) for row in cur.fetchall()]
         return self._call("read offsets", run, read=True)
+
+    def run(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
+        """``fn`` on a connection to the primary, driver errors translated and retried (logstore.moves)."""
+        return self._call(what, fn)
+
+    supports_moves = True
+
+    def moves(self) -> dict[int, str]:
+        def run(cur: pymysql.cursors.Cursor) -> dict[int, str]:
+            cur.execute("SELECT shard, moved_to FROM cellstream_moves")
+            return {int(shard): str(node) for shard, node in cur.fetchall()}
+        return self._call("read moves", run, read=True)
 
     # -- buffered writes (logstore.mysql_pending) -------------------------------------
     supports_pending = True

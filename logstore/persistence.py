@@ -101,6 +101,13 @@ class NodeRecorder(ABC):
         """Store ``cells`` atomically; return the stored cell for each, in order. ``retry`` replaces the
         store's policy for this call (a write about to be buffered elsewhere waits less)."""
 
+    # -- shard moves (logstore.moves): only nodes that can give and take shards override these --
+    supports_moves = False
+
+    def moves(self) -> dict[int, str]:
+        """Shards moved away from this node, and the node each went to."""
+        return {}
+
     # -- buffered writes: only nodes that can hold other nodes' cells override these --------
     supports_pending = False
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import threading
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
@@ -26,6 +28,7 @@ from .errors import (
     CorruptCellError,
     InvalidArgumentError,
     InvalidCellError,
+    ShardMovedError,
     StorageError,
     StorageUnavailableError,
 )
@@ -34,6 +37,7 @@ from .persistence import Coordinates, NodeMeta, NodeRecorder, OffsetRecord, Pend
 
 logger = logging.getLogger(__name__)
 MAX_PAGE = 100_000
+_MOVE_HOPS = 40  # a write meeting a moved shard reloads the map and tries again, this many times at most
 
 
 class PendingReport(NamedTuple):
@@ -67,8 +71,14 @@ class Store:
         for node in cluster.nodes:
             for shard in range(node.first, node.last + 1):
                 self._node_of[shard] = node
+        self._by_name = {node.name: node for node in cluster.nodes}
+        self._home_of = list(self._node_of)  # the cluster file's map, before moves
+        self._moves: dict[str, dict[int, str]] = {}  # node -> its shards moved away, and where
+        self._map_read = 0.0
+        self._map_lock = threading.Lock()
         self._closed = False
         self._indexes: IndexStore | None = None
+        self.refresh_map()
         after = options.buffer_after
         self._buffer_retry = options.retry.model_copy(update={"deadline": after}) if after is not None else None
 
@@ -102,7 +112,33 @@ class Store:
     def _recorder(self, shard: int) -> NodeRecorder:
         if self._closed:
             raise StorageError("the store is closed")
+        if time.monotonic() - self._map_read > self._options.map_refresh:
+            self.refresh_map()
         return self._recorders[self._node_of[shard].name]
+
+    def refresh_map(self) -> None:
+        """Read the shard moves the nodes record (``cellstream shards move``) over the cluster file's ranges.
+
+        Called at open, every ``map_refresh`` seconds by reads, and at once when a write meets a moved
+        shard, so every process follows a move. A node that does not answer keeps its last known moves.
+        """
+        with self._map_lock:
+            self._map_read = time.monotonic()
+            for name, recorder in self._recorders.items():
+                if not recorder.supports_moves:
+                    continue
+                try:
+                    self._moves[name] = recorder.moves()
+                except StorageUnavailableError as exc:
+                    logger.warning("cannot read the shard moves of node %s: %s", name, exc)
+            for shard, home in enumerate(self._home_of):
+                owner = home
+                for _ in range(len(self._by_name)):  # follow moves from node to node, never in a loop
+                    target = self._moves.get(owner.name, {}).get(shard)
+                    if target is None or target not in self._by_name:
+                        break
+                    owner = self._by_name[target]
+                self._node_of[shard] = owner
 
     def _check_shard(self, shard: object) -> int:
         if type(shard) is not int or not 0 <= shard < self._cluster.shards:
@@ -161,21 +197,38 @@ class Store:
             seen = unique.setdefault(cell.coordinates, cell)
             if seen is not cell and not same_json(seen.body, cell.body):
                 raise CellConflictError(cell.row_key, cell.column, cell.ref_key)
-        by_node: dict[str, list[PendingCell]] = {}
-        for cell in unique.values():
-            by_node.setdefault(self._node_of[cell.shard].name, []).append(cell)
         stored: dict[Coordinates, Cell] = {}
-        for name in sorted(by_node):
-            if self._closed:
-                raise StorageError("the store is closed")
-            group = by_node[name]
-            buffers = self._buffers_for(name)
-            try:
-                results = self._recorders[name].insert(group, self._buffer_retry if buffers else None)
-            except StorageUnavailableError as exc:
-                results = self._buffer(name, group, buffers, exc)
-            for cell, result in zip(group, results, strict=True):
-                stored[cell.coordinates] = result
+        todo = list(unique.values())
+        if time.monotonic() - self._map_read > self._options.map_refresh:
+            self.refresh_map()
+        for attempt in range(_MOVE_HOPS):
+            moved: list[PendingCell] = []
+            by_node: dict[str, list[PendingCell]] = {}
+            for cell in todo:
+                by_node.setdefault(self._node_of[cell.shard].name, []).append(cell)
+            for name in sorted(by_node):
+                if self._closed:
+                    raise StorageError("the store is closed")
+                group = by_node[name]
+                buffers = self._buffers_for(name)
+                try:
+                    results = self._recorders[name].insert(group, self._buffer_retry if buffers else None)
+                except StorageUnavailableError as exc:
+                    results = self._buffer(name, group, buffers, exc)
+                except ShardMovedError as exc:
+                    if attempt == _MOVE_HOPS - 1:
+                        raise
+                    logger.info("%s: reloading the shard map", exc)
+                    moved.extend(group)  # nothing of the group was written: the node refused it whole
+                    continue
+                for cell, result in zip(group, results, strict=True):
+                    stored[cell.coordinates] = result
+            if not moved:
+                break
+            if attempt:  # the move's switch is under way: its record lands in a moment
+                time.sleep(0.05 * attempt)
+            self.refresh_map()
+            todo = moved
         return [stored[c.coordinates] for c in pending]
 
     # -- buffered writes ----------------------------------------------------
@@ -230,19 +283,17 @@ class Store:
     def _replay_from(self, holder: NodeRecorder, limit: int) -> tuple[int, int]:
         replayed = failed = 0
         by_node: dict[str, list[PendingRecord]] = {}
-        for record in holder.pending(limit):
-            by_node.setdefault(record.node, []).append(record)
+        for record in holder.pending(limit):  # home is where the shard is now: it may have moved meanwhile
+            by_node.setdefault(self._node_of[record.cell.shard].name, []).append(record)
         for node, records in by_node.items():
-            home = self._recorders.get(node)
-            if home is None:
-                for record in records:
-                    holder.fail_pending(record.id, f"no storage node {node} in the cluster map")
-                failed += len(records)
-                continue
+            home = self._recorders[node]
             try:
                 home.insert([r.cell for r in records], self._buffer_retry)
             except StorageUnavailableError:
                 continue  # still down: next time
+            except ShardMovedError:
+                self.refresh_map()
+                continue  # the next pass writes them where the shard went
             except CellConflictError:
                 done, bad = self._replay_one_by_one(home, holder, records)
                 replayed, failed = replayed + done, failed + bad
@@ -374,11 +425,9 @@ class Store:
 
     def shard_stats(self) -> list[ShardInfo]:
         """Cells per shard and the node holding it, for every shard."""
-        out: list[ShardInfo] = []
-        for node in self._cluster.nodes:
-            counts = self._recorders[node.name].shard_counts()
-            out.extend(ShardInfo(s, node.name, counts.get(s, 0)) for s in range(node.first, node.last + 1))
-        return out
+        self.refresh_map()
+        counts = {name: recorder.shard_counts() for name, recorder in self._recorders.items()}
+        return [ShardInfo(s, node.name, counts[node.name].get(s, 0)) for s, node in enumerate(self._node_of)]
 
     # -- consumer offsets ---------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Iterable[int] | None = None) -> dict[int, OffsetRecord]:
