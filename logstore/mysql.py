@@ -256,7 +256,9 @@ class MySQLRecorder(NodeRecorder):
                 return fn(cur)
         except pymysql.Error as exc:
             error = _translate(exc, where)
-            logger.log(logging.WARNING if error.retriable else logging.ERROR, "%s on %s failed: %s", what, where, error)
+            level = logging.INFO if isinstance(error, ShardMovedError) else (
+                logging.WARNING if error.retriable else logging.ERROR)
+            logger.log(level, "%s on %s failed: %s", what, where, error)
             raise error from exc
         except UnicodeError:
             # pymysql encodes host names (IDNA) and passwords (latin-1) itself.
