@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import re
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -37,11 +36,9 @@ from .config import MySQLTarget, StoreOptions
 from .errors import (
     ConfigurationError,
     CorruptCellError,
-    LogstoreError,
     ShardMovedError,
-    StorageError,
-    StorageUnavailableError,
 )
+from .mysql_errors import DUPLICATE, NO_TABLE, code, retry_here, translate
 from .mysql_pool import Connection, Pool, ReadFallback, Statement, run_script
 from .persistence import (
     FORMAT_VERSION,
@@ -65,16 +62,6 @@ T = TypeVar("T")
 # A statement tagged with (shard, rows) when it is an INSERT of that many rows.
 Tagged = tuple[Statement, tuple[int, int] | None]
 
-# Connection lost, server gone or shutting down, network read/write errors, lock wait
-# timeout, deadlock, too many connections, query interrupted, connection killed or
-# idle-disconnected: the same call may succeed later.
-_UNAVAILABLE = {1040, 1053, 1158, 1159, 1160, 1161, 1205, 1213, 1317, 1927, 2002, 2003, 2006, 2013,
-                2014, 2055, 4031}
-_BAD_CONFIG = {1044, 1045, 1049, 1142, 1227}
-_NO_TABLE = 1146
-_SIGNAL = 1644  # SIGNAL from a trigger
-_MOVED = re.compile(r"cellstream: shard (\d+) moved to node ([A-Za-z0-9_.-]+)")
-_DUPLICATE = 1062
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS cellstream_meta ("
@@ -140,29 +127,6 @@ def table(shard: int) -> str:
     return f"cells_{shard:04d}"
 
 
-def _code(exc: pymysql.Error) -> int | None:
-    return exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
-
-
-def _translate(exc: pymysql.Error, node: str) -> LogstoreError:
-    code = _code(exc)
-    message = exc.args[1] if len(exc.args) > 1 else str(exc)
-    moved = _MOVED.match(str(message)) if code == _SIGNAL else None
-    if moved:  # the fence of logstore.moves
-        return ShardMovedError(int(moved.group(1)), moved.group(2))
-    text = f"storage node {node}: MySQL error {code}: {message}"
-    if code in _UNAVAILABLE or isinstance(exc, pymysql.err.InterfaceError):
-        return StorageUnavailableError(text)
-    if code in _BAD_CONFIG:
-        return ConfigurationError(text)
-    return StorageError(text)
-
-
-def _retry_here(exc: BaseException) -> bool:
-    # A moved shard is retriable for the store, which sends the call elsewhere: not against this node.
-    return bool(getattr(exc, "retriable", False)) and not isinstance(exc, ShardMovedError)
-
-
 def _utc_datetime(value: str | bytes) -> dt.datetime:
     # Every DATETIME column of ours holds UTC: build aware datetimes in one C call.
     text = value.decode("ascii") if isinstance(value, bytes | bytearray) else value
@@ -210,7 +174,7 @@ class MySQLRecorder(NodeRecorder):
         try:
             conn = self._raw_connect(self._target.database)
         except pymysql.err.OperationalError as exc:
-            if _code(exc) != 1049:
+            if code(exc) != 1049:
                 raise
             # Unknown database: "creates if missing" covers the database too.
             admin = self._raw_connect(None)
@@ -246,7 +210,7 @@ class MySQLRecorder(NodeRecorder):
                 return self._on(self._pool, self.name, what, fn)
             return self.fallback.read(partial(self._on, self._pool, self.name, what, fn), [
                 partial(self._on, pool, f"{self.name} replica {i}", what, fn) for i, pool in enumerate(self._replicas)])
-        return retry_call(attempt, policy or self._options.retry, retriable=_retry_here)
+        return retry_call(attempt, policy or self._options.retry, retriable=retry_here)
 
     def _on(self, pool: Pool, where: str, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
         if pool is self._pool and self._deferred is not None and what != "initialize":
@@ -255,7 +219,7 @@ class MySQLRecorder(NodeRecorder):
             with pool.connection() as conn, conn.cursor() as cur:
                 return fn(cur)
         except pymysql.Error as exc:
-            error = _translate(exc, where)
+            error = translate(exc, where)
             level = logging.INFO if isinstance(error, ShardMovedError) else (
                 logging.WARNING if error.retriable else logging.ERROR)
             logger.log(level, "%s on %s failed: %s", what, where, error)
@@ -269,7 +233,7 @@ class MySQLRecorder(NodeRecorder):
             try:
                 cur.execute(sql.format(t=table(shard)), args)
             except pymysql.err.ProgrammingError as exc:
-                if _code(exc) == _NO_TABLE:  # nobody wrote to this shard yet
+                if code(exc) == NO_TABLE:  # nobody wrote to this shard yet
                     return ()
                 raise
             return tuple(cur.fetchall())
@@ -281,7 +245,7 @@ class MySQLRecorder(NodeRecorder):
             try:
                 cur.execute("SELECT name, value FROM cellstream_meta")
             except pymysql.err.ProgrammingError as exc:
-                if _code(exc) == _NO_TABLE:
+                if code(exc) == NO_TABLE:
                     return None
                 raise
             return dict(cur.fetchall())
@@ -448,7 +412,7 @@ class MySQLRecorder(NodeRecorder):
                     self._write_all(cur, list(cells), stored, [("START TRANSACTION", ())])
                     return ordered_result(cells, stored)
                 except pymysql.err.IntegrityError as exc:
-                    if _code(exc) != _DUPLICATE:
+                    if code(exc) != DUPLICATE:
                         raise
                     cur.execute("ROLLBACK")
                 # Some cells exist already: lock the shards, compare, insert only the rest.
@@ -518,7 +482,7 @@ class MySQLRecorder(NodeRecorder):
             try:
                 cur.execute(" UNION ALL ".join(parts), args)
             except pymysql.err.ProgrammingError as exc:
-                if _code(exc) == _NO_TABLE:  # a shard nobody wrote to yet: read them one by one
+                if code(exc) == NO_TABLE:  # a shard nobody wrote to yet: read them one by one
                     return None
                 raise
             return tuple(cur.fetchall())
