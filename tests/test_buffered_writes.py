@@ -21,16 +21,14 @@ from tailer.config import TailerConfig
 from tailer.local import DirectoryPublisher, LocalCoordinator, read_topic
 from tailer.worker import Tailer
 
+from .index_support import two_nodes
 from .private_mariadb import PrivateMariaDB
 
 SHARDS = 8
 
 
 def cluster_file(tmp_path: Path, a: str, b: str) -> Path:
-    path = tmp_path / "cluster.toml"
-    path.write_text(f'shards = {SHARDS}\n[[nodes]]\nname = "a"\nurl = "{a}"\nshards = "0-3"\n'
-                    f'[[nodes]]\nname = "b"\nurl = "{b}"\nshards = "4-7"\n')
-    return path
+    return two_nodes(tmp_path / "cluster.toml", [a, b], SHARDS)
 
 
 def open_store(cluster: Path) -> logstore.Store:

@@ -21,26 +21,33 @@ import logstore
 from cellstream.cli import main
 from logstore.mysql import table
 
+from .index_support import two_nodes
+
 SHARDS = 8
 
 
 def cluster_file(tmp_path: Path, a: str, b: str) -> Path:
-    path = tmp_path / "cluster.toml"
-    path.write_text(f'shards = {SHARDS}\n[[nodes]]\nname = "a"\nurl = "{a}"\nshards = "0-3"\n'
-                    f'[[nodes]]\nname = "b"\nurl = "{b}"\nshards = "4-7"\n')
-    return path
+    return two_nodes(tmp_path / "cluster.toml", [a, b], SHARDS)
 
 
-def rows_in(url: str, shard: int) -> int:
+def scalar(url: str, sql: str) -> int:
     parts = urlsplit(url)
     conn = pymysql.connect(host=parts.hostname, port=parts.port, user=parts.username, password=parts.password,
                            database=parts.path.lstrip("/"))
     try:
         with conn.cursor() as cur:
-            cur.execute(f"SELECT COUNT(*) FROM {table(shard)}")
+            cur.execute(sql)
             return int(cur.fetchone()[0])
     finally:
         conn.close()
+
+
+def rows_in(url: str, shard: int) -> int:
+    return scalar(url, f"SELECT COUNT(*) FROM {table(shard)}")
+
+
+def max_id(url: str, shard: int) -> int:
+    return scalar(url, f"SELECT COALESCE(MAX(added_id), 0) FROM {table(shard)}")
 
 
 def keys_in(store: logstore.Store, shard: int) -> Any:
@@ -130,17 +137,6 @@ def test_shards_move_online_under_writes_and_every_store_follows(
         for store in (mover, other, stale):
             store.close()
 
-
-def max_id(url: str, shard: int) -> int:
-    parts = urlsplit(url)
-    conn = pymysql.connect(host=parts.hostname, port=parts.port, user=parts.username, password=parts.password,
-                           database=parts.path.lstrip("/"))
-    try:
-        with conn.cursor() as cur:
-            cur.execute(f"SELECT COALESCE(MAX(added_id), 0) FROM {table(shard)}")
-            return int(cur.fetchone()[0])
-    finally:
-        conn.close()
 
 
 @pytest.mark.parametrize(("argv", "message"), [
