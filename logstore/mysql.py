@@ -151,6 +151,8 @@ class MySQLRecorder(NodeRecorder):
         self._pool = Pool(self._connect, options.pool_size, wait)
         self._replicas = [Pool(partial(self._replica_connect, r), options.pool_size, wait) for r in replicas]
         self.fallback = ReadFallback(name)
+        # Calls made because some node is down (buffering, the map's refresh) give up on this one quickly.
+        self._quick_retry = options.retry.model_copy(update={"deadline": options.buffer_after or 2.0})
         self._deferred: NodeMeta | None = None
         self._deferred_lock = threading.Lock()
         self._initializing: int | None = None  # the thread running the deferred initialization
@@ -556,17 +558,22 @@ class MySQLRecorder(NodeRecorder):
 
     def moves(self) -> dict[int, str]:
         def run(cur: pymysql.cursors.Cursor) -> dict[int, str]:
-            cur.execute("SELECT shard, moved_to FROM cellstream_moves")
+            try:
+                cur.execute("SELECT shard, moved_to FROM cellstream_moves")
+            except pymysql.err.ProgrammingError as exc:
+                if code(exc) == NO_TABLE:  # a replica that has not caught up with the node's creation
+                    return {}
+                raise
             return {int(shard): str(node) for shard, node in cur.fetchall()}
-        return self._call("read moves", run, read=True)
+        # Read every map_refresh seconds: a node that does not answer at once keeps its last known moves.
+        return self._call("read moves", run, read=True, policy=self._quick_retry)
 
     # -- buffered writes (logstore.mysql_pending) -------------------------------------
     supports_pending = True
 
     def _quick(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
         """Buffering is for when another node is down: this one answers at once or is skipped."""
-        quick = self._options.retry.model_copy(update={"deadline": self._options.buffer_after or 2.0})
-        return self._call(what, fn, policy=quick)
+        return self._call(what, fn, policy=self._quick_retry)
 
     def buffer(self, node: str, cells: Sequence[PendingCell]) -> None:
         mysql_pending.buffer(self._quick, node, cells)
