@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import hmac
 import ipaddress
 import logging
@@ -347,8 +348,6 @@ class WorkerNode:
         return _json({"count": count})
 
     async def location(self, request: web.Request) -> web.Response:
-        import datetime as dt
-
         shard = _int(request.match_info["shard"], "shard")
         text = request.query.get("at")
         if text is None:
