@@ -45,6 +45,9 @@ from .store import Store
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+_QUERY = {"/v1/shards/{shard}/log": frozenset({"after", "limit", "columns"}),
+          "/v1/shards/{shard}/count": frozenset({"after", "columns"}),
+          "/v1/shards/{shard}/location": frozenset({"at"})}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -115,7 +118,7 @@ class WorkerNode:
     # -- lifecycle ------------------------------------------------------------------
     def application(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
-                              middlewares=[self._errors, self._auth])
+                              middlewares=[self._errors, self._auth, self._query])
         r = app.router
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)
@@ -247,6 +250,19 @@ class WorkerNode:
         self.metrics.requests.labels(route, request.method, str(response.status)).inc()
         self.metrics.seconds.labels(route).observe(time.perf_counter() - started)
         return response
+
+    @web.middleware
+    async def _query(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """An API route refuses query parameters it does not know: a misspelt ``limit`` is an error, not ignored."""
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else ""
+        if route.startswith("/v1/"):
+            allowed = _QUERY.get(route, frozenset())
+            unknown = sorted(set(request.query) - allowed)
+            if unknown:
+                raise _BadInput(unknown[0], f"unknown query parameter (this route takes: "
+                                            f"{', '.join(sorted(allowed)) or 'none'})")
+        return await handler(request)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -75,6 +75,8 @@ BAD_INPUT = [
     ("GET", "/v1/shards/0/log?limit=0", None, 400, None),
     ("GET", "/v1/shards/0/log?after=-1", None, 400, None),
     ("GET", "/v1/shards/0/log?columns=9x", None, 400, "column"),
+    ("GET", "/v1/shards/0/log?limt=5", None, 400, "limt"),
+    ("GET", f"/v1/rows/{ROW}/BASE?ref=1", None, 400, "ref"),
     ("GET", "/v1/shards/0/location?at=yesterday", None, 400, "at"),
     ("GET", "/v1/shards/0/location?at=2026-11-22T10:00:00", None, 400, None),
     ("POST", "/v1/logs", b'{"locations": {"zero": 0}}', 400, "locations.zero"),
