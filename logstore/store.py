@@ -308,6 +308,8 @@ class Store:
         for record in records:
             try:
                 home.insert([record.cell], self._buffer_retry)
+            except StorageUnavailableError:
+                break  # home went down again: the rest wait for the next pass
             except CellConflictError as exc:
                 logger.error("buffered cell of node %s cannot be written home: %s", record.node, exc)
                 holder.fail_pending(record.id, str(exc))
