@@ -51,6 +51,7 @@ class HttpRecorder(NodeRecorder):
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
+        self._meta: NodeMeta | None = None
         self._local = threading.local()
         self._all: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
@@ -112,12 +113,12 @@ class HttpRecorder(NodeRecorder):
     # -- instance -------------------------------------------------------------------
     def read_meta(self) -> NodeMeta | None:
         info = self._request("GET", "/v1/info")
-        return NodeMeta(int(info["shards"]), 0, int(info["shards"]) - 1)
+        self._meta = NodeMeta(int(info["shards"]), 0, int(info["shards"]) - 1)
+        return self._meta
 
     def initialize(self, meta: NodeMeta) -> None:
-        found = self.read_meta()
-        assert found is not None
-        check_meta(self.name, found, meta)
+        # logstore.open read the node's metadata just before: checked against it, not fetched again.
+        check_meta(self.name, self._meta or self.read_meta() or meta, meta)
 
     # -- cells ----------------------------------------------------------------------
     def insert(self, cells: Sequence[PendingCell], retry: RetryPolicy | None = None) -> list[Cell]:

@@ -76,6 +76,7 @@ class Store:
         self._moves: dict[str, dict[int, str]] = {}  # node -> its shards moved away, and where
         self._map_read = 0.0
         self._map_lock = threading.Lock()
+        self._movable = any(r.supports_moves for r in recorders.values())  # else the map never changes
         self._closed = False
         self._indexes: IndexStore | None = None
         self.refresh_map()
@@ -112,7 +113,7 @@ class Store:
     def _recorder(self, shard: int) -> NodeRecorder:
         if self._closed:
             raise StorageError("the store is closed")
-        if time.monotonic() - self._map_read > self._options.map_refresh:
+        if self._movable and time.monotonic() - self._map_read > self._options.map_refresh:
             self.refresh_map()
         return self._recorders[self._node_of[shard].name]
 
@@ -122,6 +123,8 @@ class Store:
         Called at open, every ``map_refresh`` seconds by reads, and at once when a write meets a moved
         shard, so every process follows a move. A node that does not answer keeps its last known moves.
         """
+        if not self._movable:
+            return
         with self._map_lock:
             self._map_read = time.monotonic()
             for name, recorder in self._recorders.items():
@@ -131,14 +134,14 @@ class Store:
                     self._moves[name] = recorder.moves()
                 except StorageUnavailableError as exc:
                     logger.warning("cannot read the shard moves of node %s: %s", name, exc)
-            for shard, home in enumerate(self._home_of):
-                owner = home
+            node_of = list(self._home_of)
+            for shard in {s for moved in self._moves.values() for s in moved if 0 <= s < len(node_of)}:
                 for _ in range(len(self._by_name)):  # follow moves from node to node, never in a loop
-                    target = self._moves.get(owner.name, {}).get(shard)
+                    target = self._moves.get(node_of[shard].name, {}).get(shard)
                     if target is None or target not in self._by_name:
                         break
-                    owner = self._by_name[target]
-                self._node_of[shard] = owner
+                    node_of[shard] = self._by_name[target]
+            self._node_of[:] = node_of
 
     def _check_shard(self, shard: object) -> int:
         if type(shard) is not int or not 0 <= shard < self._cluster.shards:
@@ -199,7 +202,7 @@ class Store:
                 raise CellConflictError(cell.row_key, cell.column, cell.ref_key)
         stored: dict[Coordinates, Cell] = {}
         todo = list(unique.values())
-        if time.monotonic() - self._map_read > self._options.map_refresh:
+        if self._movable and time.monotonic() - self._map_read > self._options.map_refresh:
             self.refresh_map()
         for attempt in range(_MOVE_HOPS):
             moved: list[PendingCell] = []

@@ -46,10 +46,6 @@ STATUS: list[tuple[type[LogstoreError], int]] = [
 
 
 # -- cells ------------------------------------------------------------------------------
-def cell_json(cell: Cell) -> dict[str, Any]:
-    return cell.to_json()
-
-
 def cell_from_json(doc: dict[str, Any]) -> Cell:
     return Cell(uuid.UUID(doc["row_key"]), doc["column"], int(doc["ref_key"]), doc["body"], int(doc["added_id"]),
                 int(doc["shard"]), dt.datetime.fromisoformat(doc["created_at"]))
@@ -86,7 +82,7 @@ def error_json(exc: LogstoreError) -> dict[str, Any]:
                               "ref_key": exc.ref_key,
                               "row_key": str(exc.row_key) if exc.row_key is not None else None,
                               "created_at": exc.created_at.isoformat() if exc.created_at is not None else None}
-        doc["cells_before"] = [cell_json(c) for c in exc.cells_before]
+        doc["cells_before"] = [c.to_json() for c in exc.cells_before]
     return {"error": doc}
 
 
