@@ -2,21 +2,23 @@
 
 For each shard, while writers go on:
 
-1. the target gets the shard's table and its row in ``cellstream_shards`` (the writers' lock);
+1. the target gets the shard's row in ``cellstream_shards``, fenced (pointing at the source) while
+   it fills, so no write lands there before the switch;
 2. copy: the source's cells are copied in added_id order, **with their added_ids**, page by page,
    and again until a pass finds few new ones (catch-up);
-3. fence: a trigger on the source's table refuses every later insert with "shard S moved to node T".
-   Creating it waits for the writes under way, so every write either committed on the source
-   before it or fails after it; a failed write is retried by its store on the new map;
+3. fence: the source's shard row gets ``fence`` = the target. Setting it waits for the writes under
+   way, which hold the row's lock, and every later write finds it and writes nothing; the store
+   retries it on the new map;
 4. the last cells are copied, and the counts and highest added_id of both copies compared;
-5. switch: the move is recorded on the source (``cellstream_moves``). Every store reads these
-   records at open, every ``map_refresh`` seconds, and at once when a write meets the fence.
+5. switch: the target's row takes the shard's ``last_id`` and loses its fence, then the move is
+   recorded on the source (``moved_to``). Every store reads these records at open, every
+   ``map_refresh`` seconds, and at once when a write meets the fence.
 
 Because the added_ids are kept, a tailer's location in the shard stays valid on the target,
-and the target's AUTO_INCREMENT goes on above them: the log neither skips nor repeats. The
-source copy stays (readable, fenced) until :func:`drop_moved` removes it. A verification that
-fails lifts the fence and records nothing. A shard of a node holding secondary indexes is not
-moved: their entries would stay behind.
+and the target's counter goes on above them: the log neither skips nor repeats. The source
+copy stays (readable, fenced) until :func:`drop_moved` deletes it, in chunks, leaving the
+fenced row. A verification that fails lifts the fence and records nothing. A shard of a node
+holding secondary indexes is not moved: their entries would stay behind.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any, NamedTuple
 import pymysql
 
 from .errors import ConfigurationError, InvalidArgumentError, StorageError
-from .mysql import _SHARD_TABLE, MySQLRecorder, table
+from .mysql import CELL_COLUMNS, MySQLRecorder
 from .store import Store
 
 logger = logging.getLogger(__name__)
@@ -68,28 +70,22 @@ def _has_indexes(node: MySQLRecorder) -> bool:
 
 def _summary(node: MySQLRecorder, shard: int) -> tuple[int, int]:
     def run(cur: pymysql.cursors.Cursor) -> tuple[int, int]:
-        try:
-            cur.execute(f"SELECT COUNT(*), COALESCE(MAX(added_id), 0) FROM {table(shard)}")
-        except pymysql.err.ProgrammingError:
-            return 0, 0
+        cur.execute("SELECT COUNT(*), COALESCE(MAX(added_id), 0) FROM cells WHERE shard = %s", (shard,))
         found = cur.fetchone()
         return (int(found[0]), int(found[1])) if found else (0, 0)
     return node.run("count shard", run)
 
 
-def _prepare(target: MySQLRecorder, shard: int) -> None:
+def _prepare(source: MySQLRecorder, target: MySQLRecorder, shard: int) -> None:
     def run(cur: pymysql.cursors.Cursor) -> None:
-        cur.execute(_SHARD_TABLE.format(t=table(shard)))
-        cur.execute(f"SELECT COUNT(*) FROM {table(shard)}")
-        found = cur.fetchone()
-        if found and found[0]:
+        cur.execute("SELECT 1 FROM cells WHERE shard = %s LIMIT 1", (shard,))
+        if cur.fetchone():
             raise ConfigurationError(f"node {target.name} still holds an old copy of shard {shard}: drop it first "
                                      f"(cellstream shards drop-moved {shard})")
-        # The empty table of a shard that moved away and was dropped carries the fence: the shard comes back.
-        cur.execute(f"DROP TRIGGER IF EXISTS {table(shard)}_moved")
-        cur.execute(f"DROP TRIGGER IF EXISTS {table(shard)}_fence_moved")
-        cur.execute("INSERT IGNORE INTO cellstream_shards (shard) VALUES (%s)", (shard,))
-        cur.execute("DELETE FROM cellstream_moves WHERE shard = %s", (shard,))
+        # Fenced towards the source until the switch. Its moved_to stays: if the shard left this node once,
+        # the map goes on following that record until the switch clears it.
+        cur.execute("INSERT INTO cellstream_shards (shard, last_id, fence) VALUES (%s, 0, %s)"
+                    " ON DUPLICATE KEY UPDATE last_id = 0, fence = VALUES(fence)", (shard, source.name))
     target.run("prepare shard", run)
 
 
@@ -98,8 +94,8 @@ def _copy(source: MySQLRecorder, target: MySQLRecorder, shard: int, after: int) 
     copied = 0
     while True:
         def read(cur: pymysql.cursors.Cursor, after: int = after) -> tuple[tuple[Any, ...], ...]:
-            cur.execute(f"SELECT added_id, row_key, column_name, ref_key, body, created_at FROM {table(shard)} "
-                        "WHERE added_id > %s ORDER BY added_id LIMIT %s", (after, PAGE))
+            cur.execute(f"SELECT {CELL_COLUMNS} FROM cells WHERE shard = %s AND added_id > %s"
+                        " ORDER BY added_id LIMIT %s", (shard, after, PAGE))
             return tuple(cur.fetchall())
         rows = source.run("copy shard", read)
         if not rows:
@@ -107,26 +103,16 @@ def _copy(source: MySQLRecorder, target: MySQLRecorder, shard: int, after: int) 
 
         def write(cur: pymysql.cursors.Cursor, rows: tuple[tuple[Any, ...], ...] = rows) -> None:
             # IGNORE: a page copied before a failed attempt is copied again harmlessly (same ids, same cells).
-            cur.executemany(f"INSERT IGNORE INTO {table(shard)} (added_id, row_key, column_name, ref_key, body,"
-                            " created_at) VALUES (%s, %s, %s, %s, %s, %s)",
-                            [(a, k, c, r, b, t.replace(tzinfo=None)) for a, k, c, r, b, t in rows])
+            cur.executemany(f"INSERT IGNORE INTO cells ({CELL_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                            [(*row[:6], row[6].replace(tzinfo=None)) for row in rows])
         target.run("copy shard", write)
         copied += len(rows)
-        after = int(rows[-1][0])
+        after = int(rows[-1][1])
 
 
-def _fence_sql(shard: int, table_name: str, trigger: str, target: str) -> str:
-    return (f"CREATE TRIGGER {trigger} BEFORE INSERT ON {table_name} FOR EACH ROW "
-            f"SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'cellstream: shard {shard} moved to node {target}'")
-
-
-def _fence(source: MySQLRecorder, shard: int, target: str) -> None:
-    source.run("fence shard", lambda cur: cur.execute(_fence_sql(shard, table(shard), f"{table(shard)}_moved",
-                                                                 target)))
-
-
-def _unfence(source: MySQLRecorder, shard: int) -> None:
-    source.run("lift fence", lambda cur: cur.execute(f"DROP TRIGGER IF EXISTS {table(shard)}_moved"))
+def _set_fence(node: MySQLRecorder, shard: int, fence: str | None) -> None:
+    node.run("fence shard", lambda cur: cur.execute("UPDATE cellstream_shards SET fence = %s WHERE shard = %s",
+                                                    (fence, shard)))
 
 
 def move_shards(store: Store, shards: list[int], target_name: str,
@@ -150,7 +136,7 @@ def move_shards(store: Store, shards: list[int], target_name: str,
 
 def _move(store: Store, source: MySQLRecorder, target: MySQLRecorder, shard: int,
           progress: Progress | None) -> MoveReport:
-    _prepare(target, shard)
+    _prepare(source, target, shard)
     total, last = 0, 0
     while True:  # copy, then catch up while writers go on
         copied, last = _copy(source, target, shard, last)
@@ -160,7 +146,7 @@ def _move(store: Store, source: MySQLRecorder, target: MySQLRecorder, shard: int
         if copied < CAUGHT_UP:
             break
     fenced_at = time.monotonic()
-    _fence(source, shard, target.name)
+    _set_fence(source, shard, target.name)
     try:
         copied, last = _copy(source, target, shard, last)
         total += copied
@@ -168,16 +154,15 @@ def _move(store: Store, source: MySQLRecorder, target: MySQLRecorder, shard: int
         if have != want:
             raise StorageError(f"shard {shard}: the copy on {target.name} holds {have[0]} cells up to added_id "
                                f"{have[1]}, the source {want[0]} up to {want[1]}; nothing was switched")
-
-        def switch(cur: pymysql.cursors.Cursor) -> None:
-            cur.execute("UPDATE cellstream_shards SET cells = %s WHERE shard = %s", (have[0], shard))
-        target.run("count shard", switch)
+        target.run("switch shard", lambda cur: cur.execute(
+            "UPDATE cellstream_shards SET last_id = %s, fence = NULL, moved_to = NULL, moved_at = NULL"
+            " WHERE shard = %s", (have[1], shard)))
         source.run("record move", lambda cur: cur.execute(
-            "INSERT INTO cellstream_moves (shard, moved_to) VALUES (%s, %s) "
-            "ON DUPLICATE KEY UPDATE moved_to = VALUES(moved_to), moved_at = CURRENT_TIMESTAMP(6)",
-            (shard, target.name)))
+            "UPDATE cellstream_shards SET moved_to = %s, moved_at = CURRENT_TIMESTAMP(6) WHERE shard = %s",
+            (target.name, shard)))
     except BaseException:
-        _unfence(source, shard)
+        _set_fence(target, shard, source.name)
+        _set_fence(source, shard, None)
         raise
     fenced = time.monotonic() - fenced_at
     store.refresh_map()
@@ -189,10 +174,10 @@ def _move(store: Store, source: MySQLRecorder, target: MySQLRecorder, shard: int
 
 
 def drop_moved(store: Store, shards: list[int]) -> list[tuple[int, str]]:
-    """Drop the source copies of moved shards; returns (shard, node dropped from).
+    """Delete the source copies of moved shards, in chunks; returns (shard, node dropped from).
 
-    The copy is swapped for an empty table that carries the fence (one RENAME), so a process that
-    has not read the move yet still meets the fence rather than a missing table it would create.
+    The shard's row stays on the source with its fence and move record, so a process that has not
+    read the move yet still meets the fence.
     """
     store.refresh_map()
     dropped = []
@@ -203,15 +188,11 @@ def drop_moved(store: Store, shards: list[int]) -> list[tuple[int, str]]:
         if holder is None:
             raise InvalidArgumentError(f"shard {shard} was not moved: there is no source copy to drop")
         source = _node(store, holder)
-        moved_to = source.moves()[shard]
-        t = table(shard)
 
-        def swap(cur: pymysql.cursors.Cursor, t: str = t, shard: int = shard, moved_to: str = moved_to) -> None:
-            cur.execute(f"DROP TABLE IF EXISTS {t}_fence")
-            cur.execute(f"CREATE TABLE {t}_fence LIKE {t}")
-            cur.execute(_fence_sql(shard, f"{t}_fence", f"{t}_fence_moved", moved_to))
-            cur.execute(f"RENAME TABLE {t} TO {t}_dropped, {t}_fence TO {t}")
-            cur.execute(f"DROP TABLE {t}_dropped")
-        source.run("drop moved shard", swap)
+        def chunk(cur: pymysql.cursors.Cursor, shard: int = shard) -> int:
+            # Chunks keep each transaction (and the replicas' apply of it) short.
+            return int(cur.execute("DELETE FROM cells WHERE shard = %s ORDER BY added_id LIMIT %s", (shard, PAGE)))
+        while source.run("drop moved shard", chunk):
+            pass
         dropped.append((shard, holder))
     return dropped

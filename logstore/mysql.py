@@ -1,17 +1,28 @@
-"""The MySQL/MariaDB backend: one database per storage node, one table per shard.
+"""The MySQL/MariaDB backend: one database per storage node, one ``cells`` table for all its shards.
 
-Each shard's table follows the Schemaless design (``added_id`` AUTO_INCREMENT
-primary key, unique ``(row_key, column_name, ref_key)``). Shard tables are created
-on first write, so opening an instance of 4096 shards creates three small tables.
+Layout (version 2, recorded in ``cellstream_meta``): ``cells`` is clustered by
+``PRIMARY KEY (shard, added_id)``, so a shard's log is one contiguous range of the
+table and a read of many shards is one query of several ranges; ``UNIQUE (row_key,
+column_name, ref_key)`` keeps cells immutable and ``KEY (shard, created_at)`` serves
+``location_at``. A batch costs one multi-row INSERT per node however many shards it
+touches, and the table count, hence MariaDB's table caches, does not grow with the
+shard count (layout 1, a table per shard, overflowed them at 4096 shards).
 
-No-skip guarantee: every write transaction first locks its shards' rows in
-``cellstream_shards`` (in ascending shard order, so writers never deadlock), and
-only then inserts. AUTO_INCREMENT ids of a shard are therefore allocated and
-committed by one transaction at a time, and a reader paging ``added_id > location``
-never sees a higher id commit before a lower one. The whole transaction - lock,
-inserts, id read-back and COMMIT - goes to the server as one multi-statement
-packet, so the lock costs no extra round trip; writers to the *same* shard queue
-behind each other (measured in bench/logstore_bench.py).
+No-skip guarantee: each shard has a row in ``cellstream_shards`` holding ``last_id``,
+the shard's highest added_id. A write transaction locks its shards' rows (ascending
+shard order, so writers never deadlock), allocates the next ids from ``last_id``,
+inserts and commits, and only then can another writer of those shards lock the row.
+So a shard's ids are allocated and committed in one order, and a reader paging
+``added_id > location`` never sees a higher id commit before a lower one. Because the
+counter rolls back with its transaction, a shard's ids are dense (1, 2, 3, ...): the
+head and the cell count of a shard are ``last_id``, and a page of ``limit`` cells
+after ``location`` is exactly the id range ``(location, location + limit]``.
+
+A write to one shard is one round trip (lock, allocate, insert, COMMIT in one
+multi-statement packet); a write to several shards is two (lock and read the
+counters, then insert, move the counters and COMMIT). The row also carries the
+shard-move fence (:mod:`logstore.moves`): a writer that finds ``fence`` set writes
+nothing and is told where the shard went.
 """
 
 from __future__ import annotations
@@ -23,7 +34,6 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from functools import partial
-from operator import itemgetter
 from typing import Any, TypeVar
 
 import pymysql
@@ -33,12 +43,8 @@ from pymysql.converters import conversions
 from . import mysql_pending
 from .cell import Cell
 from .config import MySQLTarget, StoreOptions
-from .errors import (
-    ConfigurationError,
-    CorruptCellError,
-    ShardMovedError,
-)
-from .mysql_errors import DUPLICATE, NO_TABLE, code, retry_here, translate
+from .errors import ConfigurationError, CorruptCellError, ShardMovedError, StorageError
+from .mysql_errors import DUPLICATE, NO_TABLE, NULL_COLUMN, code, retry_here, translate
 from .mysql_pool import Connection, Pool, ReadFallback, Statement, run_script
 from .persistence import (
     FORMAT_VERSION,
@@ -52,26 +58,37 @@ from .persistence import (
     decode_log,
     make_cell,
     offset_record,
-    ordered_result,
     split_existing,
 )
 from .retry import RetryPolicy, retry_call
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# A statement tagged with (shard, rows) when it is an INSERT of that many rows.
-Tagged = tuple[Statement, tuple[int, int] | None]
+Rows = tuple[tuple[Any, ...], ...]
+Weighed = tuple[Statement, int]  # a statement and its size on the wire, known beforehand
 
-
+LAYOUT = 2  # the version of the table layout above; layout 1 had a table per shard
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS cellstream_meta ("
     " name VARCHAR(64) CHARACTER SET ascii NOT NULL PRIMARY KEY,"
     " value VARCHAR(255) NOT NULL) ENGINE=InnoDB",
+    # fence: writes refused, naming the node the shard went to; moved_to: the move as the map reads it.
     "CREATE TABLE IF NOT EXISTS cellstream_shards ("
-    " shard INT NOT NULL PRIMARY KEY, cells BIGINT NOT NULL DEFAULT 0) ENGINE=InnoDB",
-    "CREATE TABLE IF NOT EXISTS cellstream_moves ("
-    " shard INT NOT NULL PRIMARY KEY, moved_to VARCHAR(64) CHARACTER SET ascii NOT NULL,"
-    " moved_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE=InnoDB",
+    " shard INT NOT NULL PRIMARY KEY, last_id BIGINT NOT NULL DEFAULT 0,"
+    " fence VARCHAR(64) CHARACTER SET ascii NULL, moved_to VARCHAR(64) CHARACTER SET ascii NULL,"
+    " moved_at DATETIME(6) NULL) ENGINE=InnoDB",
+    "CREATE TABLE IF NOT EXISTS cells ("
+    " shard INT NOT NULL,"
+    " added_id BIGINT NOT NULL,"
+    " row_key BINARY(16) NOT NULL,"
+    " column_name VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,"
+    " ref_key BIGINT NOT NULL,"
+    " body LONGBLOB NOT NULL,"
+    " created_at DATETIME(6) NOT NULL,"
+    " PRIMARY KEY (shard, added_id),"
+    " UNIQUE KEY cell (row_key, column_name, ref_key),"
+    " KEY created (shard, created_at)"
+    ") ENGINE=InnoDB",
     "CREATE TABLE IF NOT EXISTS cellstream_offsets ("
     " consumer VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, shard INT NOT NULL,"
     " owner VARCHAR(200) NOT NULL, location BIGINT NULL, doc TEXT NOT NULL,"
@@ -83,22 +100,15 @@ _CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES (
 _COMMIT = ("UPDATE cellstream_offsets SET location = %s, doc = %s, commits = commits + 1"
            " WHERE consumer = %s AND shard = %s AND owner = %s")
 _OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = %s ORDER BY shard"
-_SHARD_TABLE = (
-    "CREATE TABLE IF NOT EXISTS {t} ("
-    " added_id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,"
-    " row_key BINARY(16) NOT NULL,"
-    " column_name VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,"
-    " ref_key BIGINT NOT NULL,"
-    " body LONGBLOB NOT NULL,"
-    " created_at DATETIME(6) NOT NULL,"
-    " UNIQUE KEY cell (row_key, column_name, ref_key),"
-    " KEY created (created_at)"
-    ") ENGINE=InnoDB"
-)
-_COLS = "added_id, row_key, column_name, ref_key, body, created_at"
-_VALUES_ROW = "(%s, %s, %s, %s, @cs_t)"
-# Taken once all shard locks of a write are held; every row of the write gets it as created_at.
-_TIMESTAMP = "SELECT CAST(@cs_t := UTC_TIMESTAMP(6) AS DATETIME(6))"
+CELL_COLUMNS = "shard, added_id, row_key, column_name, ref_key, body, created_at"
+_INSERT = f"INSERT INTO cells ({CELL_COLUMNS}) VALUES "
+# A row of an INSERT: explicit ids (several shards), or offsets from the one shard's counter in @cs_b.
+_ROW = "(%s, %s, %s, %s, %s, %s, @cs_t)"
+_ROW_AFTER_BASE = "(%s, @cs_b + %s, %s, %s, %s, %s, @cs_t)"
+# Taken once all shard locks of a write are held, so created_at never decreases along a shard's ids.
+_TIMESTAMP = "CAST(@cs_t := UTC_TIMESTAMP(6) AS DATETIME(6))"
+_SPREAD = 64  # see _dense_pages
+_SAME_CELL = "(row_key = %s AND column_name = %s AND ref_key = %s)"
 
 
 def _escaped_size(value: object) -> int:
@@ -108,23 +118,30 @@ def _escaped_size(value: object) -> int:
     return 24
 
 
-def _row_args(cell: PendingCell) -> tuple[bytes, str, int, bytes]:
-    return (cell.row_key.bytes, cell.column, cell.ref_key, cell.blob)
-
-
-def _row_size(cell: PendingCell) -> int:
-    """The row's share of an INSERT packet, by the same measure _packets uses."""
-    return len(_VALUES_ROW) + 2 + sum(_escaped_size(a) for a in _row_args(cell))
-
-
 def _after(columns: Sequence[str] | None) -> tuple[str, list[str]]:
-    """The WHERE clause of the cells after a location (its one argument first), of ``columns`` if given."""
-    return ("added_id > %s" + (f" AND column_name IN ({', '.join(['%s'] * len(columns))})" if columns else ""),
-            list(columns or ()))
+    """The condition on a shard's cells after a location (shard and location are its first two
+    arguments), of ``columns`` if given."""
+    return ("shard = %s AND added_id > %s" + (f" AND column_name IN ({', '.join(['%s'] * len(columns))})"
+                                              if columns else ""), list(columns or ()))
 
 
-def table(shard: int) -> str:
-    return f"cells_{shard:04d}"
+def _dense_pages(locations: Sequence[tuple[int, int]], limit: int) -> tuple[str, list[int]]:
+    """One query of the pages of many shards, relying on dense ids: a shard's page after location L is the
+    id range (L, L + limit]. Shards whose locations lie within _SPREAD of each other share one index
+    range (``shard IN (...) AND added_id BETWEEN ...``; a reader filters out the few ids outside a
+    shard's own page), so a scan from one location or a tail near the heads is a handful of ranges,
+    and the query never evaluates a long OR for each row (which cost MariaDB quadratic time)."""
+    groups: list[list[tuple[int, int]]] = []
+    for shard, location in sorted(locations, key=lambda p: p[1]):
+        if not groups or location - groups[-1][0][1] > _SPREAD:
+            groups.append([])
+        groups[-1].append((shard, location))
+    parts, args = [], []
+    for group in groups:
+        parts.append(f"(SELECT {CELL_COLUMNS} FROM cells WHERE shard IN ({', '.join(['%s'] * len(group))})"
+                     " AND added_id BETWEEN %s AND %s)")
+        args += [shard for shard, _ in group] + [group[0][1] + 1, group[-1][1] + limit]
+    return " UNION ALL ".join(parts), args
 
 
 def _utc_datetime(value: str | bytes) -> dt.datetime:
@@ -136,9 +153,33 @@ def _utc_datetime(value: str | bytes) -> dt.datetime:
 _CONVERSIONS: dict[Any, Any] = {**conversions, FIELD_TYPE.DATETIME: _utc_datetime}
 
 
-def _row_to_cell(shard: int, row: tuple[Any, ...]) -> Cell:
-    added_id, row_key, column, ref_key, blob, created = row
+def _shard_of_cell(cell: PendingCell) -> int:
+    return cell.shard
+
+
+def _row_to_cell(row: tuple[Any, ...]) -> Cell:
+    shard, added_id, row_key, column, ref_key, blob, created = row
     return make_cell(shard, added_id, row_key, column, ref_key, blob, created)
+
+
+def _check_layout(node: str, meta: dict[str, str]) -> None:
+    if meta and meta.get("layout", "1") != str(LAYOUT):
+        raise ConfigurationError(
+            f"storage node {node} was written with storage layout {meta.get('layout', '1')}"
+            f"{' (a table per shard)' if meta.get('layout', '1') == '1' else ''}; this cellstream reads layout "
+            f"{LAYOUT} (one cells table per node) and does not convert: write the cells into a new database")
+    if meta and int(meta.get("format_version", 0)) != FORMAT_VERSION:
+        raise ConfigurationError(f"storage node {node} has unknown format {meta.get('format_version')}")
+
+
+def _read_meta(cur: pymysql.cursors.Cursor) -> dict[str, str] | None:
+    try:
+        cur.execute("SELECT name, value FROM cellstream_meta")
+    except pymysql.err.ProgrammingError as exc:
+        if code(exc) == NO_TABLE:
+            return None
+        raise
+    return dict(cur.fetchall())
 
 
 class MySQLRecorder(NodeRecorder):
@@ -156,8 +197,6 @@ class MySQLRecorder(NodeRecorder):
         self._deferred: NodeMeta | None = None
         self._deferred_lock = threading.Lock()
         self._initializing: int | None = None  # the thread running the deferred initialization
-        self._tables: set[int] = set()
-        self._tables_lock = threading.Lock()
         from .mysql_index import MySQLIndexRecorder  # it uses this module's connections and scripts
 
         self.indexes = MySQLIndexRecorder(name, self._call, run_script, options.max_statement_bytes)
@@ -195,9 +234,13 @@ class MySQLRecorder(NodeRecorder):
         try:
             with conn.cursor() as cur:
                 # READ COMMITTED: every statement sees the latest commits (and takes no gap locks).
-                # Increment 1: the ids of one multi-row INSERT are consecutive (see _insert_statements).
                 cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-                cur.execute("SET SESSION auto_increment_increment = 1, auto_increment_offset = 1")
+                # A write's counters come back as one GROUP_CONCAT: room for every shard of a node.
+                cur.execute("SET SESSION group_concat_max_len = 4194304")
+                # Strict for every table and statement: a write to a fenced shard finds no counter, and its
+                # NULL ids must fail the INSERT, never be stored as 0 with a warning.
+                cur.execute("SET SESSION sql_mode = IF(@@sql_mode = '', 'STRICT_ALL_TABLES',"
+                            " CONCAT(@@sql_mode, ',STRICT_ALL_TABLES'))")
         except BaseException:
             Pool.discard(conn)
             raise
@@ -222,40 +265,24 @@ class MySQLRecorder(NodeRecorder):
                 return fn(cur)
         except pymysql.Error as exc:
             error = translate(exc, where)
-            level = logging.INFO if isinstance(error, ShardMovedError) else (
-                logging.WARNING if error.retriable else logging.ERROR)
-            logger.log(level, "%s on %s failed: %s", what, where, error)
+            logger.log(logging.WARNING if error.retriable else logging.ERROR, "%s on %s failed: %s", what, where, error)
             raise error from exc
         except UnicodeError:
             # pymysql encodes host names (IDNA) and passwords (latin-1) itself.
             raise ConfigurationError(f"storage node {where}: host name or credentials cannot be encoded") from None
 
-    def _read_shard(self, shard: int, sql: str, args: Sequence[Any]) -> tuple[tuple[Any, ...], ...]:
-        def run(cur: pymysql.cursors.Cursor) -> tuple[tuple[Any, ...], ...]:
-            try:
-                cur.execute(sql.format(t=table(shard)), args)
-            except pymysql.err.ProgrammingError as exc:
-                if code(exc) == NO_TABLE:  # nobody wrote to this shard yet
-                    return ()
-                raise
+    def _read(self, sql: str, args: Sequence[Any]) -> Rows:
+        def run(cur: pymysql.cursors.Cursor) -> Rows:
+            cur.execute(sql, args)
             return tuple(cur.fetchall())
         return self._call("read", run, read=True)
 
     # -- metadata -------------------------------------------------------------------
     def read_meta(self) -> NodeMeta | None:
-        def run(cur: pymysql.cursors.Cursor) -> dict[str, str] | None:
-            try:
-                cur.execute("SELECT name, value FROM cellstream_meta")
-            except pymysql.err.ProgrammingError as exc:
-                if code(exc) == NO_TABLE:
-                    return None
-                raise
-            return dict(cur.fetchall())
-        rows = self._call("read metadata", run, read=True)
+        rows = self._call("read metadata", _read_meta, read=True)
         if not rows:
             return None
-        if int(rows.get("format_version", 0)) != FORMAT_VERSION:
-            raise ConfigurationError(f"storage node {self.name} has unknown format {rows.get('format_version')}")
+        _check_layout(self.name, rows)
         return NodeMeta(int(rows["shard_count"]), int(rows["first"]), int(rows["last"]))
 
     def defer_initialize(self, meta: NodeMeta) -> None:
@@ -280,10 +307,12 @@ class MySQLRecorder(NodeRecorder):
 
     def initialize(self, meta: NodeMeta) -> None:
         def run(cur: pymysql.cursors.Cursor) -> None:
+            # A node of another layout is refused before anything is created in it.
+            _check_layout(self.name, _read_meta(cur) or {})
             for statement in (*_SCHEMA, mysql_pending.SCHEMA):
                 cur.execute(statement)
-            values = [("format_version", str(FORMAT_VERSION)), ("shard_count", str(meta.shard_count)),
-                      ("first", str(meta.first)), ("last", str(meta.last))]
+            values = [("format_version", str(FORMAT_VERSION)), ("layout", str(LAYOUT)),
+                      ("shard_count", str(meta.shard_count)), ("first", str(meta.first)), ("last", str(meta.last))]
             # INSERT IGNORE: of two processes creating the node at once, the first wins
             # and the second then checks its metadata against the winner's.
             cur.execute("START TRANSACTION")
@@ -293,147 +322,152 @@ class MySQLRecorder(NodeRecorder):
                                 [(s,) for s in range(meta.first, meta.last + 1)])
                 logger.info("created storage node %s with shards %d-%d", self.name, meta.first, meta.last)
             cur.execute("COMMIT")
-            cur.execute("SELECT table_name FROM information_schema.tables"
-                        " WHERE table_schema = DATABASE() AND table_name LIKE 'cells\\_%'")
-            with self._tables_lock:
-                self._tables.update(int(name.split("_")[1]) for (name,) in cur.fetchall())
         self._call("initialize", run)
         stored = self.read_meta()
         assert stored is not None
         check_meta(self.name, stored, meta)
 
-    def _ensure_tables(self, cur: pymysql.cursors.Cursor, shards: Sequence[int]) -> None:
-        with self._tables_lock:
-            missing = [s for s in shards if s not in self._tables]
-        if missing:
-            run_script(cur, [(_SHARD_TABLE.format(t=table(s)), ()) for s in missing])
-            with self._tables_lock:
-                self._tables.update(missing)
-
     # -- writes ---------------------------------------------------------------------
-    def _insert_statements(self, by_shard: dict[int, list[PendingCell]]) -> list[Tagged]:
-        """Lock-and-count every shard (ascending), take the timestamp, then the chunked INSERTs.
-
-        Each INSERT is tagged with its shard and row count. Its OK packet carries the
-        first id; under the shard lock nobody else inserts into that table and the
-        session pins ``auto_increment_increment = 1``, so the chunk's ids are consecutive.
-        The timestamp is taken once all locks are held, so created_at never decreases
-        along a shard's added_ids.
-        """
-        out: list[Tagged] = [
-            (("UPDATE cellstream_shards SET cells = cells + %s WHERE shard = %s", (len(by_shard[s]), s)), None)
-            for s in sorted(by_shard)
-        ]
-        out.append(((_TIMESTAMP, ()), None))
+    def _inserts(self, template: str, rows: list[tuple[Any, ...]]) -> list[Weighed]:
+        """Multi-row INSERTs of cell ``rows`` (the arguments of ``template`` each), none over half a packet."""
         budget = self._options.max_statement_bytes // 2
-        for shard in sorted(by_shard):
-            cells = by_shard[shard]
-            start = 0
-            while start < len(cells):
-                size, end = 0, start
-                while end < len(cells) and (end == start or size + _row_size(cells[end]) < budget):
-                    size += _row_size(cells[end])
-                    end += 1
-                values = ", ".join([_VALUES_ROW] * (end - start))
-                args = [a for c in cells[start:end] for a in _row_args(c)]
-                out.append(((f"INSERT INTO {table(shard)} (row_key, column_name, ref_key, body, created_at)"
-                             f" VALUES {values}", args), (shard, end - start)))
-                start = end
+        out: list[Weighed] = []
+        start = 0
+        while start < len(rows):
+            size, end = 0, start
+            while end < len(rows):
+                # Escaping at most doubles the body and column; the ids and keys are a few dozen bytes.
+                weight = len(template) + 2 * (len(rows[end][5]) + len(rows[end][3])) + 160
+                if end > start and size + weight >= budget:
+                    break
+                size, end = size + weight, end + 1
+            out.append(((_INSERT + ", ".join([template] * (end - start)), [a for r in rows[start:end] for a in r]),
+                        size))
+            start = end
         return out
 
-    def _packets(
-        self, statements: list[Tagged]
-    ) -> Iterator[list[Tagged]]:
-        packet: list[Tagged] = []
+    def _packets(self, statements: Sequence[Statement | Weighed]) -> Iterator[list[Statement]]:
+        """``statements`` grouped into packets within ``max_statement_bytes`` (a Weighed one brings its size)."""
+        packet: list[Statement] = []
         size = 0
         for item in statements:
-            (sql, args), _ = item
-            weight = len(sql) + sum(_escaped_size(a) for a in args)
+            if isinstance(item[1], int):
+                statement, weight = item
+            else:
+                statement, weight = item, len(item[0]) + sum(_escaped_size(a) for a in item[1])
             if packet and size + weight > self._options.max_statement_bytes:
                 yield packet
                 packet, size = [], 0
-            packet.append(item)
+            packet.append(statement)
             size += weight
         if packet:
             yield packet
 
-    def _write_all(self, cur: pymysql.cursors.Cursor, fresh: list[PendingCell],
-                   stored: dict[Coordinates, Cell], prefix: list[Statement]) -> None:
-        """Run ``prefix`` + the inserts of ``fresh`` + COMMIT; fill ``stored`` with the new cells."""
-        by_shard: dict[int, list[PendingCell]] = {}
-        for cell in fresh:
-            by_shard.setdefault(cell.shard, []).append(cell)
-        statements: list[Tagged] = [(s, None) for s in prefix]
-        if by_shard:
-            statements += self._insert_statements(by_shard)
+    def _run_write(self, cur: pymysql.cursors.Cursor, statements: Sequence[Statement | Weighed],
+                   shards: Sequence[int]) -> list[Any]:
+        """Run a write's ``statements`` in as few packets as fit, then COMMIT (after the test hook, if set);
+        return the results of the first packet."""
         hook = self.before_commit
         if hook is None:
-            statements.append((("COMMIT", ()), None))
-        cursors = {shard: iter(cells) for shard, cells in by_shard.items()}
-        created: dt.datetime | None = None
+            statements = [*statements, ("COMMIT", ())]
+        first: list[Any] | None = None
         for packet in self._packets(statements):
-            results = run_script(cur, [s for s, _ in packet])
-            for ((sql, _), tag), result in zip(packet, results, strict=True):
-                if sql == _TIMESTAMP and result.rows:
-                    created = result.rows[0][0]
-                if tag is None:
-                    continue
-                assert created is not None
-                shard, count = tag
-                for added_id in range(result.insert_id, result.insert_id + count):
-                    cell = next(cursors[shard])
-                    stored[cell.coordinates] = Cell(cell.row_key, cell.column, cell.ref_key, cell.body,
-                                                    added_id, shard, created)
+            results = run_script(cur, packet)
+            first = results if first is None else first
         if hook is not None:
-            hook(sorted(by_shard))
+            hook(shards)
             cur.execute("COMMIT")
+        return first or []
 
-    def _select_existing(self, cells: Sequence[PendingCell]) -> list[Tagged]:
-        """SELECTs of the stored cells at these coordinates, at most 500 a statement, tagged by shard."""
-        by_shard: dict[int, list[PendingCell]] = {}
-        for cell in cells:
-            by_shard.setdefault(cell.shard, []).append(cell)
-        out: list[Tagged] = []
-        for shard in sorted(by_shard):
-            group = by_shard[shard]
-            for start in range(0, len(group), 500):
-                chunk = group[start:start + 500]
-                where = " OR ".join(["(row_key = %s AND column_name = %s AND ref_key = %s)"] * len(chunk))
-                out.append(((f"SELECT {_COLS} FROM {table(shard)} WHERE {where}",
-                             [a for c in chunk for a in c.coordinates]), (shard, len(chunk))))
+    def _write_one_shard(self, cur: pymysql.cursors.Cursor, cells: Sequence[PendingCell]) -> list[Cell]:
+        """One round trip: lock the shard's row and take its ids, insert, COMMIT. A fenced shard (or one
+        this node does not hold) leaves @cs_b NULL, so the INSERT fails (1048) and nothing is written."""
+        shard = cells[0].shard
+        rows = [(shard, i, c.row_key.bytes, c.column, c.ref_key, c.blob) for i, c in enumerate(cells, 1)]
+        results = self._run_write(cur, [
+            ("SET @cs_b = NULL", ()), ("START TRANSACTION", ()),
+            ("UPDATE cellstream_shards SET last_id = (@cs_b := last_id) + %s WHERE shard = %s AND fence IS NULL",
+             (len(cells), shard)),
+            (f"SELECT @cs_b, {_TIMESTAMP}", ()),
+            *self._inserts(_ROW_AFTER_BASE, rows)], [shard])
+        base, created = results[3].rows[0]
+        return [Cell(c.row_key, c.column, c.ref_key, c.body, base + i, shard, created) for i, c in enumerate(cells, 1)]
+
+    def _existing(self, cur: pymysql.cursors.Cursor, cells: Sequence[PendingCell]) -> dict[Coordinates, Cell]:
+        """The stored cells at these coordinates (at most 500 looked up a statement)."""
+        statements: list[Statement] = [
+            (f"SELECT {CELL_COLUMNS} FROM cells WHERE " + " OR ".join([_SAME_CELL] * len(chunk)),
+             [a for c in chunk for a in c.coordinates])
+            for chunk in (cells[i:i + 500] for i in range(0, len(cells), 500))]
+        found: dict[Coordinates, Cell] = {}
+        for packet in self._packets(statements):
+            for result in run_script(cur, packet):
+                for cell in map(_row_to_cell, result.rows or ()):
+                    found[(cell.row_key.bytes, cell.column, cell.ref_key)] = cell
+        return found
+
+    def _write_locked(self, cur: pymysql.cursors.Cursor, cells: Sequence[PendingCell],
+                      check_existing: bool) -> list[Cell]:
+        """Two round trips: lock the shards' rows (ascending) and read their counters and fences; then insert
+        every cell with its id, move the counters and COMMIT. With ``check_existing``, cells stored already
+        are compared (CellConflictError on another body) and not written again."""
+        shards = sorted({c.shard for c in cells})
+        # The rows are locked in index order; their counters come back as one string, which costs a
+        # fraction of a row per shard to fetch.
+        locked = run_script(cur, [
+            ("START TRANSACTION", ()),
+            ("SELECT COUNT(*), GROUP_CONCAT(last_id ORDER BY shard), GROUP_CONCAT(CONCAT(shard, ' ', fence))"
+             f" FROM cellstream_shards WHERE shard IN ({', '.join(['%s'] * len(shards))}) FOR UPDATE", shards),
+            (f"SELECT {_TIMESTAMP}", ())])
+        [[count, counters, fences]] = locked[1].rows or ()
+        if fences:
+            cur.execute("ROLLBACK")
+            shard, node = fences.split(",")[0].split(" ")
+            raise ShardMovedError(int(shard), node)
+        if count != len(shards):
+            cur.execute("ROLLBACK")
+            raise StorageError(f"storage node {self.name} does not hold all of shards {shards[:10]}...")
+        last = dict(zip(shards, map(int, counters.split(",")), strict=True))
+        [[created]] = locked[2].rows or ()
+        existing = self._existing(cur, cells) if check_existing else {}
+        fresh = split_existing(cells, existing) if check_existing else cells
+        rows = []
+        for cell in sorted(fresh, key=_shard_of_cell):  # ascending keys: appends to each shard's range
+            added_id = last[cell.shard] = last[cell.shard] + 1
+            rows.append((cell.shard, added_id, cell.row_key.bytes, cell.column, cell.ref_key, cell.blob))
+        written = sorted({row[0] for row in rows})
+        statements = self._inserts(_ROW, rows)
+        if written:
+            statements.append((("INSERT INTO cellstream_shards (shard, last_id) VALUES "
+                                + ", ".join(["(%s, %s)"] * len(written))
+                                + " ON DUPLICATE KEY UPDATE last_id = VALUES(last_id)",
+                                [a for s in written for a in (s, last[s])]), 40 * len(written) + 100))
+        self._run_write(cur, statements, written)
+        # Every cell carries the body given (equal to a stored one by same_json): nothing is decoded again.
+        ids = {(row[2], row[3], row[4]): row[1] for row in rows}
+        out = []
+        for c in cells:
+            key = (c.row_key.bytes, c.column, c.ref_key)
+            new_id = ids.get(key)
+            out.append(existing[key]._replace(body=c.body) if new_id is None
+                       else Cell(c.row_key, c.column, c.ref_key, c.body, new_id, c.shard, created))
         return out
 
     def insert(self, cells: Sequence[PendingCell], retry: RetryPolicy | None = None) -> list[Cell]:
-        shards = sorted({c.shard for c in cells})
+        one_shard = len({c.shard for c in cells}) == 1
 
         def run(cur: pymysql.cursors.Cursor) -> list[Cell]:
-            self._ensure_tables(cur, shards)
-            stored: dict[Coordinates, Cell] = {}
             try:
                 try:
-                    self._write_all(cur, list(cells), stored, [("START TRANSACTION", ())])
-                    return ordered_result(cells, stored)
+                    if one_shard:
+                        return self._write_one_shard(cur, cells)
+                    return self._write_locked(cur, cells, check_existing=False)
                 except pymysql.err.IntegrityError as exc:
-                    if code(exc) != DUPLICATE:
+                    if code(exc) not in (DUPLICATE, NULL_COLUMN):
                         raise
                     cur.execute("ROLLBACK")
-                # Some cells exist already: lock the shards, compare, insert only the rest.
-                stored.clear()
-                marks = ", ".join(["%s"] * len(shards))
-                run_script(cur, [("START TRANSACTION", ()),
-                                 (f"SELECT shard FROM cellstream_shards WHERE shard IN ({marks})"
-                                  " ORDER BY shard FOR UPDATE", shards)])
-                existing: dict[Coordinates, Cell] = {}
-                for packet in self._packets(self._select_existing(cells)):
-                    for (_, tag), result in zip(packet, run_script(cur, [s for s, _ in packet]), strict=True):
-                        assert tag is not None
-                        for row in result.rows or ():
-                            cell = _row_to_cell(tag[0], row)
-                            existing[(cell.row_key.bytes, cell.column, cell.ref_key)] = cell
-                fresh = split_existing(cells, existing)
-                stored.update(existing)
-                self._write_all(cur, fresh, stored, [])
-                return ordered_result(cells, stored)
+                # Some cells exist already, or the one-shard write found no counter: lock, look, write the rest.
+                return self._write_locked(cur, cells, check_existing=True)
             except BaseException:
                 # Never leave a transaction open: it would hold shard locks (the pool also
                 # refuses to reuse a connection that is still inside one).
@@ -445,83 +479,74 @@ class MySQLRecorder(NodeRecorder):
 
     # -- reads ----------------------------------------------------------------------
     def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None:
-        rows = self._read_shard(
-            shard, f"SELECT {_COLS} FROM {{t}} WHERE row_key = %s AND column_name = %s AND ref_key = %s",
-            (row_key.bytes, column, ref_key))
-        return _row_to_cell(shard, rows[0]) if rows else None
+        rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE row_key = %s AND column_name = %s AND ref_key = %s",
+                          (row_key.bytes, column, ref_key))
+        return _row_to_cell(rows[0]) if rows else None
 
     def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None:
-        rows = self._read_shard(
-            shard, f"SELECT {_COLS} FROM {{t}} WHERE row_key = %s AND column_name = %s"
-            " ORDER BY ref_key DESC LIMIT 1", (row_key.bytes, column))
-        return _row_to_cell(shard, rows[0]) if rows else None
+        rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE row_key = %s AND column_name = %s"
+                          " ORDER BY ref_key DESC LIMIT 1", (row_key.bytes, column))
+        return _row_to_cell(rows[0]) if rows else None
 
     def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
-        rows = self._read_shard(
-            shard, f"SELECT {_COLS} FROM {{t}} c WHERE row_key = %s AND ref_key = ("
-            " SELECT MAX(ref_key) FROM {t} m WHERE m.row_key = c.row_key AND m.column_name = c.column_name)"
+        rows = self._read(
+            f"SELECT {CELL_COLUMNS} FROM cells c WHERE row_key = %s AND ref_key = ("
+            " SELECT MAX(ref_key) FROM cells m WHERE m.row_key = c.row_key AND m.column_name = c.column_name)"
             " ORDER BY column_name", (row_key.bytes,))
-        return [_row_to_cell(shard, r) for r in rows]
+        return [_row_to_cell(r) for r in rows]
 
     def get_log(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Cell]:
         where, extra = _after(columns)
-        rows = self._read_shard(shard, f"SELECT {_COLS} FROM {{t}} WHERE {where} ORDER BY added_id LIMIT %s",
-                                [location, *extra, limit])
-        return decode_log(rows, lambda row: _row_to_cell(shard, row))
+        rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s",
+                          [shard, location, *extra, limit])
+        return decode_log(rows, _row_to_cell)
 
     def get_logs(
         self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
     ) -> dict[int, list[Cell] | CorruptCellError]:
         if len(locations) < 2:
             return super().get_logs(locations, limit, columns)
-        where, extra = _after(columns)
-        parts, args = [], []
-        for shard, location in locations:
-            parts.append(f"(SELECT {shard}, {_COLS} FROM {table(shard)} WHERE {where} ORDER BY added_id LIMIT %s)")
-            args.extend([location, *extra, limit])
-
-        def run(cur: pymysql.cursors.Cursor) -> tuple[tuple[Any, ...], ...] | None:
-            try:
-                cur.execute(" UNION ALL ".join(parts), args)
-            except pymysql.err.ProgrammingError as exc:
-                if code(exc) == NO_TABLE:  # a shard nobody wrote to yet: read them one by one
-                    return None
-                raise
-            return tuple(cur.fetchall())
-        rows = self._call("read", run, read=True)
-        if rows is None:
-            return super().get_logs(locations, limit, columns)
+        args: Sequence[object]
+        if columns:  # the cells of some columns are not dense: each shard's page needs its own LIMIT
+            where, extra = _after(columns)
+            sql = " UNION ALL ".join(
+                [f"(SELECT {CELL_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s)"] * len(locations))
+            args = [a for shard, location in locations for a in (shard, location, *extra, limit)]
+        else:
+            sql, args = _dense_pages(locations, limit)
+        # A range shared by several shards also holds ids outside a shard's own page (see _dense_pages).
+        after = {shard: location for shard, location in locations} if not columns else None
         by_shard: dict[int, list[tuple[Any, ...]]] = {shard: [] for shard, _ in locations}
-        for row in rows:
-            by_shard[row[0]].append(row[1:])
+        for row in self._read(sql, args):
+            if after is None or after[row[0]] < row[1] <= after[row[0]] + limit:
+                by_shard[row[0]].append(row)
         out: dict[int, list[Cell] | CorruptCellError] = {}
         for shard, page in by_shard.items():
-            page.sort(key=itemgetter(0))  # UNION ALL keeps each part's order in practice, not by contract
+            page.sort(key=lambda row: row[1])  # neither form of the query promises an order
             try:
-                out[shard] = decode_log(page, partial(_row_to_cell, shard))
+                out[shard] = decode_log(page, _row_to_cell)
             except CorruptCellError as exc:
                 out[shard] = exc
         return out
 
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
+        if not columns:  # dense ids: the cells after a location are the ids up to the head
+            return max(0, self.head(shard) - location)
         where, extra = _after(columns)
-        rows = self._read_shard(shard, f"SELECT COUNT(*) FROM {{t}} WHERE {where}", [location, *extra])
-        return int(rows[0][0]) if rows else 0
+        rows = self._read(f"SELECT COUNT(*) FROM cells WHERE {where}", [shard, location, *extra])
+        return int(rows[0][0])
 
     def first_at(self, shard: int, when: dt.datetime) -> int | None:
-        rows = self._read_shard(shard, "SELECT MIN(added_id) FROM {t} WHERE created_at >= %s",
-                                (when.astimezone(dt.UTC).replace(tzinfo=None),))
+        rows = self._read("SELECT MIN(added_id) FROM cells WHERE shard = %s AND created_at >= %s",
+                          (shard, when.astimezone(dt.UTC).replace(tzinfo=None)))
         return int(rows[0][0]) if rows and rows[0][0] is not None else None
 
     def head(self, shard: int) -> int:
-        rows = self._read_shard(shard, "SELECT MAX(added_id) FROM {t}", ())
-        return int(rows[0][0] or 0) if rows else 0
+        rows = self._read("SELECT last_id FROM cellstream_shards WHERE shard = %s", (shard,))
+        return int(rows[0][0]) if rows else 0
 
     def shard_counts(self) -> dict[int, int]:
-        def run(cur: pymysql.cursors.Cursor) -> dict[int, int]:
-            cur.execute("SELECT shard, cells FROM cellstream_shards")
-            return {int(s): int(n) for s, n in cur.fetchall()}
-        return self._call("read", run, read=True)
+        return {int(s): int(n) for s, n in self._read("SELECT shard, last_id FROM cellstream_shards", ())}
 
     # -- consumer offsets -----------------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
@@ -559,7 +584,7 @@ class MySQLRecorder(NodeRecorder):
     def moves(self) -> dict[int, str]:
         def run(cur: pymysql.cursors.Cursor) -> dict[int, str]:
             try:
-                cur.execute("SELECT shard, moved_to FROM cellstream_moves")
+                cur.execute("SELECT shard, moved_to FROM cellstream_shards WHERE moved_to IS NOT NULL")
             except pymysql.err.ProgrammingError as exc:
                 if code(exc) == NO_TABLE:  # a replica that has not caught up with the node's creation
                     return {}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import pymysql
 
 from .errors import ConfigurationError, LogstoreError, ShardMovedError, StorageError, StorageUnavailableError
@@ -15,9 +13,8 @@ UNAVAILABLE = {1040, 1053, 1158, 1159, 1160, 1161, 1205, 1213, 1317, 1927, 2002,
                2014, 2055, 4031}
 BAD_CONFIG = {1044, 1045, 1049, 1142, 1227}
 NO_TABLE = 1146
-SIGNAL = 1644  # SIGNAL from a trigger
-MOVED = re.compile(r"cellstream: shard (\d+) moved to node ([A-Za-z0-9_.-]+)")
 DUPLICATE = 1062
+NULL_COLUMN = 1048  # a NULL into a NOT NULL column: a one-shard write that found no counter to take ids from
 
 
 def code(exc: pymysql.Error) -> int | None:
@@ -27,9 +24,6 @@ def code(exc: pymysql.Error) -> int | None:
 def translate(exc: pymysql.Error, node: str) -> LogstoreError:
     number = code(exc)
     message = exc.args[1] if len(exc.args) > 1 else str(exc)
-    moved = MOVED.match(str(message)) if number == SIGNAL else None
-    if moved:  # the fence of logstore.moves
-        return ShardMovedError(int(moved.group(1)), moved.group(2))
     text = f"storage node {node}: MySQL error {number}: {message}"
     if number in UNAVAILABLE or isinstance(exc, pymysql.err.InterfaceError):
         return StorageUnavailableError(text)

@@ -214,13 +214,14 @@ def check_meta(node: str, found: NodeMeta, wanted: NodeMeta) -> None:
 
 _new_object = object.__new__
 _set = object.__setattr__
+_UNKNOWN = uuid.SafeUUID.unknown  # an enum member: looked up once, not per key
 
 
 def uuid_from_bytes(raw: bytes) -> uuid.UUID:
     """``uuid.UUID(bytes=raw)`` without its argument checks (raw is a stored 16-byte key): 3x faster."""
     value = _new_object(uuid.UUID)
     _set(value, "int", int.from_bytes(raw, "big"))
-    _set(value, "is_safe", uuid.SafeUUID.unknown)
+    _set(value, "is_safe", _UNKNOWN)
     return value
 
 

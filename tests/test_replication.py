@@ -14,7 +14,7 @@ import pymysql
 import pytest
 
 import logstore
-from logstore.mysql import MySQLRecorder, table
+from logstore.mysql import MySQLRecorder
 from logstore.retry import RetryPolicy
 
 from .conftest import MYSQL_REPLICA, mysql_admin
@@ -45,8 +45,8 @@ def rows(url: str, shard: int) -> list[tuple[object, ...]]:
                            database=parts.path.lstrip("/"))
     try:
         with conn.cursor() as cur:
-            cur.execute(f"SELECT added_id, row_key, column_name, ref_key, body, created_at FROM {table(shard)} "
-                        "ORDER BY added_id")
+            cur.execute("SELECT added_id, row_key, column_name, ref_key, body, created_at FROM cells "
+                        "WHERE shard = %s ORDER BY added_id", (shard,))
             return list(cur.fetchall())
     finally:
         conn.close()

@@ -19,7 +19,6 @@ import pytest
 
 import logstore
 from cellstream.cli import main
-from logstore.mysql import table
 
 from .index_support import two_nodes
 
@@ -43,11 +42,11 @@ def scalar(url: str, sql: str) -> int:
 
 
 def rows_in(url: str, shard: int) -> int:
-    return scalar(url, f"SELECT COUNT(*) FROM {table(shard)}")
+    return scalar(url, f"SELECT COUNT(*) FROM cells WHERE shard = {shard}")
 
 
 def max_id(url: str, shard: int) -> int:
-    return scalar(url, f"SELECT COALESCE(MAX(added_id), 0) FROM {table(shard)}")
+    return scalar(url, f"SELECT COALESCE(MAX(added_id), 0) FROM cells WHERE shard = {shard}")
 
 
 def keys_in(store: logstore.Store, shard: int) -> Any:

@@ -161,8 +161,6 @@ def test_poison_cells_are_dead_lettered_by_name_and_nothing_is_skipped(
 ) -> None:
     import pymysql
 
-    from logstore.mysql import table
-
     key = uuid.uuid4()
     good1 = store.put_cell(key, "BASE", 1, {"n": 1})
     huge = store.put_cell(key, "BASE", 2, {"blob": os.urandom(700_000).hex()})  # ~1.4 MB: over the broker's limit
@@ -172,7 +170,7 @@ def test_poison_cells_are_dead_lettered_by_name_and_nothing_is_skipped(
     conn = pymysql.connect(host=url.host, port=url.port, user=url.user, password=url.password, database=url.database,
                            autocommit=True)
     with conn.cursor() as cur:
-        cur.execute(f"UPDATE {table(broken.shard)} SET body = x'7f00' WHERE added_id = %s", (broken.added_id,))
+        cur.execute("UPDATE cells SET body = x'7f00' WHERE shard = %s AND added_id = %s", (broken.shard, broken.added_id))
     conn.close()
     t = tailer(store, zk_chroot, topic_prefix, name="poison")
 
