@@ -21,7 +21,6 @@ import logstore
 from logstore import CellConflictError, ConfigurationError, InvalidArgumentError, InvalidCellError
 
 
-
 def _keys_in_shard(store: logstore.Store, shard: int, n: int) -> list[uuid.UUID]:
     out: list[uuid.UUID] = []
     while len(out) < n:

@@ -24,7 +24,7 @@ from tailer.worker import Tailer
 from .index_support import two_nodes
 from .private_mariadb import PrivateMariaDB
 
-SHARDS = 8
+SHARDS = 4096  # the default
 
 
 def cluster_file(tmp_path: Path, a: str, b: str) -> Path:
@@ -88,9 +88,9 @@ def test_a_primary_sigkilled_during_writes_loses_no_acknowledged_cell(mysql_data
             for writer in writers:
                 writer.join(60)
 
-            on_a = [c for c in acked if c.shard < 4]
+            on_a = [c for c in acked if c.shard < SHARDS // 2]
             buffered = [c for c in acked if c.added_id == 0]
-            assert buffered and all(c.shard < 4 for c in buffered), "no write was buffered while node a was down"
+            assert buffered and all(c.shard < SHARDS // 2 for c in buffered), "no write was buffered while a was down"
             assert len(on_a) > len(buffered), "node a took no write directly"
             assert not refused, refused[:3]
 
@@ -124,7 +124,7 @@ def test_a_buffered_cell_that_conflicts_at_home_is_kept_failed_not_dropped(mysql
                                                                            tmp_path: Path) -> None:
     with PrivateMariaDB(tmp_path / "node-a") as db, open_store(cluster_file(tmp_path, db.url("cells"),
                                                                            mysql_database)) as store:
-        key = next(k for k in iter(uuid.uuid4, None) if store.shard_of(k) < 4)
+        key = next(k for k in iter(uuid.uuid4, None) if store.shard_of(k) < SHARDS // 2)
         db.kill()
         buffered = store.put_cell(key, "BASE", 1, {"v": "buffered"})
         assert buffered.added_id == 0 and store.pending_stats() == {"a": (1, 0)}
@@ -147,7 +147,7 @@ def test_a_worker_node_buffers_and_its_replayer_writes_home(mysql_database: str,
     with PrivateMariaDB(tmp_path / "node-a") as db:
         cluster = cluster_file(tmp_path, db.url("cells"), mysql_database)
         with open_store(cluster) as store:
-            keys = list(itertools.islice((k for k in iter(uuid.uuid4, None) if store.shard_of(k) < 4), 5))
+            keys = list(itertools.islice((k for k in iter(uuid.uuid4, None) if store.shard_of(k) < SHARDS // 2), 5))
             node = NodeThread(store, replay_interval=0.2).start()
             try:
                 db.kill()
@@ -186,7 +186,7 @@ def test_a_store_opened_while_a_node_is_down_buffers_and_checks_the_node_when_it
             pass  # node a is created
         db.kill()
         with open_store(cluster) as store:  # opens without node a
-            key = next(k for k in iter(uuid.uuid4, None) if store.shard_of(k) < 4)
+            key = next(k for k in iter(uuid.uuid4, None) if store.shard_of(k) < SHARDS // 2)
             assert store.put_cell(key, "BASE", 1, {"opened": "during the outage"}).added_id == 0
             with pytest.raises(logstore.StorageUnavailableError):
                 store.get_cell(key, "BASE", 1)
@@ -194,11 +194,11 @@ def test_a_store_opened_while_a_node_is_down_buffers_and_checks_the_node_when_it
             assert store.replay_pending().replayed == 1
             stored = store.get_cell(key, "BASE", 1)
             assert stored is not None and stored.added_id > 0
-        bad = tmp_path / "bad.toml"  # node a's shards are 0-3: a map that says otherwise is refused on return
-        bad.write_text(f'shards = 8\n[[nodes]]\nname = "a"\nurl = "{db.url("cells")}"\nshards = "0-2"\n'
-                       f'[[nodes]]\nname = "b"\nurl = "{mysql_database_factory()}"\nshards = "3-7"\n')
+        bad = tmp_path / "bad.toml"  # node a's shards are 0-2047: a map that says otherwise is refused on return
+        bad.write_text(f'shards = {SHARDS}\n[[nodes]]\nname = "a"\nurl = "{db.url("cells")}"\nshards = "0-1023"\n'
+                       f'[[nodes]]\nname = "b"\nurl = "{mysql_database_factory()}"\nshards = "1024-{SHARDS - 1}"\n')
         db.kill()
         with open_store(bad) as store:
             db.start()
-            with pytest.raises(logstore.ConfigurationError, match="holds shards 0-3"):
-                store.get_cell(next(k for k in iter(uuid.uuid4, None) if store.shard_of(k) < 3), "BASE", 1)
+            with pytest.raises(logstore.ConfigurationError, match="holds shards 0-2047"):
+                store.get_cell(next(k for k in iter(uuid.uuid4, None) if store.shard_of(k) < 1024), "BASE", 1)

@@ -34,7 +34,8 @@ class TestMySQLStore(StoreContract):
 
     def corrupt_body(self, url: str, cell: logstore.Cell) -> None:
         with _connect(url) as conn, conn.cursor() as cur:
-            cur.execute("UPDATE cells SET body = x'7f00' WHERE shard = %s AND added_id = %s", (cell.shard, cell.added_id))
+            cur.execute("UPDATE cells SET body = x'7f00' WHERE shard = %s AND added_id = %s",
+                        (cell.shard, cell.added_id))
 
     def shard_storage(self, url: str) -> set[int]:
         with _connect(url) as conn, conn.cursor() as cur:
@@ -246,7 +247,7 @@ def test_a_database_of_the_table_per_shard_layout_is_refused_and_left_as_it_was(
         cur.execute("DELETE FROM cellstream_meta WHERE name = 'layout'")
         cur.execute("CREATE TABLE cells_0003 (added_id BIGINT AUTO_INCREMENT PRIMARY KEY) ENGINE=InnoDB")
     for attempt in (lambda: logstore.open(mysql_database), lambda: logstore.open(mysql_database, shards=16)):
-        with pytest.raises(logstore.ConfigurationError, match="storage layout 1 .a table per shard.*reads layout 2"):
+        with pytest.raises(logstore.ConfigurationError, match=r"layout 1 \(a table per shard\).*reads layout 2"):
             attempt()
     with _connect(mysql_database) as conn, conn.cursor() as cur:
         cur.execute("SELECT COUNT(*) FROM cellstream_meta WHERE name = 'layout'")

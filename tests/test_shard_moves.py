@@ -22,7 +22,8 @@ from cellstream.cli import main
 
 from .index_support import two_nodes
 
-SHARDS = 8
+SHARDS = 4096  # the default: moves, fences and maps at the shard count users get
+ON_B = SHARDS - 1  # a shard node b holds from the start
 
 
 def cluster_file(tmp_path: Path, a: str, b: str) -> Path:
@@ -88,7 +89,7 @@ def test_shards_move_online_under_writes_and_every_store_follows(
                 except logstore.LogstoreError as exc:
                     errors.append(exc)
 
-        writers = [threading.Thread(target=write, args=(s, shard)) for s in (mover, other) for shard in (1, 2, 5)]
+        writers = [threading.Thread(target=write, args=(s, shard)) for s in (mover, other) for shard in (1, 2, ON_B)]
         for writer in writers:
             writer.start()
         time.sleep(0.5)
@@ -104,7 +105,7 @@ def test_shards_move_online_under_writes_and_every_store_follows(
         assert all(r["fenced_seconds"] < 5 for r in reports)
 
         with logstore.open(cluster) as fresh:
-            assert (fresh.node_of(1), fresh.node_of(2), fresh.node_of(5)) == ("b", "b", "b")
+            assert (fresh.node_of(1), fresh.node_of(2), fresh.node_of(ON_B)) == ("b", "b", "b")
             assert fresh.node_of(0) == "a"
             for cell in [*first, *acked]:  # every acknowledged cell is there
                 stored = fresh.get_cell(cell.row_key, "BASE", 1)
@@ -140,8 +141,8 @@ def test_shards_move_online_under_writes_and_every_store_follows(
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["shards", "move", "1", "--to", "nowhere"], "no storage node 'nowhere'"),
-    (["shards", "move", "5", "--to", "b"], "shard 5 is on node b already"),
-    (["shards", "move", "99", "--to", "b"], "shard must be an integer in [0, 8)"),
+    (["shards", "move", str(ON_B), "--to", "b"], f"shard {ON_B} is on node b already"),
+    (["shards", "move", "4096", "--to", "b"], "shard must be an integer in [0, 4096)"),
     (["shards", "drop-moved", "1"], "shard 1 was not moved"),
 ])
 def test_bad_moves_are_refused_with_one_line(mysql_database_factory: Any, tmp_path: Path, argv: list[str],

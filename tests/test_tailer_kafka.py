@@ -170,7 +170,8 @@ def test_poison_cells_are_dead_lettered_by_name_and_nothing_is_skipped(
     conn = pymysql.connect(host=url.host, port=url.port, user=url.user, password=url.password, database=url.database,
                            autocommit=True)
     with conn.cursor() as cur:
-        cur.execute("UPDATE cells SET body = x'7f00' WHERE shard = %s AND added_id = %s", (broken.shard, broken.added_id))
+        cur.execute("UPDATE cells SET body = x'7f00' WHERE shard = %s AND added_id = %s",
+                    (broken.shard, broken.added_id))
     conn.close()
     t = tailer(store, zk_chroot, topic_prefix, name="poison")
 
