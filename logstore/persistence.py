@@ -168,6 +168,10 @@ class NodeRecorder(ABC):
     def head(self, shard: int) -> int:
         """The highest added_id of the shard, 0 when empty."""
 
+    def heads(self, shards: Sequence[int]) -> dict[int, int]:
+        """``head`` of each of ``shards``; backends with a cheaper way than a read per shard override this."""
+        return {shard: self.head(shard) for shard in shards}
+
     @abstractmethod
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         """How many cells of the shard (of ``columns`` if given) have ``added_id > location``."""

@@ -428,6 +428,15 @@ class Store:
         """The highest added_id of the shard (0 when empty): the location of the log's end."""
         return self._recorder(self._check_shard(shard)).head(shard)
 
+    def heads(self, shards: Iterable[int] | None = None) -> dict[int, int]:
+        """The head of each of ``shards`` (default: all), one read per storage node where the backend can:
+        a reader's lag over many shards without a read per shard."""
+        wanted = range(self.shard_count) if shards is None else sorted({self._check_shard(s) for s in shards})
+        out: dict[int, int] = {}
+        for node, group in self._by_node(wanted).items():
+            out.update(self._recorders[node].heads(group))
+        return {s: out.get(s, 0) for s in wanted}
+
     def shard_stats(self) -> list[ShardInfo]:
         """Cells per shard and the node holding it, for every shard."""
         self.refresh_map()

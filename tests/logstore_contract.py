@@ -384,6 +384,17 @@ class StoreContract:
         assert isinstance(error, logstore.CorruptCellError) and error.added_id == bad[1].added_id
         assert error.cells_before == bad[:1]
 
+    def test_heads_of_many_shards_are_the_single_heads(self, store: logstore.Store) -> None:
+        cells = store.put_cells([(uuid.uuid4(), "BASE", 1, {"i": i}) for i in range(40)])
+        heads = store.heads()
+        assert sorted(heads) == list(range(self.shards))
+        assert all(heads[s] == store.head(s) for s in {c.shard for c in cells} | {0, self.shards - 1})
+        assert all(heads[c.shard] >= c.added_id for c in cells)
+        some = sorted({c.shard for c in cells})[:3]
+        assert store.heads(some) == {s: heads[s] for s in some}
+        with pytest.raises(InvalidArgumentError, match="shard must be"):
+            store.heads([self.shards])
+
     def test_count_after_counts_the_cells_a_reader_has_not_seen(self, store: logstore.Store) -> None:
         key = uuid.uuid4()
         cells = [store.put_cell(key, "BASE", ref, {}) for ref in range(1, 8)]

@@ -13,7 +13,7 @@ import pytest
 import logstore
 from logstore.sqlite import DB_FILE
 
-from .logstore_contract import SHARDS, StoreContract
+from .logstore_contract import StoreContract
 from .worker_support import worker_node
 
 
@@ -21,7 +21,7 @@ class TestHttpStore(StoreContract):
     @pytest.fixture
     def url(self, sqlite_url: str) -> Iterator[str]:
         self.backing = sqlite_url
-        with worker_node(sqlite_url, SHARDS) as node:
+        with worker_node(sqlite_url, self.shards) as node:
             yield node.url
 
     def _db(self) -> Path:
@@ -38,10 +38,10 @@ class TestHttpStore(StoreContract):
     def test_default_is_4096_shards_and_creation_is_lazy(self, url: str) -> None:
         # The node's store exists already: opened without a count, a client takes the node's.
         with logstore.open(url) as store:
-            assert store.shard_count == SHARDS
+            assert store.shard_count == self.shards
             assert store.get_cell(uuid.uuid4(), "BASE", 1) is None
 
     def test_tailing_reader_never_skips_when_commits_are_delayed_out_of_order(self, url: str) -> None:
-        # The contract opens a fresh 2-shard instance: here, a node in front of one.
-        with worker_node(self.backing.rstrip("/") + "-two", 2) as node:
+        # The contract opens a fresh instance: here, a node in front of one.
+        with worker_node(self.backing.rstrip("/") + "-fresh", self.shards) as node:
             super().test_tailing_reader_never_skips_when_commits_are_delayed_out_of_order(node.url)
