@@ -1,10 +1,12 @@
-"""Stream-processing runtime benchmark, Kafka mode (python bench/app_kafka_bench.py).
+"""Stream-processing runtime benchmark, Kafka mode (python bench/app_kafka_bench.py [--shards N]).
 
-Needs the MariaDB, ZooKeeper and Kafka of ``scripts/services.sh up``.
+Needs the MariaDB, ZooKeeper and Kafka of ``scripts/services.sh up``. Both parts' stores have
+``--shards`` shards (default 4096, the store's default).
 
 1. Latency, set up like bench/tailer_bench.py: a fresh MariaDB database, a tailer
-   worker process (``cellstream tail`` with ZooKeeper), eight writer threads putting
-   cells at 1,000 cells/s for ``--seconds``. A consumer process notes when each cell
+   worker process (``cellstream tail`` with ZooKeeper; the consumer starts once it has
+   claimed every shard), eight writer threads putting cells at ``--rate`` (1,000)
+   cells/s for ``--seconds``. A consumer process notes when each cell
    reaches it; latency is from put_cell returning to that moment, the warm-up tenth
    dropped. The consumer is, in turn, the app in Kafka mode (a no-op async handler:
    put_cell -> tailer -> Kafka -> faust -> handler; target p99 <= 100 ms), a plain
@@ -39,6 +41,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from kazoo.client import KazooClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
@@ -51,11 +54,11 @@ from tailer.kafka import KafkaPublisher
 from tailer.messages import decode_cell
 from tailer.storecoord import StoreCoordinator
 from tailer.worker import Tailer
+from tailer.zookeeper import tailer_path
 
 SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
 KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
 ZOOKEEPER = os.environ.get("CELLSTREAM_TEST_ZOOKEEPER", "127.0.0.1:2181")
-SHARDS = 64
 P = 16
 CONSUMERS = ("app", "aiokafka", "faust")
 
@@ -65,7 +68,7 @@ def group(prefix: str, consumer: str) -> str:
 
 
 # -- latency ------------------------------------------------------------------------------
-def consume_latency(prefix: str, consumer: str, column: str, seconds: float) -> None:
+def consume_latency(prefix: str, consumer: str, column: str, seconds: float, shards: int) -> None:
     """(the consumer process) Print {row_key: receipt time} as JSON once ``seconds`` have passed."""
     got: dict[str, float] = {}
     topic = f"{prefix}.{column}"
@@ -74,7 +77,7 @@ def consume_latency(prefix: str, consumer: str, column: str, seconds: float) -> 
         got.setdefault(str(cell.row_key), time.time())
 
     async def app_mode() -> None:
-        with tempfile.TemporaryDirectory() as tmp, logstore.open(f"sqlite:///{tmp}/dlq") as store:
+        with tempfile.TemporaryDirectory() as tmp, logstore.open(f"sqlite:///{tmp}/dlq", shards=shards) as store:
             app = App(f"{prefix}-app", store=store, brokers=KAFKA, topic_prefix=prefix)
 
             @app.trigger(column)
@@ -131,12 +134,28 @@ async def _group_state(name: str) -> tuple[str, int]:
         await admin.close()
 
 
+def _wait_claimed(zk: str, name: str, shards: int, tailer: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until the tailer holds a claim (its ZooKeeper claims/<shard> node) on each of the ``shards`` shards:
+    with thousands of shards, claiming and positioning them at their heads takes a while."""
+    hosts, root = tailer_path(zk, name)
+    client = KazooClient(hosts=hosts)
+    client.start(timeout=10)
+    try:
+        deadline = time.monotonic() + timeout
+        while not client.exists(f"{root}/claims") or len(client.get_children(f"{root}/claims")) < shards:
+            assert time.monotonic() < deadline and tailer.poll() is None, "the tailer did not claim its shards"
+            time.sleep(0.2)
+    finally:
+        client.stop()
+        client.close()
+
+
 def latency(store: logstore.Store, url: str, zk: str, prefix: str, consumer: str, rate: float,
             seconds: float) -> list[float]:
-    column = f"LAT_{consumer.upper()}"
+    column, name = f"LAT_{consumer.upper()}", f"latency-{consumer}"
     tailer = subprocess.Popen(
         [sys.executable, "-m", "cellstream", "tail", "--store", url, "--brokers", KAFKA, "--zookeeper", zk,
-         "--name", f"latency-{consumer}", "--prefix", prefix, "--partitions", str(P), "--columns", column,
+         "--name", name, "--prefix", prefix, "--partitions", str(P), "--columns", column,
          "--from", "now"], stderr=subprocess.DEVNULL)
     reader = None
     try:
@@ -144,8 +163,12 @@ def latency(store: logstore.Store, url: str, zk: str, prefix: str, consumer: str
         while not asyncio.run(_topic_exists(f"{prefix}.{column}")):  # the tailer creates it on start
             assert time.monotonic() < deadline and tailer.poll() is None, "the tailer did not start"
             time.sleep(0.2)
+        # Before the consumer starts, so that its window (--seconds) is not spent waiting for the claims.
+        _wait_claimed(zk, name, store.shard_count, tailer, 180)
+        deadline = time.monotonic() + 60
         reader = subprocess.Popen([sys.executable, __file__, "--consume", consumer, "--prefix", prefix,
-                                   "--column", column, "--seconds", str(seconds + 12)],
+                                   "--column", column, "--seconds", str(seconds + 12),
+                                   "--shards", str(store.shard_count)],
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         while asyncio.run(_group_state(group(prefix, consumer))) != ("Stable", 1):
             assert time.monotonic() < deadline and reader.poll() is None, "the consumer did not join its group"
@@ -254,9 +277,9 @@ def app_throughput(store: logstore.Store, prefix: str, expected: int) -> float:
     return clock.rate
 
 
-def throughput(prefix: str, cells: int) -> dict[str, Any]:
+def throughput(prefix: str, cells: int, shards: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="cellstream-bench-") as tmp, \
-            logstore.open(f"sqlite:///{tmp}/store", shards=SHARDS) as store:
+            logstore.open(f"sqlite:///{tmp}/store", shards=shards) as store:
         for start in range(0, cells, 1000):
             store.put_cells([(uuid.uuid4(), "TPUT", 1, {"n": n, "city": "Aarhus", "fare": 12.5})
                              for n in range(start, min(cells, start + 1000))])
@@ -274,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--cells", type=int, default=30_000)
+    parser.add_argument("--shards", type=int, default=4096, help="shards of the stores (default 4096, the store's)")
     parser.add_argument("--only", choices=["latency", "throughput"], help="run one part (results not saved)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "app_kafka.json"))
     parser.add_argument("--consume", choices=CONSUMERS, help=argparse.SUPPRESS)
@@ -282,12 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     if args.consume:
-        consume_latency(args.prefix, args.consume, args.column, args.seconds)
+        consume_latency(args.prefix, args.consume, args.column, args.seconds, args.shards)
         return 0
-    result: dict[str, Any] = {"shards": SHARDS, "partitions": P}
+    result: dict[str, Any] = {"shards": args.shards, "partitions": P}
     with scratch(SERVER, ZOOKEEPER, KAFKA, "app") as (url, zk, prefix):
         if args.only in (None, "latency"):
-            with logstore.open(url, shards=SHARDS) as store:
+            with logstore.open(url, shards=args.shards) as store:
                 for consumer in CONSUMERS:
                     samples = latency(store, url, zk, prefix, consumer, args.rate, args.seconds)
                     q = statistics.quantiles(samples, n=100)
@@ -299,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             p99 = result["latency_app"]["p99_ms"]
             print(f"Kafka-mode target p99 <= 100 ms: {'met' if p99 <= 100 else 'MISSED'}")
         if args.only in (None, "throughput"):
-            tput = result["throughput"] = throughput(prefix, args.cells)
+            tput = result["throughput"] = throughput(prefix, args.cells, args.shards)
             print(f"throughput, no-op handler: {tput['app_cells_per_s']} cells/s; raw aiokafka "
                   f"{tput['raw_aiokafka_per_s']}/s (ratio {tput['ratio_vs_raw_aiokafka']}, target >= 0.5: "
                   f"{'met' if tput['ratio_vs_raw_aiokafka'] >= 0.5 else 'MISSED'}); bare faust "

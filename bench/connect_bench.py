@@ -1,4 +1,4 @@
-"""Warehouse sink benchmark (issue 6): python bench/connect_bench.py [--cells N] [--postgres URL].
+"""Warehouse sink benchmark (issue 6): python bench/connect_bench.py [--cells N] [--shards N] [--postgres URL].
 
 Each sink against the raw library doing the same write of the same rows, in the same run:
 
@@ -12,11 +12,13 @@ Each sink against the raw library doing the same write of the same rows, in the 
    CONFLICT DO UPDATE``.
 
 Then, for information, the whole connector (``cellstream connect``'s runtime, direct mode) loading the
-same cells into the lake, against the raw paged read of the log.
+same cells into the lake, against the raw paged read of the log (``Store.get_cells_for_shards``, 512
+shards a call, as a tailer reads).
 
 Rounds alternate which side goes first; each prints cells/s and the ratio (target >= 0.6). Results go to
-bench/results/connect.json. The store is a fresh SQLite directory; PostgreSQL is the server of
-``scripts/services.sh`` (a fresh database, dropped after).
+bench/results/connect.json. The store is a fresh SQLite directory with ``--shards`` shards (default 4096,
+the store's default; the lake files are per shard and date, so about one per shard on each side);
+PostgreSQL is the server of ``scripts/services.sh`` (a fresh database, dropped after).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,7 @@ from connectors.runtime import connector_app
 from connectors.sink import Position, flatten, utc_date
 
 SERVER = os.environ.get("CELLSTREAM_TEST_POSTGRES", "postgresql://cellstream:cellstream@127.0.0.1:5432")
-SHARDS = 64
+READ_GROUP, PAGE = 512, 10_000  # the raw read: shards per get_cells_for_shards call, cells per shard page
 
 
 def trips(store: logstore.Store, n: int) -> list[logstore.Cell]:
@@ -117,8 +120,27 @@ def count(url: str, table: str) -> int:
 
 
 # -- 3. the whole connector ----------------------------------------------------------------------
+def raw_read(store: logstore.Store) -> int:
+    """The log's BASE cells paged through every shard, ``READ_GROUP`` shards a call; how many were read."""
+    read, locations = 0, dict.fromkeys(range(store.shard_count), 0)
+    while locations:
+        shards = list(locations)
+        for start in range(0, len(shards), READ_GROUP):
+            group = {s: locations[s] for s in shards[start:start + READ_GROUP]}
+            for shard, page in store.get_cells_for_shards(group, PAGE, columns=["BASE"]).items():
+                assert isinstance(page, list), page
+                read += len(page)
+                if len(page) < PAGE:
+                    del locations[shard]
+                else:
+                    locations[shard] = page[-1].added_id
+    return read
+
+
 def connector(store: logstore.Store, root: Path, n: int) -> dict[str, Any]:
-    read = timed(lambda: [store.get_cells_for_shard(s, 0, 10_000, columns=["BASE"]) for s in range(SHARDS)])
+    started = time.perf_counter()
+    assert raw_read(store) == n
+    read = time.perf_counter() - started
     config = ConnectorConfig.model_validate({"name": "bench", "columns": ["BASE"], "checkpoint_interval": 2.0,
                                              "sink": {"type": "parquet", "root": str(root)}})
     app, _ = connector_app(config, store)
@@ -131,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--shards", type=int, default=4096, help="shards of the store (default 4096, the store's)")
     parser.add_argument("--postgres", default=SERVER, help="a postgresql:// server URL without a database")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "connect.json"))
     args = parser.parse_args(argv)
@@ -141,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     totals = {"parquet sink": 0.0, "pyarrow": 0.0, "postgres sink": 0.0, "COPY": 0.0, "latest sink": 0.0}
     try:
         with tempfile.TemporaryDirectory(prefix="cellstream-bench-") as tmp, \
-                logstore.open(f"sqlite:///{tmp}/store", shards=SHARDS) as store:
+                logstore.open(f"sqlite:///{tmp}/store", shards=args.shards) as store:
             cells = trips(store, args.cells)
             # The input held in memory is neither side's work: out of the collector's reach, its 100,000
             # cells no longer make either side's garbage collections slower (and the ratios noisy).
@@ -149,11 +172,11 @@ def main(argv: list[str] | None = None) -> int:
             gc.freeze()
             for r in range(args.rounds):
                 sides: list[tuple[str, Callable[[], Any]]] = [
-                    ("parquet sink", lambda r=r: sink_parquet(cells, Path(tmp) / f"sink{r}")),
-                    ("pyarrow", lambda r=r: raw_parquet(cells, Path(tmp) / f"raw{r}")),
-                    ("postgres sink", lambda r=r: sink_postgres(cells, url, f"sink{r}")),
-                    ("COPY", lambda r=r: raw_postgres(cells, url, f"raw{r}")),
-                    ("latest sink", lambda r=r: sink_postgres(cells, url, f"latest{r}", "latest"))]
+                    ("parquet sink", partial(sink_parquet, cells, Path(tmp) / f"sink{r}")),
+                    ("pyarrow", partial(raw_parquet, cells, Path(tmp) / f"raw{r}")),
+                    ("postgres sink", partial(sink_postgres, cells, url, f"sink{r}")),
+                    ("COPY", partial(raw_postgres, cells, url, f"raw{r}")),
+                    ("latest sink", partial(sink_postgres, cells, url, f"latest{r}", "latest"))]
                 for pair in (sides[:2], sides[2:4]):
                     for name, fn in pair if r % 2 == 0 else pair[::-1]:
                         totals[name] += timed(fn)
@@ -167,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             admin.execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
     n = args.cells * args.rounds
     rate = {name: n / seconds for name, seconds in totals.items()}
-    result = {"cells": args.cells, "rounds": args.rounds, "shards": SHARDS,
+    result = {"cells": args.cells, "rounds": args.rounds, "shards": args.shards,
               "parquet": {"sink_cells_per_s": round(rate["parquet sink"]),
                           "pyarrow_cells_per_s": round(rate["pyarrow"]),
                           "ratio": round(rate["parquet sink"] / rate["pyarrow"], 3), "target": ">= 0.6"},

@@ -1,4 +1,4 @@
-"""Secondary-index benchmark (issue 5): python bench/index_bench.py [--store URL | --mysql].
+"""Secondary-index benchmark (issue 5): python bench/index_bench.py [--store URL | --mysql] [--shards N].
 
 Each figure is compared with the raw library doing the same work in the same run on the same database:
 sqlite3 on the node's index file (WAL, synchronous=FULL, BEGIN IMMEDIATE) or pymysql (READ COMMITTED like
@@ -7,17 +7,18 @@ trip_created_at, fare): ~125 per driver in 2-3 of 8 cities over 30 days, one in 
 (ref_key 2) of an earlier trip.
 
 1. Apply throughput per worker: ``--cells`` cells are put and read back in batches of up to ``--batch``
-   consecutive cells of one source shard (the runtime's grouping; with 64 shards, a shard's whole share);
-   one thread applies them with ``store.indexes.apply`` (positions, locators, entries; a transaction per
-   batch) against raw executemany upserts of the same rows committed per batch: same encoding (uuid as 16
-   bytes, datetime as int micros), the library's own entry-table DDL (primary key (shard, row_key), the
-   query index) and the same ref_key-guarded upsert. ``--rounds`` rounds on fresh tables, alternating
-   which side goes first; both tables must end with the same rows. Target: index/raw >= 0.6.
+   consecutive cells of one source shard (the runtime's grouping: with 64 shards, a shard's whole share;
+   with the default 4096, about a dozen cells); one thread applies them with ``store.indexes.apply``
+   (positions, locators, entries; a transaction per batch) against raw executemany upserts of the same
+   rows committed per batch: same encoding (uuid as 16 bytes, datetime as int micros), the library's own
+   entry-table DDL (primary key (shard, row_key), the query index) and the same ref_key-guarded upsert.
+   ``--rounds`` rounds on fresh tables, alternating which side goes first; both tables must end with the
+   same rows. Target: index/raw >= 0.6.
 2. Index lag at ``--rate`` cells/s: the app keeping the index runs in its own process (direct mode,
-   start_from="now"); 8 writer threads here put trips for ``--seconds`` (bench/pacing.py). A cell's lag
-   runs from its put_cell's return to the return of the app's IndexApplier.apply of its batch (entry
-   committed), recorded by wrapping that method; the warm-up tenth is dropped. Targets: p50 <= 20 ms,
-   p99 <= 200 ms.
+   start_from="now"); once it has claimed every shard, 8 writer threads here put trips for ``--seconds``
+   (bench/pacing.py). A cell's lag runs from its put_cell's return to the return of the app's
+   IndexApplier.apply of its batch (entry committed), recorded by wrapping that method; the warm-up tenth
+   is dropped. Targets: p50 <= 20 ms, p99 <= 200 ms.
 3. Single-shard query p50: after a backfill and activation, ``--queries`` queries ``Index.query(
    driver_partner_uuid=d, city_uuid=c, trip_created_at=(start, end), limit=100)`` against the same SELECT
    on the entry table through the raw library, rows decoded to the same values; each pair alternates
@@ -26,7 +27,8 @@ trip_created_at, fare): ~125 per driver in 2-3 of 8 cities over 30 days, one in 
 
 Results: bench/results/index.json (MariaDB: index_mysql.json) or ``--out``. Store: a fresh SQLite
 directory; ``--store`` a mysql:// URL of an empty database; ``--mysql`` a fresh database on
-$CELLSTREAM_TEST_MYSQL, dropped afterwards.
+$CELLSTREAM_TEST_MYSQL, dropped afterwards. The store has ``--shards`` shards (default 4096, the store's
+default).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ from logstore.indexing import ApplyResult, IndexChange, IndexSpec, Stream
 from logstore.sqlite import INDEX_FILE
 
 SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
-SHARDS, NAME = 64, "driver_partner_index"
+NAME = "driver_partner_index"
 YAML = f"""indexes:
   - name: {NAME}
     column: BASE
@@ -86,6 +88,7 @@ COLUMNS = ", ".join(("shard", "row_key", "ref_key", *FIELDS))
 T0, EPOCH = dt.datetime(2026, 11, 1, tzinfo=dt.UTC), dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 ONE_US = dt.timedelta(microseconds=1)
 DAYS, CITIES, TRIPS_PER_DRIVER = 30, 8, 125
+READ_GROUP = 512  # shards per get_cells_for_shards call when reading the log back
 Ask = tuple[uuid.UUID, uuid.UUID, dt.datetime, dt.datetime]  # a query: driver, city, [start, end)
 
 
@@ -134,15 +137,23 @@ class Trips:
 
 
 def read_batches(store: logstore.Store, definition: IndexDefinition, size: int) -> list[list[IndexChange]]:
-    """The log as the runtime batches it: consecutive cells of one source shard, shards interleaved."""
-    per_shard: list[list[list[IndexChange]]] = []
-    for shard in range(store.shard_count):
-        per_shard.append([])
-        location = 0
-        while cells := store.get_cells_for_shard(shard, location, size, columns=[definition.column])[0]:
-            per_shard[-1].append([IndexChange(c.shard, c.added_id, c.row_key, c.ref_key, definition.entry(c.body))
-                                  for c in cells])
-            location = cells[-1].added_id
+    """The log as the runtime batches it: consecutive cells of one source shard, shards interleaved.
+
+    Read as a tailer reads: a page of every shard still holding cells, ``READ_GROUP`` shards a call."""
+    per_shard: list[list[list[IndexChange]]] = [[] for _ in range(store.shard_count)]
+    locations = dict.fromkeys(range(store.shard_count), 0)
+    while locations:
+        shards = list(locations)
+        for start in range(0, len(shards), READ_GROUP):
+            group = {s: locations[s] for s in shards[start:start + READ_GROUP]}
+            for shard, cells in store.get_cells_for_shards(group, size, columns=[definition.column]).items():
+                assert isinstance(cells, list), cells
+                if cells:
+                    per_shard[shard].append([IndexChange(c.shard, c.added_id, c.row_key, c.ref_key,
+                                                         definition.entry(c.body)) for c in cells])
+                    locations[shard] = cells[-1].added_id
+                else:
+                    del locations[shard]
     return [page for pages in itertools.zip_longest(*per_shard) for page in pages if page]
 
 
@@ -244,10 +255,10 @@ def apply_throughput(store: logstore.Store, raw: Raw, definition: IndexDefinitio
 
 
 # -- 2. index lag ----------------------------------------------------------------------------------
-def serve_lag(url: str, out: str) -> None:
+def serve_lag(url: str, out: str, shards: int) -> None:
     """(the app process) Keep the index until the parent's cells are applied; write {row_key: time}."""
     got: dict[str, float] = {}
-    with logstore.open(url) as store:
+    with logstore.open(url, shards=shards) as store:
         app = App("bench-index", store=store, start_from="now")
         app.index(load_indexes(YAML))
         [applier] = [t.applier for t in app.triggers if isinstance(t.applier, IndexApplier)]
@@ -267,6 +278,12 @@ def serve_lag(url: str, out: str) -> None:
             stop = asyncio.Event()
             running = asyncio.create_task(app.run_async(stop))
             while (await asyncio.to_thread(IndexCatalog(store).get, NAME)).versions[1].live_since is None:
+                assert not running.done(), running.exception()
+                await asyncio.sleep(0.05)
+            # Marked live once its tailer started; it claims the shards (at their heads) after that, which
+            # with thousands of shards takes a while: a cell put in a shard not claimed yet would be skipped.
+            while app.metrics.registry.get_sample_value("cellstream_tailer_owned_shards",
+                                                        {"tailer": f"app.{app.name}"}) != store.shard_count:
                 assert not running.done(), running.exception()
                 await asyncio.sleep(0.05)
             Path(out + ".ready").touch()  # claimed at the heads (start_from now) and marked live
@@ -289,7 +306,8 @@ def serve_lag(url: str, out: str) -> None:
 def lag(store: logstore.Store, url: str, trips: Trips, rate: int, seconds: float, tmp: str) -> dict[str, Any]:
     """Writers in this process, the app in its own (as in production: they share no GIL)."""
     out = f"{tmp}/lag.json"
-    child = subprocess.Popen([sys.executable, __file__, "--serve-lag", out, "--store", url])
+    child = subprocess.Popen([sys.executable, __file__, "--serve-lag", out, "--store", url,
+                              "--shards", str(store.shard_count)])
     while not Path(out + ".ready").exists():
         assert child.poll() is None, "the app process died"
         time.sleep(0.05)
@@ -351,7 +369,7 @@ def queries(store: logstore.Store, raw: Raw, trips: Trips, count: int) -> dict[s
 def run(url: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     definition, trips, target = load_indexes(YAML)[0], Trips(args.cells), parse_node_url(url)
     assert isinstance(target, MySQLTarget | SQLiteTarget)
-    with logstore.open(url, shards=SHARDS) as store:
+    with logstore.open(url, shards=args.shards) as store:
         raw = Raw(target)  # after the store made its directory
         try:
             trips.load(store, args.cells)
@@ -370,13 +388,14 @@ def run(url: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
                   "no mismatch", flush=True)
         finally:
             raw.conn.close()
-    return {"store": "mysql" if raw.mysql else "sqlite", "shards": SHARDS, "apply": ap, "lag": la, "query": qu}
+    return {"store": "mysql" if raw.mysql else "sqlite", "shards": args.shards, "apply": ap, "lag": la, "query": qu}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", help="a mysql:// URL of an empty database (default: a fresh SQLite directory)")
     parser.add_argument("--mysql", action="store_true", help="a fresh database on $CELLSTREAM_TEST_MYSQL")
+    parser.add_argument("--shards", type=int, default=4096, help="shards of the store (default 4096, the store's)")
     for flag, default in (("--cells", 50_000), ("--batch", 1000), ("--rounds", 4), ("--rate", 1000),
                           ("--seconds", 10.0), ("--queries", 2000)):
         parser.add_argument(flag, type=type(default), default=default)
@@ -384,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-lag", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_lag:
-        serve_lag(args.store, args.serve_lag)
+        serve_lag(args.store, args.serve_lag, args.shards)
         return 0
     with tempfile.TemporaryDirectory(prefix="cellstream-bench-") as tmp:
         url = args.store or (f"{SERVER.rstrip('/')}/csbench_index_{uuid.uuid4().hex[:8]}" if args.mysql

@@ -1,9 +1,10 @@
-"""Worker node benchmark (issue 7): python bench/worker_bench.py [--rate 500] [--clients 50] [--seconds 10].
+"""Worker node benchmark (issue 7): python bench/worker_bench.py [--rate R] [--clients C] [--seconds T] [--shards N].
 
-On MariaDB (a fresh database), with ``--cells`` cells written first:
+On MariaDB (a fresh database of ``--shards`` shards, default 4096, the store's default), with ``--cells``
+cells written first:
 
 1. direct: ``clients`` threads, each with its own pymysql connection, run get_cell_latest's query (the
-   ``SELECT ... ORDER BY ref_key DESC LIMIT 1`` of logstore.mysql on the row's shard table) at
+   ``SELECT ... ORDER BY ref_key DESC LIMIT 1`` of logstore.mysql on the node's ``cells`` table) at
    ``rate`` per second in all;
 2. worker reads: ``cellstream serve`` in its own process in front of the same store; ``clients``
    keep-alive connections (this process, uvloop, a minimal HTTP/1.1 client like wrk's) GET
@@ -33,15 +34,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import psutil
+import psutil  # type: ignore[import-untyped]
 import pymysql
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
+from logstore.config import MySQLTarget, parse_node_url
 
 SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
-SHARDS = 64
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -60,8 +61,8 @@ def summary(latencies: list[float], seconds: float) -> dict[str, float]:
 # -- 1. direct ---------------------------------------------------------------------------
 def direct(url: str, keys: list[tuple[uuid.UUID, int]], rate: float, clients: int, seconds: float,
            warmup: float) -> list[float]:
-    target = logstore.config.parse_node_url(url)
-    assert isinstance(target, logstore.MySQLTarget)
+    target = parse_node_url(url)
+    assert isinstance(target, MySQLTarget)
     latencies: list[float] = []
     lock = threading.Lock()
     start = time.perf_counter() + 0.5 + warmup
@@ -76,10 +77,10 @@ def direct(url: str, keys: list[tuple[uuid.UUID, int]], rate: float, clients: in
             with conn.cursor() as cur:
                 while at < start + seconds:
                     time.sleep(max(0.0, at - time.perf_counter()))
-                    key, shard = keys[(i + n * clients) % len(keys)]
+                    key, _shard = keys[(i + n * clients) % len(keys)]
                     sent = time.perf_counter()
-                    cur.execute(f"SELECT added_id, row_key, column_name, ref_key, body, created_at FROM "
-                                f"cells_{shard:04d} WHERE row_key = %s AND column_name = %s "
+                    cur.execute("SELECT shard, added_id, row_key, column_name, ref_key, body, created_at FROM "
+                                "cells WHERE row_key = %s AND column_name = %s "
                                 "ORDER BY ref_key DESC LIMIT 1", (key.bytes, "BASE"))
                     assert cur.fetchone() is not None
                     if sent >= start:
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--cells", type=int, default=20_000)
+    parser.add_argument("--shards", type=int, default=4096, help="shards of the store (default 4096, the store's)")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds at the rate before measuring")
     parser.add_argument("--settle", type=float, default=5.0, help="seconds of rest after writing the cells")
     parser.add_argument("--mysql", default=SERVER, help="a mysql:// server URL without a database")
@@ -184,13 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     database = f"csbench_{uuid.uuid4().hex[:8]}"
     url = f"{args.mysql.rstrip('/')}/{database}"
-    admin_target = logstore.config.parse_node_url(url)
-    assert isinstance(admin_target, logstore.MySQLTarget)
+    admin_target = parse_node_url(url)
+    assert isinstance(admin_target, MySQLTarget)
     admin = pymysql.connect(host=admin_target.host, port=admin_target.port, user=admin_target.user,
                             password=admin_target.password, autocommit=True)
     worker: subprocess.Popen[str] | None = None
     try:
-        with logstore.open(url, shards=SHARDS) as store:
+        with logstore.open(url, shards=args.shards) as store:
             keys: list[tuple[uuid.UUID, int]] = []
             for start in range(0, args.cells, 2000):
                 cells = store.put_cells([(uuid.uuid4(), "BASE", 1, {"city": f"c{i % 40}", "fare": i * 0.5})
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         process = psutil.Process(worker.pid)
         idle_rss = process.memory_info().rss / 2**20
         results: dict[str, Any] = {"rate": args.rate, "clients": args.clients, "seconds": args.seconds,
-                                   "cells": args.cells, "shards": SHARDS}
+                                   "cells": args.cells, "shards": args.shards}
         lat = direct(url, keys, args.rate, args.clients, args.seconds, args.warmup)
         results["direct_pymysql_latest"] = summary(lat, args.seconds)
         lat, peak_reads = uvloop.run(through_node(base, keys, args.rate, args.clients, args.seconds, args.warmup,
