@@ -1,4 +1,4 @@
-"""Stream-processing runtime benchmark, direct mode (python bench/app_bench.py [--store URL]).
+"""Stream-processing runtime benchmark, direct mode (python bench/app_bench.py [--store URL] [--shards N]).
 
 1. Latency: writer threads put BASE cells at 1,000 cells/s for ``--seconds``; the app
    runs in its own process, where a no-op async handler records now - the write time
@@ -6,16 +6,24 @@
 2. Throughput: ``--cells`` cells written first; ``app.drain`` with a no-op handler
    against the raw paged read of the same cells (Store.get_cells_for_shards, no
    handler) in the same run; prints cells/s and the ratio.
+3. Shard count: the no-op drain of the same ``--scaling-cells`` cells from a store of
+   ``--shards`` shards and from one of ``--base-shards`` (64), each drain a new app
+   from the beginning, ``--rounds`` times alternating which goes first, on every store
+   of ``--backends`` (SQLite, and MariaDB at ``--mysql``). Prints the ratio of the
+   best rounds against the target (>= 0.7).
 
-Results go to bench/results/app.json. Default store: a fresh SQLite directory (the
-embedded default); pass a mysql:// URL of an empty database for MariaDB.
+Parts 1 and 2 use ``--shards`` shards (default 4096, the store's default). Results go
+to bench/results/app.json. Default store: a fresh SQLite directory (the embedded
+default); pass a mysql:// URL of an empty database for MariaDB.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,11 +34,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
+from bench.scratch import scratch_database
 from indexer import App
 from logstore import Cell
 
-SHARDS = 64
+SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -96,10 +106,14 @@ def latency(store: logstore.Store, url: str, rate: int, seconds: float, tmp: str
             "mean_ms": round(statistics.fmean(ms), 2)}
 
 
-def throughput(store: logstore.Store, cells: int) -> dict[str, Any]:
+def write(store: logstore.Store, cells: int) -> None:
     for start in range(0, cells, 1000):
         store.put_cells([(uuid.uuid4(), "TPUT", 1, {"n": n, "city": "Aarhus", "fare": 12.5})
                          for n in range(start, min(cells, start + 1000))])
+
+
+def throughput(store: logstore.Store, cells: int) -> dict[str, Any]:
+    write(store, cells)
     started = time.perf_counter()
     positions = dict.fromkeys(range(store.shard_count), 0)
     read = 0
@@ -129,12 +143,60 @@ async def _noop(cell: Cell) -> None:
     return None
 
 
+def drain_seconds(store: logstore.Store, name: str, cells: int) -> float:
+    app = App(name, store=store)
+    app.trigger("TPUT")(_noop)
+    started = time.perf_counter()
+    counts = app.drain(timeout=600)
+    seconds = time.perf_counter() - started
+    app.close()
+    assert counts.processed == cells, (counts, cells)
+    return seconds
+
+
+def shard_scaling(backends: list[str], server: str, cells: int, base: int, shards: int,
+                  rounds: int) -> dict[str, Any]:
+    """The no-op drain rate with ``shards`` shards against ``base`` shards, on each backend."""
+    out: dict[str, Any] = {}
+    for backend in backends:
+        with contextlib.ExitStack() as stack:
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="cellstream-bench-"))
+            stores: dict[int, logstore.Store] = {}
+            for n in (base, shards):
+                url = (f"sqlite:///{folder}/store{n}" if backend == "sqlite"
+                       else stack.enter_context(scratch_database(server, f"app{n}")))
+                stores[n] = stack.enter_context(logstore.open(url, shards=n))
+                write(stores[n], cells)
+            seconds: dict[int, list[float]] = {base: [], shards: []}
+            for r in range(rounds):
+                for n in (base, shards) if r % 2 == 0 else (shards, base):
+                    seconds[n].append(drain_seconds(stores[n], f"bench-scaling-{r}", cells))
+        # The best round of each: on a shared machine a round is only ever slowed down by others.
+        rate = {n: cells / min(s) for n, s in seconds.items()}
+        median = {n: cells / statistics.median(s) for n, s in seconds.items()}
+        ratio = rate[shards] / rate[base]
+        print(f"{backend}: no-op drain of {cells} cells: {rate[base]:.0f} cells/s at {base} shards, "
+              f"{rate[shards]:.0f} at {shards}: ratio {ratio:.2f} (target >= 0.7: "
+              f"{'met' if ratio >= 0.7 else 'MISSED'})", flush=True)
+        out[backend] = {"cells": cells, "cells_per_s": {str(n): round(r) for n, r in rate.items()},
+                        "median_cells_per_s": {str(n): round(r) for n, r in median.items()},
+                        "seconds": {str(n): s for n, s in seconds.items()}, "ratio": round(ratio, 3)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", help="a mysql:// URL of an empty database (default: a fresh SQLite directory)")
     parser.add_argument("--rate", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--cells", type=int, default=50_000)
+    parser.add_argument("--shards", type=int, default=4096, help="shards of the store (parts 1 and 2, and part 3's)")
+    parser.add_argument("--base-shards", type=int, default=64, help="part 3 compares --shards with this")
+    parser.add_argument("--scaling-cells", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=3, help="part 3: drains per shard count")
+    parser.add_argument("--backends", default="sqlite,mysql", help="part 3: stores to compare on")
+    parser.add_argument("--mysql", default=SERVER, help="part 3: a mysql:// URL of the server (no database)")
+    parser.add_argument("--only", choices=("latency", "throughput", "shards"), help="run one part (not saved)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "app.json"))
     parser.add_argument("--serve-latency", help=argparse.SUPPRESS)
     parser.add_argument("--expected", type=int, default=0, help=argparse.SUPPRESS)
@@ -142,17 +204,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_latency:
         serve_latency(args.store, args.serve_latency, args.expected)
         return 0
-    with tempfile.TemporaryDirectory(prefix="cellstream-bench-") as tmp:
-        url = args.store or f"sqlite:///{tmp}/store"
-        with logstore.open(url, shards=SHARDS) as store:
-            lat = latency(store, url, args.rate, args.seconds, tmp)
-            print(f"latency put_cell -> handler at {args.rate}/s: p50 {lat['p50_ms']} ms, p99 {lat['p99_ms']} ms "
-                  f"(target p99 <= 50 ms: {'met' if lat['p99_ms'] <= 50 else 'MISSED'})")
-            tput = throughput(store, args.cells)
-            print(f"throughput, no-op handler: {tput['app_cells_per_s']} cells/s; raw paged read "
-                  f"{tput['raw_read_cells_per_s']} cells/s; ratio {tput['ratio']}")
-    result = {"store": "sqlite" if not args.store else "mysql", "shards": SHARDS, "latency": lat, "throughput": tput}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    result: dict[str, Any] = {"store": "sqlite" if not args.store else "mysql", "shards": args.shards}
+    if args.only in (None, "latency", "throughput"):
+        with tempfile.TemporaryDirectory(prefix="cellstream-bench-") as tmp:
+            url = args.store or f"sqlite:///{tmp}/store"
+            with logstore.open(url, shards=args.shards) as store:
+                if args.only in (None, "latency"):
+                    lat = result["latency"] = latency(store, url, args.rate, args.seconds, tmp)
+                    print(f"latency put_cell -> handler at {args.rate}/s, {args.shards} shards: p50 {lat['p50_ms']} "
+                          f"ms, p99 {lat['p99_ms']} ms (target p99 <= 50 ms: "
+                          f"{'met' if lat['p99_ms'] <= 50 else 'MISSED'})", flush=True)
+                if args.only in (None, "throughput"):
+                    tput = result["throughput"] = throughput(store, args.cells)
+                    print(f"throughput, no-op handler, {args.shards} shards: {tput['app_cells_per_s']} cells/s; raw "
+                          f"paged read {tput['raw_read_cells_per_s']} cells/s; ratio {tput['ratio']}", flush=True)
+    if args.only in (None, "shards"):
+        result["shard_scaling"] = shard_scaling(args.backends.split(","), args.mysql, args.scaling_cells,
+                                                args.base_shards, args.shards, args.rounds)
+    if args.only is None:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

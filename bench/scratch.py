@@ -30,6 +30,16 @@ def drop_database(url: str) -> None:
 
 
 @contextlib.contextmanager
+def scratch_database(server: str, name: str) -> Iterator[str]:
+    """The mysql:// URL of a database that does not exist yet (the store creates it), dropped on exit."""
+    url = f"{server}/bench_{name}_{uuid.uuid4().hex[:8]}"
+    try:
+        yield url
+    finally:
+        drop_database(url)
+
+
+@contextlib.contextmanager
 def scratch(server: str, zookeeper: str, kafka: str, name: str) -> Iterator[Scratch]:
     """``server`` is a mysql:// URL without a database; everything made under ``name`` is dropped on exit."""
     tag = uuid.uuid4().hex[:8]

@@ -1,8 +1,10 @@
 """The tailer end to end against the raw libraries doing its two halves, in one run.
 
     python bench/tailer_bench.py [--cells N] [--shards S] [--rate R] [--seconds T]
+                                 [--only throughput|latency|shards] [--backends sqlite,mysql]
 
-1. raw read: pymysql paging the same cells out of the same shard tables (500 a page).
+1. raw read: pymysql paging the same cells out of the node's `cells` table (500 a page, in
+   primary key order: shard, added_id).
 2. raw produce: aiokafka (idempotent, acks=all) producing the tailer's very messages
    (same keys, headers, values, partitions), pre-encoded, awaiting every ack: once with
    one send() per message, once with a record batch per shard page (send_batch, as the
@@ -14,17 +16,25 @@ The throughput ratio is tailer / min(raw read, raw produce) (target >= 0.6).
 Latency: a `cellstream tail` process runs while this process puts cells at R cells/s
 and an aiokafka consumer reads them; latency is from put_cell returning to the
 consumer holding the message (targets p50 <= 20 ms, p99 <= 100 ms).
+
+Shard count: the standalone tailer (offsets in a file, topics as files, so only the
+store and the worker are measured) drains the same --scaling-cells cells from a store
+of --base-shards (64) and one of --scaling-shards (4096), fresh from the beginning,
+--rounds times alternating which goes first; on SQLite (embedded) and on MariaDB.
+The ratio of the best rounds is the target (>= 0.9): the shard count must cost nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -37,11 +47,11 @@ from aiokafka.admin import AIOKafkaAdminClient
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
 from bench.pacing import latencies, paced_puts
-from bench.scratch import scratch
+from bench.scratch import scratch, scratch_database
 from logstore.config import MySQLTarget, parse_node_url
-from logstore.mysql import table
 from tailer.config import KafkaOptions, TailerConfig
 from tailer.kafka import KafkaPublisher
+from tailer.local import DirectoryPublisher, LocalCoordinator
 from tailer.messages import encode_cell
 from tailer.worker import Tailer
 from tailer.zookeeper import ZooKeeperCoordinator
@@ -58,23 +68,26 @@ def body(i: int) -> dict[str, Any]:
             "distance_km": (i % 300) / 10, "product": "uberX", "route": [[55.67, 12.56], [55.68, 12.57]]}
 
 
-def raw_read(url: str, shards: int) -> tuple[float, int]:
+def raw_read(url: str) -> tuple[float, int]:
+    """Every cell of the node's one `cells` table, 500 a page in primary key order (shard, added_id).
+    The condition is spelled as two ranges rather than a row comparison, which MariaDB may not use
+    the primary key for."""
     t = parse_node_url(url)
     assert isinstance(t, MySQLTarget)
     conn = pymysql.connect(host=t.host, port=t.port, user=t.user, password=t.password, database=t.database)
     rows = 0
     start = time.perf_counter()
+    shard, location = -1, 0
     with conn.cursor() as cur:
-        for shard in range(shards):
-            location = 0
-            while True:
-                cur.execute(f"SELECT added_id, row_key, column_name, ref_key, body, created_at FROM {table(shard)} "
-                            "WHERE added_id > %s ORDER BY added_id LIMIT 500", (location,))
-                page = cur.fetchall()
-                if not page:
-                    break
-                rows += len(page)
-                location = page[-1][0]
+        while True:
+            cur.execute("SELECT shard, added_id, row_key, column_name, ref_key, body, created_at FROM cells "
+                        "WHERE shard > %s OR (shard = %s AND added_id > %s) ORDER BY shard, added_id LIMIT 500",
+                        (shard, shard, location))
+            page = cur.fetchall()
+            if not page:
+                break
+            rows += len(page)
+            shard, location = page[-1][0], page[-1][1]
     elapsed = time.perf_counter() - start
     conn.close()
     return elapsed, rows
@@ -204,7 +217,7 @@ def throughput(store: logstore.Store, url: str, zk: str, prefix: str, cells: int
     print(f"writing {cells} cells into {shards} shards ...", flush=True)
     for start in range(0, cells, 1000):
         store.put_cells([(uuid.uuid4(), "BASE", 1, body(i)) for i in range(start, min(cells, start + 1000))])
-    read_s, rows = raw_read(url, shards)
+    read_s, rows = raw_read(url)
     raw = {"read": cells / read_s, **asyncio.run(raw_produce(store, f"{prefix}.raw"))}
     tail = cells / asyncio.run(tailer_run(store, zk, prefix))
     assert rows == cells, (rows, cells)
@@ -217,6 +230,52 @@ def throughput(store: logstore.Store, url: str, zk: str, prefix: str, cells: int
     return {"raw_cells_per_s": raw, "tailer_cells_per_s": tail, "ratio": tail / slower}
 
 
+async def standalone_drain(store: logstore.Store, folder: Path, name: str) -> float:
+    """Seconds a fresh standalone tailer takes from its start until every cell in the store is acknowledged."""
+    config = TailerConfig(name=name, partitions=P)
+    tailer = Tailer(store, config, LocalCoordinator(folder / f"{name}.offsets.json", store.shard_count),
+                    DirectoryPublisher(folder / name))
+    since = time.monotonic()
+    start = time.perf_counter()
+    await tailer.start()
+    while not tailer.caught_up(since):
+        await asyncio.sleep(0.005)
+    elapsed = time.perf_counter() - start
+    await tailer.stop()
+    return elapsed
+
+
+def shard_scaling(backends: list[str], cells: int, base: int, shards: int, rounds: int) -> dict[str, Any]:
+    """The standalone tailer's drain rate with ``shards`` shards against ``base`` shards, per backend."""
+    out: dict[str, Any] = {}
+    for backend in backends:
+        with contextlib.ExitStack() as stack:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cellstream-bench-")))
+            stores: dict[int, logstore.Store] = {}
+            for n in (base, shards):
+                url = (f"sqlite:///{folder}/store{n}" if backend == "sqlite"
+                       else stack.enter_context(scratch_database(SERVER, f"tail{n}")))
+                stores[n] = stack.enter_context(logstore.open(url, shards=n))
+                for start in range(0, cells, 1000):
+                    stores[n].put_cells([(uuid.uuid4(), "BASE", 1, body(i))
+                                         for i in range(start, min(cells, start + 1000))])
+            seconds: dict[int, list[float]] = {base: [], shards: []}
+            for r in range(rounds):
+                for n in (base, shards) if r % 2 == 0 else (shards, base):
+                    seconds[n].append(asyncio.run(standalone_drain(stores[n], folder, f"r{r}-{n}")))
+        # The best round of each: on a shared machine a round is only ever slowed down by others.
+        rate = {n: cells / min(s) for n, s in seconds.items()}
+        median = {n: cells / statistics.median(s) for n, s in seconds.items()}
+        ratio = rate[shards] / rate[base]
+        print(f"{backend}: standalone tailer, {cells} cells: {rate[base]:.0f} cells/s at {base} shards, "
+              f"{rate[shards]:.0f} at {shards}: ratio {ratio:.2f} (target >= 0.9: "
+              f"{'met' if ratio >= 0.9 else 'MISSED'})", flush=True)
+        out[backend] = {"cells": cells, "cells_per_s": {str(n): round(r) for n, r in rate.items()},
+                        "median_cells_per_s": {str(n): round(r) for n, r in median.items()},
+                        "seconds": {str(n): s for n, s in seconds.items()}, "ratio": round(ratio, 3)}
+    return out
+
+
 def main() -> int:
     if os.environ.get("BENCH_SWITCH"):
         sys.setswitchinterval(float(os.environ["BENCH_SWITCH"]))
@@ -226,15 +285,26 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--consume", help=argparse.SUPPRESS)  # the latency run's consumer process
-    parser.add_argument("--only", choices=("throughput", "latency"), help="run one half (results not saved)")
+    parser.add_argument("--only", choices=("throughput", "latency", "shards"), help="run one part (results not saved)")
+    parser.add_argument("--backends", default="sqlite,mysql", help="stores of the shard-count comparison")
+    parser.add_argument("--scaling-cells", type=int, default=20_000)
+    parser.add_argument("--base-shards", type=int, default=64)
+    parser.add_argument("--scaling-shards", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=3, help="drains per shard count, alternating which goes first")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "tailer.json"))
     args = parser.parse_args()
     if args.consume:
         asyncio.run(consume(args.consume, args.seconds))
         return 0
+    scaling: dict[str, Any] = {}
+    if args.only in (None, "shards"):
+        scaling = shard_scaling(args.backends.split(","), args.scaling_cells, args.base_shards, args.scaling_shards,
+                                args.rounds)
+        if args.only == "shards":
+            return 0
     with scratch(SERVER, ZOOKEEPER, KAFKA, "tail") as (url, zk, prefix), \
             logstore.open(url, shards=args.shards) as store:
-        results: dict[str, Any] = {"cells": args.cells, "shards": args.shards}
+        results: dict[str, Any] = {"cells": args.cells, "shards": args.shards, "shard_scaling": scaling}
         if args.only != "latency":
             results.update(throughput(store, url, zk, prefix, args.cells, args.shards))
         if args.only != "throughput":

@@ -1,6 +1,6 @@
 """``cellstream run`` and ``cellstream dlq``: run a stream-processing app, triage its dead letters.
 
-  cellstream run MODULE:APP [--workers N] [--drain [--timeout S]] [--metrics-port PORT]
+  cellstream run MODULE:APP [--workers N] [--drain [--timeout S]] [--metrics-port PORT [--per-shard-metrics]]
   cellstream dlq --app MODULE:APP list [--handler H] [--status S] [--error E] [--since T] [--until T]
   cellstream dlq --app MODULE:APP stats | show ID | discard ID --reason TEXT
   cellstream dlq --app MODULE:APP replay (ID | --match FILTER) [--dry-run]
@@ -31,8 +31,9 @@ from indexer import App, DLQFilter
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_FAILED, EXIT_STALLED = 0, 1, 2, 4, 5, 6, 7
 
 
-def load_app(spec: str) -> App:
-    """The App named by ``module:attribute`` (or ``path/to/file.py:attribute``)."""
+def load_app(spec: str, per_shard_metrics: bool = False) -> App:
+    """The App named by ``module:attribute`` (or ``path/to/file.py:attribute``); ``per_shard_metrics``
+    turns the option on whatever the app's code says (``--per-shard-metrics``)."""
     module_name, sep, attribute = spec.rpartition(":")
     if not sep or not module_name or not attribute:
         raise indexer.ConfigurationError(f"--app {spec!r} must be MODULE:APP, e.g. examples.billing:app")
@@ -54,6 +55,8 @@ def load_app(spec: str) -> App:
     app = getattr(module, attribute, None)
     if not isinstance(app, App):
         raise indexer.ConfigurationError(f"{spec}: {attribute} is not an indexer.App")
+    if per_shard_metrics:
+        app.config = app.config.model_copy(update={"per_shard_metrics": True})
     return app
 
 
@@ -64,6 +67,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--drain", action="store_true", help="process what is in the log now, print the counts, exit")
     p.add_argument("--timeout", type=float, default=600.0, help="with --drain: give up after this many seconds")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--per-shard-metrics", action="store_true",
+                   help="direct mode: export the lag of every shard (default: totals and the most lagging shards)")
     p.set_defaults(app_func=cmd_run)
 
     p = sub.add_parser("dlq", help="triage an app's (or a connector's) dead letters")
@@ -126,7 +131,7 @@ def _fail(exc: BaseException, code: int) -> int:
 def cmd_run(args: argparse.Namespace, out: Any) -> int:
     if args.workers < 1:
         return _fail(indexer.ConfigurationError("--workers must be at least 1"), EXIT_USAGE)
-    app = load_app(args.app)
+    app = load_app(args.app, args.per_shard_metrics)
     if args.workers > 1 and not (app.brokers or app.config.zookeeper):
         raise indexer.ConfigurationError(
             "--workers > 1 needs shared coordination: give the app zookeeper=... (direct mode) or brokers=...")
@@ -141,15 +146,16 @@ def cmd_run(args: argparse.Namespace, out: Any) -> int:
     return _run_workers(args)
 
 
-def _worker(spec: str, metrics_port: int | None) -> None:
+def _worker(spec: str, metrics_port: int | None, per_shard_metrics: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards SIGTERM; Ctrl-C goes to the parent
-    load_app(spec).run(metrics_port=metrics_port)
+    load_app(spec, per_shard_metrics).run(metrics_port=metrics_port)
 
 
 def _run_workers(args: argparse.Namespace) -> int:
     """N processes of the same app: they share the shards (ZooKeeper) or partitions (consumer group)."""
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_worker, args=(args.app, args.metrics_port + n if args.metrics_port else None),
+    workers = [context.Process(target=_worker, args=(args.app, args.metrics_port + n if args.metrics_port else None,
+                                                     args.per_shard_metrics),
                                name=f"worker-{n}") for n in range(args.workers)]
     for worker in workers:
         worker.start()

@@ -5,6 +5,7 @@ lost entry found and repaired by verification."""
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import uuid
 from pathlib import Path
 from typing import TextIO
@@ -35,6 +36,11 @@ def _drain(store: logstore.Store, definitions: Path | list[object], out: TextIO)
     return app
 
 
+def _row_key_in(store: logstore.Store, shard: int) -> uuid.UUID:
+    """The first of a fixed series of row keys that lands in ``shard``."""
+    return next(key for n in itertools.count() if store.shard_of(key := uuid.UUID(int=(0xF4EE << 112) | n)) == shard)
+
+
 def index_demo(store: logstore.Store, out: TextIO, trip: uuid.UUID) -> None:
     _say(out, f"\n== 9. a secondary index: {EXAMPLE.name} ({NAME} on BASE, sharded by driver)")
     _drain(store, EXAMPLE, out)
@@ -57,8 +63,12 @@ def index_demo(store: logstore.Store, out: TextIO, trip: uuid.UUID) -> None:
 
     base = store.get_cell_latest(trip, "BASE")
     assert base is not None
+    # The trip with fare "free" goes to the shard of ``trip``, after its float fares, so the connector
+    # demo's lake meets a float fare first whatever order it takes the shards in: the schema conflict it
+    # reports is always "was float, got string" (a random key in a shard read first made it silent).
+    free = _row_key_in(store, base.shard)
     store.put_cells([(trip, "BASE", base.ref_key + 1, {**base.body, "driver": "driver-9"}),
-                     (uuid.uuid4(), "BASE", 1, {**base.body, "fare": "free"})])
+                     (free, "BASE", 1, {**base.body, "fare": "free"})])
     _say(out, f"   trip {trip} gets BASE@{base.ref_key + 1} with driver-9; another trip has fare \"free\"")
     app = _drain(store, EXAMPLE, out)
     moved = [e.row_key for e in index.query(driver="driver-9")]

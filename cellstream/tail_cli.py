@@ -2,7 +2,7 @@
 
   cellstream tail --store URL --brokers HOST:PORT --zookeeper HOST:PORT[/chroot] --name NAME
                   [--columns A,B] [--from beginning|now|TIME] [--partitions P] [--format json|msgpack]
-                  [--metrics-port PORT]
+                  [--metrics-port PORT [--per-shard-metrics]]
   cellstream tail --store URL --out DIR --offsets FILE --name NAME ...      (standalone, no servers)
   cellstream tail status NAME --store URL (--zookeeper HOST:PORT | --offsets FILE) [--all] [--json]
 
@@ -53,6 +53,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser, usage_error: type[Exce
     p.add_argument("--session-timeout", type=float, default=10.0, help="ZooKeeper session timeout (s)")
     p.add_argument("--max-request-size", type=int, default=1_000_000, help="larger messages are dead-lettered")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--per-shard-metrics", action="store_true",
+                   help="export lag series for every owned shard (default: totals and the most lagging shards)")
     p.add_argument("--all", action="store_true", help="status: list every shard, not only lagging ones")
     p.set_defaults(func=lambda store, args, out: cmd_tail(store, args, out, usage_error))
 
@@ -78,7 +80,7 @@ def _config(args: argparse.Namespace, usage_error: type[Exception]) -> TailerCon
             name=args.name, topic_prefix=args.prefix, partitions=args.partitions,
             replication_factor=args.replication_factor, columns=args.columns, start_from=start,
             value_format=args.format, session_timeout=args.session_timeout, poll_interval=args.poll,
-            idle_poll_interval=max(args.poll, 0.05),
+            idle_poll_interval=max(args.poll, 0.05), per_shard_metrics=args.per_shard_metrics,
         )
     except ValidationError as exc:
         problem = exc.errors()[0]

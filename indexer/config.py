@@ -21,6 +21,11 @@ class AppConfig(BaseModel):
     )
     backoff: RetryPolicy = Field(DEFAULT_BACKOFF, description="pauses between a handler's attempts at one cell")
     concurrency: int = Field(8, ge=1, le=256, description="threads running synchronous handlers (shards in parallel)")
+    max_active_shards: int = Field(
+        256, ge=1, le=100_000,
+        description="direct mode: shards whose cells are handled at the same time; the other shards with cells "
+                    "queued wait their turn, a batch each in round robin",
+    )
     start_from: StartFrom = Field("beginning", description="where a shard with no committed offset starts")
     page_size: int = Field(500, ge=1, le=10_000)
     max_in_flight: int = Field(10_000, ge=1, description="cells read but not yet handled, per process")
@@ -33,6 +38,10 @@ class AppConfig(BaseModel):
         5.0, gt=0, description="seconds between measures of each kept index version's lag (two reads per shard)")
     stop_timeout: float = Field(30.0, gt=0, description="seconds a stop waits for handlers already running")
     zookeeper: str | None = Field(None, description="host:port[/chroot]: share shards between processes (direct mode)")
+    per_shard_metrics: bool = Field(
+        False, description="direct mode: export the source's lag per shard too, not only totals and the most "
+                           "lagging shards",
+    )
     session_timeout: float = Field(10.0, ge=4, le=40, description="ZooKeeper session timeout, seconds")
     topic_prefix: str = Field("cells", description="Kafka mode: the tailer's topics are <prefix>.<column>")
     replication_factor: int = Field(1, ge=1, le=32, description="Kafka mode: replicas of the <name>.dlq topic")

@@ -8,6 +8,10 @@ cell for the handlers, one queue per shard worked through in order, and acknowle
 the cell once every handler succeeded or dead-lettered it. So a shard's cells are
 never handled concurrently nor out of order, and a crash re-delivers at most the
 cells after the last commit.
+
+The queues are worked by a pool of at most ``max_active_shards`` tasks, a batch of a
+shard at a time in round robin, rather than by a task per shard: with 4096 shards a
+task per shard with cells cost more than the cells did.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from .handlers import Processor, tailer_deadletter
 
 logger = logging.getLogger(__name__)
 _MAX_PARTITIONS = 10_000  # TailerConfig's limit; shards beyond it share a queue (still in order)
+_SLICE = 0.002  # seconds a handler worker runs batches that never wait before it lets the loop run
 
 
 class _Item(NamedTuple):
@@ -44,12 +49,15 @@ class _Item(NamedTuple):
 class HandlerPublisher(Publisher):
     """The tailer's sink in direct mode: hands cells to the processor, in order per shard."""
 
-    def __init__(self, processor: Processor, deadletter_topic: str, batch_size: int) -> None:
+    def __init__(self, processor: Processor, deadletter_topic: str, batch_size: int, max_workers: int = 256) -> None:
         self.processor = processor
         self.deadletter_topic = deadletter_topic
         self.batch_size = batch_size  # consecutive cells of a shard handled together (an index applies them at once)
+        self.max_workers = max_workers
         self._queues: dict[int, deque[_Item]] = {}
-        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._runnable: deque[int] = deque()  # partitions with cells queued and no worker on them, in turn
+        self._scheduled: set[int] = set()  # runnable or being worked on: one worker per partition at a time
+        self._workers: set[asyncio.Task[None]] = set()
         self._running = False
 
     async def start(self) -> None:
@@ -60,9 +68,8 @@ class HandlerPublisher(Publisher):
         self._running = False
         for partition in list(self._queues):
             self.abandon(partition)
-        tasks = [t for t in self._tasks.values() if not t.done()]
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._workers:
+            await asyncio.gather(*self._workers, return_exceptions=True)
 
     async def prepare_topic(self, topic: str, partitions: int, replication_factor: int) -> None:
         """No topics here: cells go straight to the handlers."""
@@ -77,7 +84,7 @@ class HandlerPublisher(Publisher):
             raise PublishError("the app is stopping", retriable=True)
         loop = asyncio.get_running_loop()
         items = [_Item(m.cell, None, loop.create_future()) for m in messages]
-        self._queues.setdefault(partition, deque()).extend(items)
+        self._queue(partition).extend(items)
         self._kick(partition)
         return [(item.future, 1) for item in items]
 
@@ -90,7 +97,7 @@ class HandlerPublisher(Publisher):
         if not self._running:
             raise PublishError("the app is stopping", retriable=True)
         item = _Item(None, json.loads(value), asyncio.get_running_loop().create_future())
-        self._queues.setdefault(partition, deque()).append(item)
+        self._queue(partition).append(item)
         self._kick(partition)
         return item.future
 
@@ -108,36 +115,74 @@ class HandlerPublisher(Publisher):
         while queue:
             queue.popleft().future.cancel()
 
-    def _kick(self, partition: int) -> None:
-        task = self._tasks.get(partition)
-        if task is None or task.done():
-            self._tasks[partition] = asyncio.create_task(self._work(partition), name=f"handlers-{partition}")
+    def _queue(self, partition: int) -> deque[_Item]:
+        queue = self._queues.get(partition)  # not setdefault: that builds a deque on every call
+        if queue is None:
+            queue = self._queues[partition] = deque()
+        return queue
 
-    async def _work(self, partition: int) -> None:
-        queue = self._queues[partition]
-        while queue and self.processor.stalled is None:
-            batch = [queue.popleft()]
-            if batch[0].future.done():  # abandoned
-                continue
-            while (batch[0].cell is not None and queue and len(batch) < self.batch_size
-                   and queue[0].cell is not None and not queue[0].future.done()):
-                batch.append(queue.popleft())
-            try:
-                done = await self._handle(batch)
-            except Exception as exc:  # e.g. the store is down while dead-lettering: redeliver from here
-                logger.warning("partition %d: cells not settled (%s); they will be delivered again", partition, exc)
-                error = PublishError(f"not settled: {type(exc).__name__}: {exc}", retriable=True)
-                for rest in [*batch, *queue]:
-                    if not rest.future.done():
-                        rest.future.set_exception(error)
-                queue.clear()
-                return
-            if not done:
-                queue.extendleft(reversed(batch))  # stalled: unacknowledged (abandoned when the app stops)
-                return
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_result(None)
+    def _kick(self, partition: int) -> None:
+        if partition in self._scheduled:  # its worker takes the new cells in turn
+            return
+        self._scheduled.add(partition)
+        self._runnable.append(partition)
+        if len(self._workers) < min(self.max_workers, len(self._scheduled)):
+            task = asyncio.create_task(self._worker(), name=f"handlers-{len(self._workers)}")
+            self._workers.add(task)
+            task.add_done_callback(self._workers.discard)  # also if it never ran
+
+    async def _worker(self) -> None:
+        """Work the runnable partitions a batch at a time, each going to the back of the line after its batch."""
+        loop = asyncio.get_running_loop()
+        pause_at = loop.time() + _SLICE
+        try:
+            while self._runnable and self.processor.stalled is None:
+                partition = self._runnable.popleft()
+                queue = self._queues[partition]
+                again = False
+                try:
+                    again = await self._work(partition, queue) and bool(queue)
+                finally:  # a partition is never left scheduled without being in line
+                    if again:
+                        self._runnable.append(partition)
+                    else:
+                        self._scheduled.discard(partition)
+                        if not queue:  # an idle shard keeps no queue (send_many makes one)
+                            del self._queues[partition]
+                if loop.time() >= pause_at:  # handlers that never wait must not hold up the worker loop for long
+                    await asyncio.sleep(0)
+                    pause_at = loop.time() + _SLICE
+        finally:
+            # At once, not in a done callback: a partition made runnable from now on needs a new worker.
+            self._workers.discard(asyncio.current_task())
+
+    async def _work(self, partition: int, queue: deque[_Item]) -> bool:
+        """The next batch of the partition's queue; False when the app stalled (the batch stays queued)."""
+        while queue and queue[0].future.done():  # abandoned
+            queue.popleft()
+        if not queue:
+            return True
+        batch = [queue.popleft()]
+        while (batch[0].cell is not None and queue and len(batch) < self.batch_size
+               and queue[0].cell is not None and not queue[0].future.done()):
+            batch.append(queue.popleft())
+        try:
+            done = await self._handle(batch)
+        except Exception as exc:  # e.g. the store is down while dead-lettering: redeliver from here
+            logger.warning("partition %d: cells not settled (%s); they will be delivered again", partition, exc)
+            error = PublishError(f"not settled: {type(exc).__name__}: {exc}", retriable=True)
+            for rest in [*batch, *queue]:
+                if not rest.future.done():
+                    rest.future.set_exception(error)
+            queue.clear()
+            return True
+        if not done:
+            queue.extendleft(reversed(batch))  # stalled: unacknowledged (abandoned when the app stops)
+            return False
+        for item in batch:
+            if not item.future.done():
+                item.future.set_result(None)
+        return True
 
     async def _handle(self, batch: list[_Item]) -> bool:
         first = batch[0]
@@ -161,7 +206,7 @@ class DirectRunner:
             start_from=config.start_from, page_size=config.page_size, max_in_flight=config.max_in_flight,
             poll_interval=config.poll_interval, idle_poll_interval=config.idle_poll_interval,
             commit_interval=config.commit_every(kafka=False), stop_timeout=config.stop_timeout,
-            session_timeout=config.session_timeout,
+            session_timeout=config.session_timeout, per_shard_metrics=config.per_shard_metrics,
         )
         self.coordinator: Coordinator
         if config.zookeeper:
@@ -171,7 +216,8 @@ class DirectRunner:
                                                     session_timeout=config.session_timeout)
         else:
             self.coordinator = StoreCoordinator(store, consumer)
-        self.publisher = HandlerPublisher(processor, self.tailer_config.deadletter_topic, config.page_size)
+        self.publisher = HandlerPublisher(processor, self.tailer_config.deadletter_topic, config.page_size,
+                                          config.max_active_shards)
         self.tailer = Tailer(store, self.tailer_config, self.coordinator, self.publisher, metrics)
 
     async def start(self) -> None:

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from logstore import Cell, InvalidArgumentError, LogstoreError, Store
+from logstore import Cell, CorruptCellError, InvalidArgumentError, LogstoreError, Store
 from logstore.index_store import MAX_QUERY_LIMIT
 from logstore.indexing import ApplyResult, Condition, IndexChange, IndexEntry, Stream
 
@@ -184,17 +184,21 @@ class Index:
 
 def lag(store: Store, definition: IndexDefinition) -> tuple[int, float]:
     """How far live processing of a version is behind the log: the cells of its column after its
-    positions, and the age in seconds of the oldest of them (0 when none). Two reads per shard."""
+    positions, and the age in seconds of the oldest of them (0 when none). The first cell after every
+    position comes in one read of many shards; only the shards that have one are counted."""
     positions = store.indexes.positions(definition.spec, "live")
     column = [definition.column]
+    locations = {shard: positions[shard].location if shard in positions else 0 for shard in range(store.shard_count)}
     behind, oldest = 0, None
-    for shard in range(store.shard_count):
-        location = positions[shard].location if shard in positions else 0
-        first, _ = store.get_cells_for_shard(shard, location, 1, columns=column)
-        if not first:
+    for shard, page in store.get_cells_for_shards(locations, 1, columns=column).items():
+        if isinstance(page, CorruptCellError):
+            created = page.created_at  # a damaged cell lags like any other
+        elif page:
+            created = page[0].created_at
+        else:
             continue
-        behind += store.count_after(shard, location, columns=column)
-        if oldest is None or first[0].created_at < oldest:
-            oldest = first[0].created_at
+        behind += store.count_after(shard, locations[shard], columns=column)
+        if created is not None and (oldest is None or created < oldest):
+            oldest = created
     seconds = (dt.datetime.now(dt.UTC) - oldest).total_seconds() if oldest is not None else 0.0
     return behind, max(0.0, seconds)

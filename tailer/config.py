@@ -58,6 +58,13 @@ class TailerConfig(BaseModel):
         description="a worker stops publishing when it has not reached ZooKeeper for this part of the session",
     )
     stop_timeout: float = Field(30.0, gt=0, description="seconds a graceful stop waits for acknowledgements")
+    per_shard_metrics: bool = Field(
+        False, description="also export lag series per owned shard (4096 shards make 8192 series); by default "
+                           "only the totals and the most lagging shards are exported",
+    )
+    top_lagging_shards: int = Field(
+        10, ge=0, le=1000, description="how many of the most lagging shards get their own lag series",
+    )
 
     @field_validator("name")
     @classmethod

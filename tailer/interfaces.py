@@ -90,9 +90,33 @@ class Coordinator(ABC):
     def release(self, claim: Claim) -> None:
         """Give the shard up (after its last commit) so the next owner may take it now."""
 
+    def claim_many(self, wanted: Sequence[tuple[int, Callable[[], int]]]) -> list[Claim | BaseException | None]:
+        """:meth:`claim` of several shards, results in order; a claim that fails comes back as its error.
+        A coordinator with a round trip per claim overrides this to overlap them."""
+        out: list[Claim | BaseException | None] = []
+        for shard, initial in wanted:
+            try:
+                out.append(self.claim(shard, initial))
+            except Exception as exc:  # tried again later, like a refused claim
+                out.append(exc)
+        return out
+
+    def release_many(self, claims: Sequence[Claim]) -> None:
+        """:meth:`release` of several shards (overridden where round trips can overlap)."""
+        for claim in claims:
+            self.release(claim)
+
 
 class Publisher(ABC):
-    """A message sink with acknowledgements, in per-partition order."""
+    """A message sink with acknowledgements, in per-partition order.
+
+    What the worker's per-shard order rests on: a partition's messages are delivered in the
+    order sent, and after a failed delivery none sent later on the same client is delivered
+    (Kafka's idempotent producer fails them on the gap in sequence numbers). A client replaced
+    after a failure (:meth:`after_failure`) settles every future of the old one first; the
+    worker sends nothing more of a shard once one of its deliveries failed until it has
+    rewound, so a new client carries on from the failed cell, not after it.
+    """
 
     @abstractmethod
     async def start(self) -> None: ...

@@ -148,19 +148,22 @@ class KafkaPublisher(Publisher):
     async def send(
         self, topic: str, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]
     ) -> asyncio.Future[Any]:
-        if self._producer is None:
+        # The producer and its generation as the call starts: a restart while it waits (for metadata, or
+        # room in a batch) must neither label the old producer's future as the new one's nor restart the new one.
+        producer, generation = self._producer, self._generation
+        if producer is None:
             raise PublishError("the Kafka publisher is not started", retriable=True)
         try:
-            inner = await self._producer.send(topic, value=value, key=key, partition=partition, headers=headers)
+            inner = await producer.send(topic, value=value, key=key, partition=partition, headers=headers)
         except REJECTED as exc:  # refused by the client before sending: the producer is fine
             raise _translate(exc) from None
         except _RESTART as exc:
-            await self.restart(self._generation)
+            await self.restart(generation)
             raise _translate(exc) from None
         except KafkaError as exc:
             raise _translate(exc) from None
         future: asyncio.Future[Any] = inner
-        self._born[future] = self._generation
+        self._born[future] = generation
         return future
 
     async def send_many(

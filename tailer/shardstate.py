@@ -16,7 +16,8 @@ from .messages import coordinates
 
 # A read's result per shard: its page, or the error that ended it (a CorruptCellError holds the cells before).
 Pages = dict[int, list[Cell] | LogstoreError]
-Look = tuple[dict[int, int] | None, Pages]  # (every shard's cell count, if read; pages of the shards that moved)
+# (every shard's cell count, if read; pages of the idle shards whose count moved; seconds the counting took)
+Look = tuple[dict[int, int] | None, Pages, float]
 
 
 class Pending(NamedTuple):
@@ -32,7 +33,7 @@ class Pending(NamedTuple):
         return coordinates(self.source) if isinstance(self.source, Cell) else self.source
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # no __dict__ per shard: thousands are owned, and the collector walks them
 class ShardState:
     claim: Claim
     position: int
@@ -46,16 +47,15 @@ class ShardState:
     singles_until: int = 0  # after a refused batch: one message at a time until this is acked
     count_seen: int | None = None
     drained: bool = False
-    lag_cells: int = 0
-    lag_seconds: float = 0.0
     reading: asyncio.Future[Pages] | None = None  # the read batch this shard's next page is in
     read_from: int = 0
     read_limit: int = 0
     read_reserved: int = 0
+    # A field, not a property of the claim: the loop reads it a dozen times per page of every shard.
+    shard: int = dataclasses.field(init=False)
 
-    @property
-    def shard(self) -> int:
-        return self.claim.shard
+    def __post_init__(self) -> None:
+        self.shard = self.claim.shard
 
 
 def page_of(pages: Pages, shard: int) -> tuple[list[Cell], BaseException | None]:

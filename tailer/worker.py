@@ -6,7 +6,10 @@ dead-lettered and the dead letter acknowledged) and ``committed`` (stored by the
 coordinator). Only ``acked`` is ever committed, so a crash replays at most the
 cells after the last commit. A failed delivery rewinds ``position`` to ``acked``
 and resends from there, so a shard's cells reach the topic in added_id order
-(a replay repeats a suffix, never reorders). A cell that can never be published
+(a replay repeats a suffix, never reorders). Once one of a shard's deliveries has
+failed, nothing more of the shard is handed to the publisher until that rewind:
+the failure may have replaced the publisher's client, which would deliver later
+cells before the failed ones are resent. A cell that can never be published
 (too large, undecodable) goes to the dead-letter topic and is counted in the
 committed offset; nothing is skipped without a record.
 """
@@ -16,9 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
+import heapq
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from logstore import CorruptCellError, LogstoreError, Store
 from logstore.cell import Cell
@@ -28,13 +34,27 @@ from .config import TailerConfig
 from .errors import FencedError, PublishError, TailerError
 from .interfaces import Claim, Coordinator, Offset, Publisher
 from .messages import Message, coordinates, encode_deadletter
-from .metrics import TailerMetrics
+from .metrics import Lag, TailerMetrics
 from .shardstate import Look, Pages, Pending, ShardState, page_of
-from .status import lag_of
 
 logger = logging.getLogger(__name__)
 _BACKOFF = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)
 _CLAIM_RETRY = 0.5
+# Claims and releases block on a coordinator round trip per shard (ZooKeeper): they go to the default
+# executor in this many chunks, enough to keep all of its threads busy.
+_COORDINATION_CHUNKS = 32
+# Counting every shard's cells costs in proportion to the shards (5-15 ms for 4096 on SQLite), so the
+# looks are spaced to take at most a share of the time; with few shards the poll interval decides. When
+# every shard is idle the looks are all there is to do, and their spacing is the latency of a new cell.
+# With a backlog (shards waiting for reads, or a page's worth of cells in flight) the worker has known
+# work for the processor, and new cells of idle shards wait a little longer.
+_LOOK_SHARE_IDLE = 0.5
+_LOOK_SHARE = 0.25
+_LOOK_SHARE_BACKLOG = 0.02
+# Measuring the lag reads every live shard: the measurements are spaced to take at most this share too.
+_LAG_SHARE = 0.05
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 class Tailer:
@@ -57,18 +77,42 @@ class Tailer:
         self._clock = clock
         self._shards: dict[int, ShardState] = {}
         self._generation: int | None = None
+        self._desired: frozenset[int] | None = None  # the assignment ownership was last synced with
+        self._unclaimed: set[int] = set()  # assigned to this worker and not owned yet
         self._claim_after: dict[int, float] = {}
+        self._next_claim = 0.0  # no unclaimed shard is due before this
         self._counts: dict[int, int] = {}
         self._looked_at = -1e9
         self._counts_at = -1e9  # when the look that read self._counts started
+        self._quiet_at = -1e9  # when the last look that found every owned shard caught up started
+        self._look_cost = 0.0  # seconds the last look took to count the cells
+        self._look_soon = False  # a caller waits for a look to prove the shards caught up: not spaced
         self._looking: asyncio.Future[Look] | None = None
+        # Where each owned shard stands, so that an iteration of the loop costs what the shards with
+        # cells under way cost, not what the owned shards do (4096 by default):
+        self._live: set[int] = set()  # owned and not idle; idle: drained, nothing being read or in flight
+        self._idle: dict[int, tuple[int | None, int]] = {}  # idle shards: (count seen, position), for the looks
+        self._uncounted: set[int] = set()  # waiting for a look to count their cells before the first read
+        self._ready: dict[int, None] = {}  # due for a read, in round-robin order (insertion order)
+        self._delayed: list[tuple[float, int]] = []  # heap of (retry_at, shard) of shards backing off
+        self._touched: set[int] = set()  # whose reads or deliveries moved since they were last placed
+        self._acked: set[int] = set()  # whose deliveries settled since _collect last ran
+        self._failing: set[int] = set()  # with a delivery that failed since _collect last rewound them
+        self._reads: dict[asyncio.Future[Pages], tuple[tuple[int, ...], int]] = {}  # -> (shards, cells reserved)
+        self._unsettled = 0  # messages handed to the publisher whose futures have not settled
+        self._to_commit: set[int] = set()  # acknowledged since their last commit: what a commit looks at
+        self._lags: dict[int, Lag] = {}  # the lagging shards at the last measurement
+        self._lag_cost = 0.0  # seconds the last lag measurement took
+        if config.per_shard_metrics:
+            self.metrics.enable_per_shard()
+        self._lease_gauge = self.metrics.lease_valid.labels(config.name)
+        self._leader_gauge = self.metrics.leader.labels(config.name)
+        self._owned_gauge = self.metrics.owned_shards.labels(config.name)
         self._wakeup = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._lag_task: asyncio.Task[None] | None = None
         self._commit_task: asyncio.Task[None] | None = None
-        self._batches: set[asyncio.Future[Pages]] = set()
-        self._read_turn = 0
         self._poll = config.poll_interval
         self._stopping = False
         self._state = "new"
@@ -104,11 +148,17 @@ class Tailer:
             if task is not None:
                 await asyncio.gather(task, return_exceptions=True)
         if was_running:
-            for shard in self._shards:
-                self.publisher.abandon(shard % self.config.partitions)
+            for partition in {shard % self.config.partitions for shard in self._shards}:
+                self.publisher.abandon(partition)
             await self._drain(self.config.stop_timeout)
-            for shard in list(self._shards):
-                await asyncio.to_thread(self.coordinator.release, self._shards.pop(shard).claim)
+            claims = [st.claim for st in self._shards.values()]
+            await self._in_threads(self._release_all, claims)
+            for shard in self._shards:
+                self.metrics.forget_shard(shard)
+            for held in (self._shards, self._live, self._idle, self._ready, self._uncounted, self._lags):
+                held.clear()
+            if claims:
+                logger.info("%s: stopped; released %d shards", self.config.name, len(claims))
         await asyncio.to_thread(self.coordinator.stop)
         await self.publisher.stop()
         self._state = "stopped"
@@ -136,11 +186,14 @@ class Tailer:
     def caught_up(self, since: float) -> bool:
         """True when every assigned shard is owned and acknowledged up to the end of its log as
         counted by a look that started at or after ``since`` (a ``clock()`` reading)."""
+        # A look that found every owned shard idle at its count proves them caught up at its start, and
+        # any shard that took cells or was adopted since is live until it has drained them.
         _generation, _epoch, desired = self.coordinator.assignment()
-        if self._counts_at < since or set(desired) != set(self._shards):
-            return False
-        return all(st.drained and not st.inflight and st.reading is None and st.acked == st.position
-                   and st.count_seen == self._counts.get(shard) for shard, st in self._shards.items())
+        if self._quiet_at < since and not self._live and not self._look_soon:
+            self._look_soon = True
+            self._changed()  # wake the loop (thread-safe): the look is what the caller waits for
+        return (self._quiet_at >= since and not self._live and len(desired) == len(self._shards)
+                and desired == self._shards.keys())
 
     def positions(self) -> dict[int, tuple[int, int, int]]:
         """(position, acked, committed) of every owned shard."""
@@ -149,15 +202,17 @@ class Tailer:
     # -- the loop -------------------------------------------------------------
     async def _run(self) -> None:
         now = self._clock()
-        next_commit, next_lag = now + self.config.commit_interval, now
+        # The first lag is measured after an interval, not at once: every shard of a new worker is live
+        # until it has been read, and measuring them all would hold up that first reading.
+        next_commit, next_lag = now + self.config.commit_interval, now + self.config.lag_interval
         try:
             while not self._stopping:
                 self._wakeup.clear()
                 await self._sync_ownership()
                 busy = False
                 lease = self.coordinator.lease_valid()
-                self.metrics.lease_valid.labels(self.config.name).set(int(lease))
-                self.metrics.leader.labels(self.config.name).set(int(self.coordinator.is_leader()))
+                self._lease_gauge.set(int(lease))
+                self._leader_gauge.set(int(self.coordinator.is_leader()))
                 if lease:
                     if self._paused:
                         logger.info("lease regained: publishing resumes")
@@ -174,7 +229,7 @@ class Tailer:
                     next_commit = now + self.config.commit_interval
                 if now >= next_lag and (self._lag_task is None or self._lag_task.done()):
                     self._lag_task = asyncio.create_task(self._measure_lag())
-                    next_lag = now + self.config.lag_interval
+                    next_lag = now + max(self.config.lag_interval, self._lag_cost / _LAG_SHARE)
                 if not busy:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wakeup.wait(), self._poll)
@@ -191,23 +246,66 @@ class Tailer:
                 logger.warning("session changed: dropping %d shards (their claims are gone)", len(self._shards))
             for shard in list(self._shards):
                 self._forget(shard)
-            self._generation = generation
-        for shard in [s for s in self._shards if s not in desired]:
-            if shard in self._shards:  # a fenced commit may drop it while another shard is released
-                await self._release(shard)
-        wanted = [s for s in sorted(desired) if s not in self._shards
-                  and self._claim_after.get(s, 0.0) <= self._clock()]
-        if wanted and self.coordinator.lease_valid() and not self._stopping:
-            claims = await asyncio.gather(*(asyncio.to_thread(self.coordinator.claim, s, self._initial_for(s))
-                                            for s in wanted), return_exceptions=True)
-            for shard, claim in zip(wanted, claims, strict=True):
-                if isinstance(claim, Claim):
-                    self._adopt(claim)
-                else:
-                    if isinstance(claim, BaseException):
-                        logger.debug("claim of shard %d failed: %s", shard, claim)
-                    self._claim_after[shard] = self._clock() + _CLAIM_RETRY
-        self.metrics.owned_shards.labels(self.config.name).set(len(self._shards))
+            self._generation, self._desired = generation, None
+        if desired is not self._desired:
+            # Coordinators hand out the same set until the assignment changes: compared by identity, an
+            # iteration costs nothing here, whatever the number of shards.
+            changed = desired != self._desired
+            self._desired = desired
+            if changed:
+                self._unclaimed = set(desired.difference(self._shards))
+                self._next_claim = 0.0
+                leaving = [s for s in self._shards if s not in desired]
+                if leaving:
+                    await self._release(leaving)
+        now = self._clock()
+        if self._unclaimed and self._next_claim <= now and self.coordinator.lease_valid() and not self._stopping:
+            await self._claim(now)
+        self._owned_gauge.set(len(self._shards))
+
+    async def _claim(self, now: float) -> None:
+        """Claim the assigned shards not owned yet whose retry time has come; one summary line."""
+        wanted = sorted(s for s in self._unclaimed if self._claim_after.get(s, 0.0) <= now)
+        results = await self._in_threads(self._claim_all, wanted)
+        adopted: list[Claim] = []
+        detail = logger.isEnabledFor(logging.DEBUG)  # asked once, not for each of thousands of shards
+        for shard, claim in zip(wanted, results, strict=True):
+            if isinstance(claim, Claim):
+                self._adopt(claim)
+                adopted.append(claim)
+                if detail:
+                    logger.debug("shard %d claimed at location %d", shard, claim.location)
+            else:
+                if isinstance(claim, BaseException):
+                    logger.debug("claim of shard %d failed: %s", shard, claim)
+                self._claim_after[shard] = self._clock() + _CLAIM_RETRY
+        self._next_claim = min((self._claim_after.get(s, 0.0) for s in self._unclaimed), default=0.0)
+        if adopted:
+            locations = [claim.location for claim in adopted]
+            logger.info("%s: claimed %d shards at locations %d to %d; %d owned, %d assigned not claimed yet",
+                        self.config.name, len(adopted), min(locations), max(locations), len(self._shards),
+                        len(self._unclaimed))
+        elif wanted:
+            logger.debug("%s: none of %d shards could be claimed yet", self.config.name, len(wanted))
+
+    def _claim_all(self, shards: list[int]) -> list[Claim | BaseException | None]:
+        """(in a worker thread) Claims in order; a claim that fails is tried again later, as a refused one."""
+        return self.coordinator.claim_many([(shard, self._initial_for(shard)) for shard in shards])
+
+    def _release_all(self, claims: list[Claim]) -> list[None]:
+        """(in a worker thread)"""
+        self.coordinator.release_many(claims)
+        return []
+
+    async def _in_threads(self, work: Callable[[list[_T]], list[_R]], items: list[_T]) -> list[_R]:
+        """``work`` over ``items`` in a few chunks run in threads, results in order: a thread per item
+        costs a hop per shard, one thread a ZooKeeper round trip after another."""
+        if not items:
+            return []
+        size = -(-len(items) // _COORDINATION_CHUNKS)
+        chunks = await asyncio.gather(*(asyncio.to_thread(work, items[i:i + size])
+                                        for i in range(0, len(items), size)))
+        return [result for chunk in chunks for result in chunk]
 
     def _initial_for(self, shard: int) -> Any:
         start = self.config.start_from
@@ -222,27 +320,41 @@ class Tailer:
         return initial
 
     def _adopt(self, claim: Claim) -> None:
-        self._claim_after.pop(claim.shard, None)
+        shard = claim.shard
+        self._claim_after.pop(shard, None)
+        self._unclaimed.discard(shard)
         at = claim.location
-        self._shards[claim.shard] = ShardState(claim, at, at, at, claim.deadlettered)
-        logger.info("shard %d claimed at location %d", claim.shard, claim.location)
+        st = self._shards[shard] = ShardState(claim, at, at, at, claim.deadlettered)
+        self._place(st, self._clock())
+        self.metrics.add_shard(shard)
 
     def _forget(self, shard: int) -> None:
         self._shards.pop(shard, None)
+        self._live.discard(shard)
+        self._idle.pop(shard, None)
+        self._ready.pop(shard, None)
+        self._uncounted.discard(shard)
+        self._lags.pop(shard, None)
+        if self._desired is not None and shard in self._desired and not self._stopping:
+            self._unclaimed.add(shard)  # still assigned (e.g. a fenced commit): claimed again
+            self._next_claim = 0.0
         self.metrics.forget_shard(shard)
 
-    async def _release(self, shard: int) -> None:
-        """Hand the shard over: wait for its acknowledgements, commit, drop the claim."""
-        st = self._shards[shard]
-        self.publisher.abandon(shard % self.config.partitions)
-        await self._drain(self.config.stop_timeout, only=st)
-        if st.shard in self._shards:
-            await asyncio.to_thread(self.coordinator.release, st.claim)
-            self._forget(shard)
-            logger.info("shard %d released at location %d", shard, st.committed)
+    async def _release(self, shards: list[int]) -> None:
+        """Hand shards over: wait for their acknowledgements, commit, drop the claims."""
+        states = [self._shards[shard] for shard in shards]
+        for partition in {shard % self.config.partitions for shard in shards}:
+            self.publisher.abandon(partition)
+        await self._drain(self.config.stop_timeout, states)
+        kept = [st for st in states if self._shards.get(st.shard) is st]  # a fenced commit drops a shard
+        await self._in_threads(self._release_all, [st.claim for st in kept])
+        for st in kept:
+            self._forget(st.shard)
+            logger.debug("shard %d released at location %d", st.shard, st.committed)
+        logger.info("%s: released %d shards (reassigned); %d owned", self.config.name, len(kept), len(self._shards))
 
-    async def _drain(self, timeout: float, only: ShardState | None = None) -> None:
-        states = [only] if only is not None else list(self._shards.values())
+    async def _drain(self, timeout: float, only: list[ShardState] | None = None) -> None:
+        states = only if only is not None else list(self._shards.values())
         deadline = self._clock() + timeout
         while any(st.inflight for st in states) and self._clock() < deadline:
             futures = [p.future for st in states for p in st.inflight]
@@ -259,91 +371,145 @@ class Tailer:
             self._topics.add(topic)
 
     async def _read_and_send(self) -> bool:
-        """Send the pages that arrived, then start the reads and the look at idle shards that are due."""
+        """Send the pages that arrived, then start the reads and the look that are due."""
         if not self._shards:
             return False
         busy = False
-        for st in list(self._shards.values()):
-            if st.reading is not None and st.reading.done():
-                pages, st.reading = st.reading.result(), None
-                if st.shard not in pages:  # a look that found nothing new: still drained
+        for future in [f for f in self._reads if f.done()]:
+            shards, _reserved = self._reads.pop(future)
+            pages = future.result()
+            for shard in shards:
+                st = self._shards.get(shard)
+                if st is None or st.reading is not future:  # released meanwhile
                     continue
-                if st.drained:  # its count moved: the look read its new cells
-                    st.drained, st.count_seen = False, self._counts.get(st.shard)
-                if st.read_from == st.position and st.shard in self._shards:  # else a rewind made it stale
-                    busy = await self._send_page(st, *page_of(pages, st.shard)) or busy
+                st.reading = None
+                self._touched.add(shard)
+                if shard in pages and st.read_from == st.position:  # else a rewind made it stale
+                    busy = await self._send_page(st, *page_of(pages, shard)) or busy
         now = self._clock()
         self._start_reads(now)
-        if now - self._looked_at >= self._poll and (self._looking is None or self._looking.done()):
+        if self._ready or self._unsettled >= self.config.page_size:
+            share = _LOOK_SHARE_BACKLOG
+        else:
+            share = _LOOK_SHARE if self._live else _LOOK_SHARE_IDLE
+        due = max(self._poll, self._look_cost / share)
+        if (now - self._looked_at >= due or self._look_soon) and (self._looking is None or self._looking.done()):
+            self._look_soon = False
             self._look(now)
         return busy
 
+    def _place(self, st: ShardState, now: float) -> None:
+        """File a shard by what it waits for: a read (ready, or delayed while it backs off), its first
+        count, a look (idle), or what is under way (live, in no queue: settling or reading places it again)."""
+        shard = st.shard
+        self._ready.pop(shard, None)
+        if st.reading is None and st.drained and not st.inflight and st.retry_at <= now:
+            self._live.discard(shard)
+            self._idle[shard] = (st.count_seen, st.position)
+            return
+        self._idle.pop(shard, None)
+        self._live.add(shard)
+        if st.reading is not None or self._stopping:
+            return
+        if st.retry_at > now:
+            heapq.heappush(self._delayed, (st.retry_at, shard))
+        elif st.drained:
+            return  # acknowledgements under way
+        elif st.count_seen is None and shard not in self._counts:
+            self._uncounted.add(shard)
+        else:
+            self._ready[shard] = None
+
     def _look(self, now: float) -> None:
-        """Read the shard counts and, in the same trip, the new cells of every drained shard whose count moved."""
-        idle = {st.shard: (st.count_seen, st.position) for st in self._shards.values()
-                if st.drained and st.reading is None and st.retry_at <= now}
+        """Count every shard's cells and, in the same trip, read the new cells of each idle shard whose count moved."""
+        idle = self._idle.copy()
+        complete = not self._live  # every owned shard idle: a look finding none moved proves them caught up
         self._looked_at = now
         self._looking = asyncio.ensure_future(asyncio.to_thread(self._counts_and_pages, idle))
-        pages: asyncio.Future[Pages] = asyncio.get_running_loop().create_future()
-        self._looking.add_done_callback(lambda done: self._looked(done, pages, now))
-        for shard, (_seen, position) in idle.items():
-            st = self._shards[shard]
-            st.reading, st.read_from, st.read_limit, st.read_reserved = pages, position, self.config.page_size, 0
+        self._looking.add_done_callback(lambda done: self._looked(done, idle, complete, now))
 
-    def _looked(self, done: asyncio.Future[Look], pages: asyncio.Future[Pages], started: float) -> None:
+    def _looked(self, done: asyncio.Future[Look], idle: dict[int, tuple[int | None, int]], complete: bool,
+                started: float) -> None:
         self._wakeup.set()
+        pages: asyncio.Future[Pages] = asyncio.get_running_loop().create_future()
         if done.cancelled() or done.exception() is not None:  # a bug, not a store error: stop the worker
             pages.set_exception(done.exception() or asyncio.CancelledError())
+            self._reads[pages] = ((), 0)
             return
-        counts, found = done.result()
+        counts, found, self._look_cost = done.result()
         if counts is not None:
             self._counts, self._counts_at = counts, started
-        busy = bool(found) or any(not st.drained or st.inflight for st in self._shards.values())
-        self._poll = self.config.poll_interval if busy else min(self._poll * 2, self.config.idle_poll_interval)
+            if complete and not found:
+                self._quiet_at = started
+            self._touched |= self._uncounted  # their first reads can be sized now
+            self._uncounted = set()
+        moved: list[int] = []
+        for shard in found:
+            st = self._shards.get(shard)
+            if st is None or self._idle.get(shard) != idle[shard]:
+                continue  # released, or no longer the idle shard the look compared
+            del self._idle[shard]
+            self._live.add(shard)
+            st.drained, st.count_seen = False, self._counts.get(shard)
+            st.reading, st.read_from, st.read_limit, st.read_reserved = pages, idle[shard][1], self.config.page_size, 0
+            moved.append(shard)
         pages.set_result(found)
+        self._reads[pages] = (tuple(moved), 0)
+        busy = bool(found) or bool(self._live)
+        self._poll = self.config.poll_interval if busy else min(self._poll * 2, self.config.idle_poll_interval)
 
     def _counts_and_pages(self, idle: dict[int, tuple[int | None, int]]) -> Look:
-        """(in a worker thread) The cell count of every shard, and pages of the idle shards whose count moved."""
+        """(in a worker thread) The cell count of every shard, pages of the idle shards whose count moved,
+        and how long the counting took."""
+        started = self._clock()
         try:
             counts = {info.shard: info.cells for info in self.store.shard_stats()}
         except LogstoreError as exc:
             logger.warning("cannot read shard counts: %s", exc)
-            return None, {}
+            return None, {}, self._clock() - started
         moved = {shard: position for shard, (seen, position) in idle.items() if counts.get(shard) != seen}
-        return counts, (self._fetch(moved, self.config.page_size) if moved else {})
+        cost = self._clock() - started
+        return counts, (self._fetch(moved, self.config.page_size) if moved else {}), cost
 
     def _start_reads(self, now: float) -> None:
-        """Read the next page of every shard that is not drained, several shards per query.
+        """Read the next page of the shards due for one, several shards per query.
 
         A shard reserves a page (at its first read, no more than its cell count), and
         shards are grouped until a query reserves about a page: a busy shard is read
         alone, many small ones together. At most ``read_ahead`` queries run at once,
-        within ``max_in_flight`` messages. Drained shards are left to ``_look``.
+        within ``max_in_flight`` messages. Idle shards are left to ``_look``.
         """
-        self._batches = {b for b in self._batches if not b.done()}
-        in_flight = sum(len(st.inflight) + (st.read_reserved if st.reading else 0) for st in self._shards.values())
+        touched, self._touched = self._touched, set()
+        for shard in touched:
+            if (st := self._shards.get(shard)) is not None:
+                self._place(st, now)
+        while self._delayed and self._delayed[0][0] <= now:
+            if (st := self._shards.get(heapq.heappop(self._delayed)[1])) is not None:
+                self._place(st, now)
+        launched = sum(1 for future in self._reads if not future.done())
+        in_flight = self._unsettled + sum(reserved for _shards, reserved in self._reads.values())
         batch: dict[int, int] = {}
         singles: dict[int, int] = {}
         reserved = 0
-        states = list(self._shards.values())
-        first = self._read_turn % len(states)  # round robin: busy shards early in the map must not starve the rest
-        for turn, st in enumerate(states[first:] + states[:first], start=first + 1):
-            if len(self._batches) >= self.config.read_ahead or in_flight >= self.config.max_in_flight:
-                break
+        while self._ready and launched < self.config.read_ahead and in_flight < self.config.max_in_flight:
+            shard = next(iter(self._ready))
+            del self._ready[shard]  # taken from the front; it queues again at the back after its page
+            st = self._shards[shard]
             expected = self._next_read(st, now)
             if expected is None:
+                self._place(st, now)  # an empty shard goes idle
                 continue
             if st.acked < st.singles_until:  # isolating a refused cell: one message at a time
                 if not st.inflight:
-                    singles[st.shard] = st.position
-                continue
-            batch[st.shard] = st.position
-            self._read_turn = turn
+                    singles[shard] = st.position
+                continue  # else its acknowledgements place it again
+            batch[shard] = st.position
             st.read_reserved = min(expected, self.config.page_size)
             reserved += st.read_reserved
             in_flight += st.read_reserved
             if reserved >= self.config.page_size:
                 self._launch(batch, self.config.page_size)
+                launched += 1
                 batch, reserved = {}, 0
         if batch:
             self._launch(batch, self.config.page_size)
@@ -354,7 +520,7 @@ class Tailer:
         """How many cells a read of the shard may bring (None: not now)."""
         if st.reading is not None or st.drained or st.retry_at > now or self._stopping:
             return None
-        if st.count_seen is None:  # its first read, once the first look has counted the shards
+        if st.count_seen is None:  # its first read, once a look has counted the shards
             if st.shard not in self._counts:
                 return None
             count = st.count_seen = self._counts[st.shard]
@@ -367,12 +533,14 @@ class Tailer:
     def _launch(self, positions: dict[int, int], limit: int) -> None:
         future = asyncio.ensure_future(asyncio.to_thread(self._fetch, positions, limit))
         future.add_done_callback(lambda _f: self._wakeup.set())
-        self._batches.add(future)
+        reserved = 0
         for shard, position in positions.items():
             st = self._shards[shard]
             st.reading, st.read_from, st.read_limit = future, position, limit
             if limit == 1:
                 st.read_reserved = 1
+            reserved += st.read_reserved
+        self._reads[future] = (tuple(positions), reserved)
 
     def _fetch(self, positions: dict[int, int], limit: int) -> Pages:
         """(in a worker thread) Pages of several shards; a failed read comes back as each shard's error."""
@@ -437,6 +605,10 @@ class Tailer:
     async def _send_run(self, st: ShardState, run: list[tuple[Cell, Message]]) -> bool:
         if not run:
             return True
+        if self._broken(st) is not None:  # _collect rewinds the shard next; the page is read again from there
+            logger.debug("shard %d: a delivery failed; cells from added_id %d wait for the rewind", st.shard,
+                         run[0][0].added_id)
+            return False
         first, topic = run[0][0], self.config.topic(run[0][0].column)
         try:
             sent = await self.publisher.send_many(topic, st.shard % self.config.partitions, [m for _, m in run])
@@ -460,6 +632,8 @@ class Tailer:
     async def _send_deadletter(
         self, st: ShardState, where: dict[str, Any], topic: str, error: BaseException, stage: str
     ) -> bool:
+        if self._broken(st) is not None:
+            return False
         message = encode_deadletter(where, topic=topic, error=error, stage=stage, tailer=self.config.name,
                                     worker=self.coordinator.worker_id)
         try:
@@ -476,12 +650,36 @@ class Tailer:
     def _track(self, st: ShardState, pending: Pending) -> None:
         st.inflight.append(pending)
         st.position = pending.added_id
-        pending.future.add_done_callback(self._settled)
+        self._unsettled += pending.messages
+        pending.future.add_done_callback(functools.partial(self._settled, st.shard, pending.messages))
 
-    def _settled(self, future: asyncio.Future[Any]) -> None:
-        if not future.cancelled():
-            future.exception()  # retrieved here: a rewind may drop the future unread
+    def _settled(self, shard: int, messages: int, future: asyncio.Future[Any]) -> None:
+        # The exception is retrieved here (a rewind may drop the future unread) and marks the shard for _broken.
+        if future.cancelled() or future.exception() is not None:
+            self._failing.add(shard)
+        self._unsettled -= messages
+        self._acked.add(shard)  # _collect looks at the shards whose deliveries settled, not at every shard
         self._wakeup.set()
+
+    def _take_acked(self) -> list[ShardState]:
+        """The owned shards whose deliveries settled since the last call; they are placed again after."""
+        acked, self._acked = self._acked, set()
+        self._touched |= acked
+        self._to_commit |= acked
+        return [st for shard in acked if (st := self._shards.get(shard)) is not None]
+
+    def _broken(self, st: ShardState) -> Pending | None:
+        """The shard's first in-flight delivery that has failed already, if any.
+
+        Until _collect has rewound the shard past it, no more of the shard may go to the publisher:
+        failures are collected in order and only after the loop's sends, and one of them may have
+        restarted the publisher's client (KafkaPublisher: a new producer id, sequence numbers from 0),
+        which delivers a later page at once while the failed cells are still to be resent.
+        """
+        if st.shard not in self._failing:  # the common case, without a walk through what is in flight
+            return None
+        return next((p for p in st.inflight
+                     if p.future.done() and (p.future.cancelled() or p.future.exception() is not None)), None)
 
     def _failed(self, st: ShardState, exc: BaseException, stage: str) -> None:
         """Back off and resend this shard from its last acknowledged cell."""
@@ -503,9 +701,17 @@ class Tailer:
     async def _collect(self) -> bool:
         progressed = False
         published = 0
-        for st in list(self._shards.values()):
-            while st.inflight and st.inflight[0].future.done():
-                pending = st.inflight.popleft()
+        for st in self._take_acked():
+            while st.inflight:
+                pending = st.inflight[0]
+                if not pending.future.done():
+                    # A later delivery failed while earlier ones are under way: the shard rewinds now, as
+                    # if they had failed too, instead of refusing its pages (_broken) until they settle.
+                    failed = self._broken(st)
+                    if failed is None:
+                        break
+                    pending = failed
+                st.inflight.remove(pending)
                 future = pending.future
                 exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
                 if exc is None:
@@ -533,16 +739,27 @@ class Tailer:
                     st.singles_until = max(st.singles_until, last)
                 self._failed(st, error, "publish")
                 break
+            self._failing.discard(st.shard)  # no failed delivery is left in flight: rewound past, or none
         if published:
             self.metrics.published.labels(self.config.name).inc(published)
         return progressed
 
     async def _commit(self, states: list[ShardState] | None = None) -> None:
-        todo = {st.shard: (st.claim, Offset(st.acked, st.deadlettered, st.last_error))
-                for st in (states if states is not None else self._shards.values())
+        if states is None:  # the shards acknowledged since their last commit, not every owned shard
+            candidates, self._to_commit = self._to_commit, set()
+            states = [st for shard in candidates if (st := self._shards.get(shard)) is not None]
+        todo = {st.shard: (st.claim, Offset(st.acked, st.deadlettered, st.last_error)) for st in states
                 if st.acked > st.committed or st.deadlettered != st.claim.deadlettered}
         if not todo:
             return
+        try:
+            await self._commit_todo(todo)
+        finally:
+            # Whatever did not commit (deferred, skipped, failed) is tried again at the next commit.
+            self._to_commit.update(s for s, (_claim, offset) in todo.items() if (st := self._shards.get(s)) is not None
+                                   and (st.committed < offset.location or st.claim.deadlettered != offset.deadlettered))
+
+    async def _commit_todo(self, todo: dict[int, tuple[Claim, Offset]]) -> None:
         try:
             await self.publisher.before_commit()
         except PublishError as exc:
@@ -555,30 +772,63 @@ class Tailer:
             logger.warning("%s: commit skipped, the sink did not flush: %s", self.config.name, exc)
             return
         results = await asyncio.to_thread(self.coordinator.commit, todo)
+        committed, fenced, deferred = 0, [], []
         for shard, result in results.items():
             st = self._shards.get(shard)
             if st is None:
                 continue
             if isinstance(result, Claim):
                 st.claim, st.committed = result, todo[shard][1].location
-                self.metrics.commits.labels(self.config.name).inc()
+                committed += 1
             elif isinstance(result, FencedError):
-                logger.error("%s: stopping it", result)
+                logger.debug("%s: stopping it", result)
+                fenced.append(result)
                 self._forget(shard)
             else:
-                logger.info("commit of shard %d deferred: %s", shard, result)
+                logger.debug("commit of shard %d deferred: %s", shard, result)
+                deferred.append(result)
+        # One line per outcome, not per shard: a takeover or an outage concerns thousands at once.
+        if committed:
+            self.metrics.commits.labels(self.config.name).inc(committed)
+        if fenced:
+            logger.error("%s: %d shards fenced, no longer published by this worker (e.g. %s)", self.config.name,
+                         len(fenced), fenced[0])
+        if deferred:
+            logger.info("%s: commits of %d shards deferred (e.g. %s)", self.config.name, len(deferred), deferred[0])
 
     # -- lag ------------------------------------------------------------------
     async def _measure_lag(self) -> None:
-        for st in list(self._shards.values()):
-            if st.drained and not st.inflight and st.count_seen == self._counts.get(st.shard):
-                st.lag_cells, st.lag_seconds = 0, 0.0
-            else:
-                try:
-                    st.lag_cells, st.lag_seconds = await asyncio.to_thread(lag_of, self.store, st.shard, st.acked)
-                except LogstoreError as exc:
-                    logger.debug("lag of shard %d unknown: %s", st.shard, exc)
-                    continue
-            self.metrics.lag_cells.labels(self.config.name, str(st.shard)).set(st.lag_cells)
-            self.metrics.lag_seconds.labels(self.config.name, str(st.shard)).set(st.lag_seconds)
+        """The lag of the live shards, in one trip to a thread. An idle shard lags by nothing as far as the
+        last look knows; one that took cells since is live after the next look, and measured then."""
+        started = self._clock()
+        acked: dict[int, int] = {}
+        oldest: dict[int, dt.datetime] = {}  # known without a read: the first cell in flight
+        for shard in self._live:
+            if (st := self._shards.get(shard)) is not None:
+                acked[shard] = st.acked
+                if st.inflight and isinstance(first := st.inflight[0].source, Cell):
+                    oldest[shard] = first.created_at
+        try:
+            lags = await asyncio.to_thread(self._lags_of, acked, oldest) if acked else {}
+        except LogstoreError as exc:
+            logger.debug("lag unknown: %s", exc)
+            return
+        self._lags = {shard: lag for shard, lag in lags.items() if shard in self._shards}
+        self.metrics.record_lag(self._lags, self.config.top_lagging_shards)
+        self._lag_cost = self._clock() - started
+
+    def _lags_of(self, acked: dict[int, int], oldest: dict[int, dt.datetime]) -> dict[int, Lag]:
+        """(in a worker thread) (cells, seconds) of each shard with cells after its acknowledged position.
+        The oldest cells not known yet come in one read of many shards; only shards that lag are counted."""
+        created: dict[int, dt.datetime | None] = dict(oldest)
+        unknown = {shard: location for shard, location in acked.items() if shard not in oldest}
+        for shard, page in (self.store.get_cells_for_shards(unknown, 1) if unknown else {}).items():
+            if isinstance(page, CorruptCellError):
+                created[shard] = page.created_at
+            elif page:
+                created[shard] = page[0].created_at
+        now = dt.datetime.now(dt.UTC)
+        return {shard: (self.store.count_after(shard, acked[shard]),
+                        max(0.0, (now - when).total_seconds()) if when is not None else 0.0)
+                for shard, when in created.items()}
 

@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kazoo.client import KazooClient, KazooState
@@ -290,6 +290,87 @@ class ZooKeeperCoordinator(Coordinator):
         if any(isinstance(r, Exception) for r in results):
             return None  # someone else claimed or moved the offset first; try again later
         return Claim(shard, location, 0 if version is None else version + 1, token, int(doc.get("deadlettered", 0)))
+
+    def claim_many(self, wanted: Sequence[tuple[int, Callable[[], int]]]) -> list[Claim | BaseException | None]:
+        """:meth:`claim` of many shards with their round trips overlapped: every offset read, then every
+        transaction is sent before the first answer is awaited. There is no separate check that the
+        claim is free: the transaction creating it fails if it is not. kazoo spends about 0.4 ms of
+        Python per request, so the requests per shard are what 4096 claims cost (7.6 s with three
+        each, one claim after another)."""
+        with self._lock:
+            member, epoch = self._member, self._epoch
+        out: list[Claim | BaseException | None] = [None] * len(wanted)
+        if member is None:
+            return out
+        deadline = time.monotonic() + _CALL_TIMEOUT
+
+        def left() -> float:
+            return max(0.01, deadline - time.monotonic())
+        try:
+            offsets = [self._client.get_async(self._path("offsets", shard)) for shard, _ in wanted]
+        except (KazooException, KazooTimeoutError) as exc:
+            return [translate(exc, "claims")] * len(wanted)
+        sent = []
+        for i, ((shard, initial), offset) in enumerate(zip(wanted, offsets, strict=True)):
+            try:
+                try:
+                    raw, stat = offset.get(timeout=left())
+                    doc, version = _load(raw), stat.version
+                except NoNodeError:
+                    doc, version = {}, None
+                location = int(doc["location"]) if "location" in doc else initial()
+                token = uuid.uuid4().hex
+                doc.update(location=location, owner=member, token=token, epoch=epoch,
+                           claimed_at=dt.datetime.now(dt.UTC).isoformat())
+                tx = self._client.transaction()
+                tx.create(self._path("claims", shard), _dump({"worker": member, "epoch": epoch}), ephemeral=True)
+                if version is None:
+                    tx.create(self._path("offsets", shard), _dump(doc))
+                else:
+                    tx.set_data(self._path("offsets", shard), _dump(doc), version=version)
+                sent.append((i, shard, location, version, token, int(doc.get("deadlettered", 0)), tx.commit_async()))
+            except (KazooException, KazooTimeoutError) as exc:
+                out[i] = translate(exc, f"claim of shard {shard}")
+        for i, shard, location, version, token, deadlettered, result in sent:
+            try:
+                results = result.get(timeout=left())
+            except (KazooException, KazooTimeoutError) as exc:
+                out[i] = translate(exc, f"claim of shard {shard}")
+                continue
+            if not any(isinstance(r, Exception) for r in results):  # else it is held, or someone else was first
+                out[i] = Claim(shard, location, 0 if version is None else version + 1, token, deadlettered)
+        return out
+
+    def release_many(self, claims: Sequence[Claim]) -> None:
+        """:meth:`release` of many shards with their transactions overlapped, and one line for all that failed."""
+        if not claims:
+            return
+        if self._client.state != KazooState.CONNECTED:
+            logger.warning("release of %d shards skipped: ZooKeeper unreachable; they free when the session ends",
+                           len(claims))
+            return
+        deadline = time.monotonic() + _CALL_TIMEOUT
+        sent = []
+        failed: list[str] = []
+        for claim in claims:
+            tx = self._client.transaction()
+            tx.check(self._path("offsets", claim.shard), claim.version)
+            tx.delete(self._path("claims", claim.shard))
+            try:
+                sent.append((claim, tx.commit_async()))
+            except (KazooException, KazooTimeoutError) as exc:
+                failed.append(f"{claim.shard} ({exc})")
+        for claim, result in sent:
+            try:
+                results = result.get(timeout=max(0.01, deadline - time.monotonic()))
+            except (KazooException, KazooTimeoutError) as exc:
+                failed.append(f"{claim.shard} ({type(exc).__name__})")
+                continue
+            if any(isinstance(r, Exception) for r in results):
+                failed.append(f"{claim.shard} (refused)")
+        if failed:
+            logger.warning("release of %d shards failed, e.g. %s; they free when the session ends", len(failed),
+                           ", ".join(failed[:5]))
 
     def commit(self, offsets: Mapping[int, tuple[Claim, Offset]]) -> dict[int, Claim | BaseException]:
         pending = {}

@@ -67,6 +67,15 @@ def test_run_drain_then_triage_from_the_command_line(sqlite_url: str, tmp_path: 
     assert code == 0 and "no dead letters match" in out
 
 
+def test_run_per_shard_metrics_overrides_the_app_option(sqlite_url: str, tmp_path: Path) -> None:
+    from cellstream.app_cli import load_app
+
+    module = tmp_path / "flagapp.py"
+    module.write_text(APP.format(url=sqlite_url, fixed=True))
+    assert not load_app(f"{module}:app").config.per_shard_metrics
+    assert load_app(f"{module}:app", per_shard_metrics=True).config.per_shard_metrics
+
+
 def test_bad_input_is_one_line_and_a_documented_exit_code(sqlite_url: str, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     module = tmp_path / "cliapp2.py"

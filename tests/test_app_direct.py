@@ -265,6 +265,28 @@ def test_a_slow_handler_never_sees_one_shard_concurrently(store: logstore.Store)
     assert most[0] > 1  # different shards did run at the same time
 
 
+def test_at_most_max_active_shards_are_handled_at_once_each_in_order(store: logstore.Store) -> None:
+    cells = write(store, 60)
+    active: set[int] = set()
+    most = [0]
+    order: dict[int, list[int]] = defaultdict(list)
+    app = App("bounded", store=store, max_active_shards=3, page_size=2)  # batches of 2: shards take turns
+
+    @app.trigger("BASE")
+    async def slow(cell: logstore.Cell) -> None:
+        assert cell.shard not in active
+        active.add(cell.shard)
+        most[0] = max(most[0], len(active))
+        order[cell.shard].append(cell.added_id)
+        await asyncio.sleep(0.005)
+        active.discard(cell.shard)
+
+    assert app.drain(60).processed == 60
+    assert most[0] == 3  # never more, and the pool was used
+    assert all(ids == sorted(ids) for ids in order.values())
+    assert sorted(i for ids in order.values() for i in ids) == sorted(c.added_id for c in cells)
+
+
 def test_a_second_process_takes_the_shards_over(store: logstore.Store) -> None:
     write(store, 3)
     first = App("shared", store=store)
@@ -282,6 +304,30 @@ def test_a_second_process_takes_the_shards_over(store: logstore.Store) -> None:
             await asyncio.wait_for(running, 30)
 
     asyncio.run(scenario())
+
+
+def test_the_source_exports_lag_per_shard_only_when_asked(store: logstore.Store) -> None:
+    write(store, 10)
+
+    async def shard_series(app: App) -> set[str]:
+        stop = asyncio.Event()
+        running = asyncio.create_task(app.run_async(stop))
+        owned = {"tailer": f"app.{app.name}"}
+        deadline = time.monotonic() + 30
+        while app.metrics.registry.get_sample_value("cellstream_tailer_owned_shards", owned) != SHARDS:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        found = {sample.labels["shard"] for family in app.metrics.registry.collect()
+                 if family.name == "cellstream_tailer_shard_lag_cells" for sample in family.samples}
+        stop.set()
+        await running
+        return found
+
+    for per_shard, expected in ((False, set()), (True, {str(s) for s in range(SHARDS)})):
+        app = App(f"lagging{int(per_shard)}", store=store, per_shard_metrics=per_shard)
+        app.trigger("BASE")(lambda cell: None)
+        assert asyncio.run(shard_series(app)) == expected
+        app.close()
 
 
 def test_bad_app_options_are_typed_errors(store: logstore.Store) -> None:
