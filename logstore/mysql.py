@@ -94,7 +94,8 @@ _SCHEMA = (
     " owner VARCHAR(200) NOT NULL, location BIGINT NULL, doc TEXT NOT NULL,"
     " commits BIGINT NOT NULL DEFAULT 0, PRIMARY KEY (consumer, shard)) ENGINE=InnoDB",
 )
-_CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES (%s, %s, %s, '{}')"
+# Placeholders only in VALUES: pymysql's executemany then sends one multi-row INSERT, not one per shard.
+_CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES (%s, %s, %s, %s)"
           " ON DUPLICATE KEY UPDATE owner = VALUES(owner)")
 # commits + 1 makes every matched row "affected", so rowcount tells a fenced shard from an unchanged one.
 _COMMIT = ("UPDATE cellstream_offsets SET location = %s, doc = %s, commits = commits + 1"
@@ -557,7 +558,7 @@ class MySQLRecorder(NodeRecorder):
         wanted = set(shards)
 
         def run(cur: pymysql.cursors.Cursor) -> list[OffsetRecord]:
-            cur.executemany(_CLAIM, [(consumer, shard, owner) for shard in shards])
+            cur.executemany(_CLAIM, [(consumer, shard, owner, "{}") for shard in shards])
             cur.execute(_OFFSETS, (consumer,))
             return [offset_record(*row) for row in cur.fetchall() if row[0] in wanted]
         return self._call("claim offsets", run)

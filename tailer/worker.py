@@ -290,7 +290,8 @@ class Tailer:
 
     def _claim_all(self, shards: list[int]) -> list[Claim | BaseException | None]:
         """(in a worker thread) Claims in order; a claim that fails is tried again later, as a refused one."""
-        return self.coordinator.claim_many([(shard, self._initial_for(shard)) for shard in shards])
+        heads: dict[int, int] = {}  # start_from "now": the heads of all these shards in one read, if needed
+        return self.coordinator.claim_many([(shard, self._initial_for(shard, shards, heads)) for shard in shards])
 
     def _release_all(self, claims: list[Claim]) -> list[None]:
         """(in a worker thread)"""
@@ -307,14 +308,17 @@ class Tailer:
                                         for i in range(0, len(items), size)))
         return [result for chunk in chunks for result in chunk]
 
-    def _initial_for(self, shard: int) -> Any:
+    def _initial_for(self, shard: int, claiming: list[int], heads: dict[int, int]) -> Callable[[], int]:
+        """Where the shard starts when it has no committed offset (``initial`` of a claim)."""
         start = self.config.start_from
 
         def initial() -> int:
             if start == "beginning":
                 return 0
             if start == "now":
-                return self.store.head(shard)
+                if shard not in heads:  # read once for every shard claimed with it, not once per shard
+                    heads.update(self.store.heads(claiming))
+                return heads[shard]
             assert isinstance(start, dt.datetime)
             return self.store.location_at(shard, start)
         return initial

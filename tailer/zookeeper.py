@@ -331,6 +331,8 @@ class ZooKeeperCoordinator(Coordinator):
                 sent.append((i, shard, location, version, token, int(doc.get("deadlettered", 0)), tx.commit_async()))
             except (KazooException, KazooTimeoutError) as exc:
                 out[i] = translate(exc, f"claim of shard {shard}")
+            except Exception as exc:  # initial() could not read the store: this claim is tried again later
+                out[i] = exc
         for i, shard, location, version, token, deadlettered, result in sent:
             try:
                 results = result.get(timeout=left())

@@ -171,3 +171,26 @@ def test_the_cli_flag_turns_per_shard_series_on(sqlite_url: str) -> None:
             "start": "beginning", "format": "json", "session_timeout": 10.0, "poll": 0.005}
     assert not _config(argparse.Namespace(**base, per_shard_metrics=False), ValueError).per_shard_metrics
     assert _config(argparse.Namespace(**base, per_shard_metrics=True), ValueError).per_shard_metrics
+
+
+def test_zookeeper_claims_many_shards_at_once_and_refuses_those_held(zk_chroot: str) -> None:
+    from tailer.zookeeper import ZooKeeperCoordinator
+
+    first, second = (ZooKeeperCoordinator(zk_chroot, "many", 512, session_timeout=5) for _ in range(2))
+    try:
+        for coordinator in (first, second):
+            coordinator.start(lambda: None)
+        deadline = time.monotonic() + 30
+        while first.member is None or second.member is None:
+            assert time.monotonic() < deadline, "the workers did not register"
+            time.sleep(0.05)
+        mine = first.claim_many([(shard, lambda: 7) for shard in range(512)])
+        assert all(claim is not None and not isinstance(claim, BaseException) for claim in mine)
+        assert [c.location for c in mine if c is not None and not isinstance(c, BaseException)] == [7] * 512
+        assert second.claim_many([(shard, lambda: 0) for shard in range(3)]) == [None, None, None]  # held
+        first.release_many([c for c in mine[:3] if c is not None and not isinstance(c, BaseException)])
+        taken = second.claim_many([(shard, lambda: 0) for shard in range(3)])
+        assert [c.location for c in taken if c is not None and not isinstance(c, BaseException)] == [7, 7, 7]
+    finally:
+        for coordinator in (first, second):
+            coordinator.stop()
