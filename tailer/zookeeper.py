@@ -261,35 +261,10 @@ class ZooKeeperCoordinator(Coordinator):
 
     # -- claims and offsets ---------------------------------------------------
     def claim(self, shard: int, initial: Callable[[], int]) -> Claim | None:
-        with self._lock:
-            member, epoch = self._member, self._epoch
-        if member is None:
-            return None
-        claim_path, offset_path = self._path("claims", shard), self._path("offsets", shard)
-        try:
-            if self._client.exists(claim_path) is not None:
-                return None
-            try:
-                raw, stat = self._client.get(offset_path)
-                doc, version = _load(raw), stat.version
-            except NoNodeError:
-                doc, version = {}, None
-            location = int(doc["location"]) if "location" in doc else initial()
-            token = uuid.uuid4().hex
-            doc.update(location=location, owner=member, token=token, epoch=epoch,
-                       claimed_at=dt.datetime.now(dt.UTC).isoformat())
-            tx = self._client.transaction()
-            tx.create(claim_path, _dump({"worker": member, "epoch": epoch}), ephemeral=True)
-            if version is None:
-                tx.create(offset_path, _dump(doc))
-            else:
-                tx.set_data(offset_path, _dump(doc), version=version)
-            results = tx.commit_async().get(timeout=_CALL_TIMEOUT)
-        except (KazooException, KazooTimeoutError) as exc:
-            raise translate(exc, f"claim of shard {shard}") from None
-        if any(isinstance(r, Exception) for r in results):
-            return None  # someone else claimed or moved the offset first; try again later
-        return Claim(shard, location, 0 if version is None else version + 1, token, int(doc.get("deadlettered", 0)))
+        result = self.claim_many([(shard, initial)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def claim_many(self, wanted: Sequence[tuple[int, Callable[[], int]]]) -> list[Claim | BaseException | None]:
         """:meth:`claim` of many shards with their round trips overlapped: every offset read, then every
