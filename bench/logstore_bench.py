@@ -254,14 +254,16 @@ def rss_paging(url: str, cells: int) -> dict[str, Any]:
         load_s = time.perf_counter() - start
         total = store.shard_stats()[0].cells
     code = (
-        "import logstore, resource, sys, time\n"
+        "import logstore, sys, time\n"
         f"s = logstore.open({url!r})\n"
         "n, loc, t = 0, 0, time.perf_counter()\n"
         "while True:\n"
         "    cells, loc = s.get_cells_for_shard(0, loc, 1000)\n"
         "    if not cells: break\n"
         "    n += len(cells)\n"
-        "print(n, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter() - t)\n"
+        # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so it would count the forked parent.
+        "hwm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
+        "print(n, hwm, time.perf_counter() - t)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent).stdout.split()
