@@ -21,7 +21,7 @@ import logstore
 from logstore import CellConflictError, ConfigurationError, InvalidArgumentError, InvalidCellError
 
 
-def _keys_in_shard(store: logstore.Store, shard: int, n: int) -> list[uuid.UUID]:
+def keys_in_shard(store: logstore.Store, shard: int, n: int) -> list[uuid.UUID]:
     out: list[uuid.UUID] = []
     while len(out) < n:
         key = uuid.uuid4()
@@ -209,7 +209,7 @@ class StoreContract:
 
     # -- the log ----------------------------------------------------------
     def test_shard_log_pages_in_added_id_order(self, store: logstore.Store) -> None:
-        keys = _keys_in_shard(store, 3, 5)
+        keys = keys_in_shard(store, 3, 5)
         written = [store.put_cell(random.choice(keys), random.choice(["BASE", "STATUS"]), i, {"i": i})
                    for i in range(40)]
         cells = _read_all(store, 3)
@@ -242,7 +242,7 @@ class StoreContract:
             call(store)
 
     def test_location_at_starts_tailing_at_a_time(self, store: logstore.Store) -> None:
-        [key] = _keys_in_shard(store, 1, 1)
+        [key] = keys_in_shard(store, 1, 1)
         before = [store.put_cell(key, "BASE", i, {"i": i}) for i in range(3)]
         time.sleep(0.05)
         middle = dt.datetime.now(dt.UTC)
@@ -255,7 +255,7 @@ class StoreContract:
         assert store.location_at(2, middle) == 0
 
     def test_location_at_never_skips_a_cell_committed_while_it_runs(self, store: logstore.Store) -> None:
-        [key] = _keys_in_shard(store, 5, 1)
+        [key] = keys_in_shard(store, 5, 1)
         store.put_cell(key, "BASE", 1, {"old": True})
         when = dt.datetime.now(dt.UTC) + dt.timedelta(milliseconds=1)
         time.sleep(0.01)
@@ -373,8 +373,8 @@ class StoreContract:
     def test_a_damaged_cell_spoils_only_its_own_shard_page_of_a_many_shard_read(
         self, store: logstore.Store, url: str
     ) -> None:
-        [bad_key] = _keys_in_shard(store, 2, 1)
-        [good_key] = _keys_in_shard(store, 5, 1)
+        [bad_key] = keys_in_shard(store, 2, 1)
+        [good_key] = keys_in_shard(store, 5, 1)
         bad = [store.put_cell(bad_key, "BASE", ref, {"ref": ref}) for ref in range(1, 4)]
         good = [store.put_cell(good_key, "BASE", ref, {"ref": ref}) for ref in range(1, 4)]
         self.corrupt_body(url, bad[1])
@@ -443,7 +443,7 @@ class StoreContract:
 
     # -- concurrency and the no-skip guarantee ----------------------------
     def test_threads_share_one_store(self, store: logstore.Store) -> None:
-        keys = _keys_in_shard(store, 0, 4)
+        keys = keys_in_shard(store, 0, 4)
         errors: list[BaseException] = []
 
         def writer(n: int) -> None:
@@ -472,7 +472,7 @@ class StoreContract:
         with logstore.open(url, shards=self.shards) as store:
             # Few shards, whatever the count, so that writers contend and commit out of id order.
             hot = sorted({0, 1, self.shards - 1})
-            assert_no_skip(store, store_recorders(store), keys=[k for s in hot for k in _keys_in_shard(store, s, 2)])
+            assert_no_skip(store, store_recorders(store), keys=[k for s in hot for k in keys_in_shard(store, s, 2)])
 
 
 def store_recorders(store: logstore.Store) -> Sequence[Any]:

@@ -30,7 +30,20 @@ class ProducerBroken(Exception):
     """What a producer that has to be replaced fails its batches with (OutOfOrderSequenceNumber, say)."""
 
 
-class RestartingPublisher(Publisher):
+class ScriptedPublisher(Publisher):
+    """A publisher whose sends a test scripts: nothing to start, stop or prepare."""
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def prepare_topic(self, topic: str, partitions: int, replication_factor: int) -> None:
+        pass
+
+
+class RestartingPublisher(ScriptedPublisher):
     """Like KafkaPublisher around a restart. On the first producer (stream 0) shard B's sends fail at
     once and A's wait; B's failure restarts the producer, which fails what the old one still holds,
     and the new producer (stream 1) delivers everything at once. While it restarts, A's next page
@@ -45,15 +58,6 @@ class RestartingPublisher(Publisher):
         self.a_read = threading.Event()
         self._held: list[asyncio.Future[Any]] = []
         self._stream_of: dict[asyncio.Future[Any], int] = {}
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass
-
-    async def prepare_topic(self, topic: str, partitions: int, replication_factor: int) -> None:
-        pass
 
     async def send(
         self, topic: str, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]
@@ -151,22 +155,13 @@ def test_nothing_later_of_a_shard_goes_out_after_a_failed_delivery_until_the_fai
         a_cells[0].added_id]
 
 
-class LaterFailsPublisher(Publisher):
+class LaterFailsPublisher(ScriptedPublisher):
     """Holds the first two messages of shard A undelivered and fails the next two at once, one time."""
 
     def __init__(self) -> None:
         self.sent: list[int] = []  # added_ids of shard A, in the order handed over
         self.delivered: list[tuple[int, int]] = []
         self.held: list[tuple[asyncio.Future[Any], tuple[int, int]]] = []
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass
-
-    async def prepare_topic(self, topic: str, partitions: int, replication_factor: int) -> None:
-        pass
 
     async def send(
         self, topic: str, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]

@@ -25,6 +25,8 @@ from tailer.interfaces import Publisher
 from tailer.local import DirectoryPublisher, LocalCoordinator, read_topic
 from tailer.worker import Tailer
 
+from .logstore_contract import keys_in_shard
+
 
 class HeldPublisher(Publisher):
     """Acknowledges nothing until ``release()``: every cell read stays in flight, so its shard lags."""
@@ -55,14 +57,6 @@ class HeldPublisher(Publisher):
         self.held.clear()
 
 
-def keys_in(store: logstore.Store, shard: int, n: int) -> list[uuid.UUID]:
-    keys: list[uuid.UUID] = []
-    while len(keys) < n:
-        key = uuid.uuid4()
-        if store.shard_of(key) == shard:
-            keys.append(key)
-    return keys
-
 
 def series(registry: CollectorRegistry, name: str) -> dict[str, float]:
     """Every sample of a gauge family, by its shard label."""
@@ -81,7 +75,7 @@ async def until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> 
 def uneven(sqlite_url: str) -> Any:
     """256 shards: 30 cells in one shard, 20 in another, and 50 spread over the rest."""
     with logstore.open(sqlite_url, shards=256) as store:
-        store.put_cells([(k, "BASE", 1, {"n": 1}) for k in keys_in(store, 7, 30) + keys_in(store, 200, 20)])
+        store.put_cells([(k, "BASE", 1, {"n": 1}) for k in keys_in_shard(store, 7, 30) + keys_in_shard(store, 200, 20)])
         store.put_cells([(uuid.uuid4(), "BASE", 1, {"n": i}) for i in range(50)])
         yield store
 
