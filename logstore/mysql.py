@@ -97,9 +97,9 @@ _SCHEMA = (
 # Placeholders only in VALUES: pymysql's executemany then sends one multi-row INSERT, not one per shard.
 _CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES (%s, %s, %s, %s)"
           " ON DUPLICATE KEY UPDATE owner = VALUES(owner)")
-# commits + 1 makes every matched row "affected", so rowcount tells a fenced shard from an unchanged one.
-_COMMIT = ("UPDATE cellstream_offsets SET location = %s, doc = %s, commits = commits + 1"
-           " WHERE consumer = %s AND shard = %s AND owner = %s")
+# Only ever run on rows locked as held by the committing owner: it updates, never inserts.
+_UPSERT_OFFSETS = ("INSERT INTO cellstream_offsets (consumer, shard, owner, location, doc) VALUES {}"
+                   " ON DUPLICATE KEY UPDATE location = VALUES(location), doc = VALUES(doc), commits = commits + 1")
 _OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = %s ORDER BY shard"
 CELL_COLUMNS = "shard, added_id, row_key, column_name, ref_key, body, created_at"
 _INSERT = f"INSERT INTO cells ({CELL_COLUMNS}) VALUES "
@@ -564,14 +564,32 @@ class MySQLRecorder(NodeRecorder):
         return self._call("claim offsets", run)
 
     def commit_offsets(self, consumer: str, owner: str, offsets: dict[int, tuple[int, str]]) -> set[int]:
+        """Two round trips whatever the number of shards: lock the rows ``owner`` still holds, then write
+        them all in one multi-row upsert (every row exists, so it only updates) and COMMIT."""
+        shards = sorted(offsets)
+        if not shards:
+            return set()
+
         def run(cur: pymysql.cursors.Cursor) -> set[int]:
-            fenced = set()
-            cur.execute("START TRANSACTION")
-            for shard, (location, doc) in offsets.items():
-                if cur.execute(_COMMIT, (location, doc, consumer, shard, owner)) != 1:
-                    fenced.add(shard)
-            cur.execute("COMMIT")
-            return fenced
+            try:
+                held_rows = run_script(cur, [
+                    ("START TRANSACTION", ()),
+                    (f"SELECT shard FROM cellstream_offsets WHERE consumer = %s AND owner = %s"
+                     f" AND shard IN ({', '.join(['%s'] * len(shards))}) FOR UPDATE", [consumer, owner, *shards])])
+                held = sorted(int(row[0]) for row in held_rows[1].rows or ())
+                # Literals only (the docs as hex): no placeholder, so no escaping pass over thousands of rows.
+                rows = [f"(X'{consumer.encode().hex()}', {s}, X'{owner.encode().hex()}', {offsets[s][0]},"
+                        f" X'{offsets[s][1].encode().hex()}')" for s in held]
+                statements: list[Statement | Weighed] = [
+                    ((_UPSERT_OFFSETS.format(", ".join(rows[i:i + 1000])), ()), sum(map(len, rows[i:i + 1000])) + 200)
+                    for i in range(0, len(rows), 1000)]
+                for packet in self._packets([*statements, ("COMMIT", ())]):
+                    run_script(cur, packet)
+                return set(shards).difference(held)
+            except BaseException:
+                with suppress(pymysql.Error, OSError):
+                    cur.execute("ROLLBACK")
+                raise
         return self._call("commit offsets", run)
 
     def read_offsets(self, consumer: str) -> list[OffsetRecord]:

@@ -424,6 +424,18 @@ class StoreContract:
         assert found[3].location == 5 and found[1].location is None
         assert store.read_offsets("other") == {}
 
+    def test_a_commit_of_every_shard_keeps_each_doc(self, store: logstore.Store) -> None:
+        store.claim_offsets("billing", "worker-a")
+        docs = {s: (s + 1, {"note": f"100% ✓ {s}", "quote": "it's"}) for s in range(self.shards)}
+        assert store.commit_offsets("billing", "worker-a", docs) == set()
+        found = store.read_offsets("billing")
+        assert {s: (r.location, r.doc) for s, r in found.items()} == docs
+
+    def test_a_commit_of_an_unclaimed_shard_is_refused_and_writes_nothing(self, store: logstore.Store) -> None:
+        store.claim_offsets("billing", "worker-a", [0])
+        assert store.commit_offsets("billing", "worker-a", {0: (3, {}), 1: (4, {})}) == {1}
+        assert {s: r.location for s, r in store.read_offsets("billing").items()} == {0: 3}
+
     def test_a_new_owner_fences_the_old_ones_commits(self, store: logstore.Store) -> None:
         store.claim_offsets("billing", "worker-a")
         store.commit_offsets("billing", "worker-a", {1: (10, {})})
