@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .cell import Cell
 from .config import SQLiteTarget, StoreOptions
-from .errors import ConfigurationError, LogstoreError, StorageError, StorageUnavailableError
+from .errors import ConfigurationError, CorruptCellError, LogstoreError, StorageError, StorageUnavailableError
 from .persistence import (
     FORMAT_VERSION,
     Coordinates,
@@ -45,6 +45,7 @@ DB_FILE = "logstore.db"
 INDEX_FILE = "indexes.db"
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
+_SQLITE_NEEDED = (3, 35)
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS cellstream_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -85,11 +86,31 @@ _INSERT = (
     " ON CONFLICT DO NOTHING"
 )
 _COUNT = "UPDATE cellstream_shards SET cells = cells + ? WHERE shard = ?"
-_CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner) VALUES (?, ?, ?)"
+# Many shards a statement (see _chunks): a statement per shard cost 4096 shards more than their rows.
+_CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner) VALUES {}"
           " ON CONFLICT (consumer, shard) DO UPDATE SET owner = excluded.owner")
-_COMMIT = ("UPDATE cellstream_offsets SET location = ?, doc = ?, commits = commits + 1"
-           " WHERE consumer = ? AND shard = ? AND owner = ?")
+# The rows it returns are the shards still held; the others were fenced (or never claimed).
+_COMMIT = ("WITH v(shard, location, doc) AS (VALUES {}) UPDATE cellstream_offsets"
+           " SET location = v.location, doc = v.doc, commits = commits + 1 FROM v"
+           " WHERE consumer = ? AND owner = ? AND cellstream_offsets.shard = v.shard RETURNING cellstream_offsets.shard")
 _OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = ? ORDER BY shard"
+
+_SHARDS_A_READ = 500  # shards a statement: at most 1,500 of SQLite's 32,766 variables
+
+
+def _chunks(shards: Sequence[int]) -> Iterator[Sequence[int]]:
+    return (shards[i:i + _SHARDS_A_READ] for i in range(0, len(shards), _SHARDS_A_READ))
+
+
+def _pages_sql(shards: int, columns: Sequence[str] | None) -> str:
+    """The pages of ``shards`` shards in one statement. A page is bounded by its ``limit``-th id, which a
+    correlated subquery finds in the (shard, added_id) index, so a long log is never read past its page."""
+    of = f" AND {{0}}.column_name IN ({', '.join('?' * len(columns))})" if columns else ""
+    return (f"WITH w(shard, loc) AS (VALUES {', '.join(['(?, ?)'] * shards)})"
+            f" SELECT {', '.join('c.' + c for c in _COLS.split(', '))} FROM w JOIN cells c"
+            f" ON c.shard = w.shard AND c.added_id > w.loc{of.format('c')} AND c.added_id <= COALESCE(("
+            f"SELECT m.added_id FROM cells m WHERE m.shard = w.shard AND m.added_id > w.loc{of.format('m')}"
+            " ORDER BY m.added_id LIMIT 1 OFFSET ?), 9223372036854775807)")
 
 
 class _ThreadConnection:
@@ -194,6 +215,9 @@ class SQLiteRecorder(NodeRecorder):
     index writers never wait behind cell writers for SQLite's one write lock (and the reverse)."""
 
     def __init__(self, name: str, target: SQLiteTarget, options: StoreOptions) -> None:
+        if sqlite3.sqlite_version_info < _SQLITE_NEEDED:  # RETURNING and UPDATE ... FROM
+            raise ConfigurationError(f"SQLite {'.'.join(map(str, _SQLITE_NEEDED))} or later is needed; this Python"
+                                     f" has {sqlite3.sqlite_version}")
         self.name = name
         self._db = _Database(target.directory / DB_FILE, options)
         self._index_db = _Database(target.directory / INDEX_FILE, options)
@@ -297,6 +321,29 @@ class SQLiteRecorder(NodeRecorder):
             rows = self._conn().execute(sql, args).fetchall()
         return decode_log(rows, _row_to_cell)
 
+    def get_logs(
+        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
+    ) -> dict[int, list[Cell] | CorruptCellError]:
+        """One statement per 500 shards: each statement releases and retakes the GIL, and a reader thread
+        retaking it behind a busy event loop waits a switch interval, so a query per shard cost a
+        4096-shard reader far more than the reading did."""
+        by_shard: dict[int, list[tuple[int, int, bytes, str, int, bytes, int]]] = {s: [] for s, _ in locations}
+        for start in range(0, len(locations), _SHARDS_A_READ):
+            group = locations[start:start + _SHARDS_A_READ]
+            sql, args = _pages_sql(len(group), columns), [a for pair in group for a in pair]
+            args += [*(columns or ()), *(columns or ()), limit - 1]
+            with self._errors("read log"):
+                for row in self._conn().execute(sql, args).fetchall():
+                    by_shard[row[1]].append(row)
+        out: dict[int, list[Cell] | CorruptCellError] = {}
+        for shard, rows in by_shard.items():
+            rows.sort()  # by added_id; the join promises no order
+            try:
+                out[shard] = decode_log(rows, _row_to_cell)
+            except CorruptCellError as exc:
+                out[shard] = exc
+        return out
+
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         sql = "SELECT COUNT(*) FROM cells WHERE shard = ? AND added_id > ?"
         if columns:
@@ -318,31 +365,44 @@ class SQLiteRecorder(NodeRecorder):
         return int(row[0] or 0)
 
     def heads(self, shards: Sequence[int]) -> dict[int, int]:
-        # One index probe per shard, on one connection: a GROUP BY would scan the whole log index.
+        # An index probe per shard, 500 shards a statement: a GROUP BY would scan the whole log index.
+        out: dict[int, int] = {}
         with self._errors("read log"):
             conn = self._conn()
-            return {s: int(conn.execute("SELECT MAX(added_id) FROM cells WHERE shard = ?", (s,)).fetchone()[0] or 0)
-                    for s in shards}
+            for group in _chunks(shards):
+                out.update(conn.execute(
+                    f"WITH w(shard) AS (VALUES {', '.join(['(?)'] * len(group))}) SELECT w.shard,"
+                    " COALESCE((SELECT MAX(added_id) FROM cells WHERE shard = w.shard), 0) FROM w", group))
+        return out
 
     def shard_counts(self) -> dict[int, int]:
+        # One row, not one per shard: sqlite3 lets go of the GIL at every row, and a reader thread
+        # retaking it behind a busy event loop waits up to a switch interval each time.
         with self._errors("read"):
-            return dict(self._conn().execute("SELECT shard, cells FROM cellstream_shards").fetchall())
+            shards, cells = self._conn().execute(
+                "SELECT group_concat(shard), group_concat(cells) FROM cellstream_shards").fetchone()
+        if shards is None:
+            return {}
+        return dict(zip(map(int, shards.split(",")), map(int, cells.split(",")), strict=True))
 
     # -- consumer offsets -------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
         wanted = set(shards)
         with self._write() as conn:
-            conn.executemany(_CLAIM, [(consumer, shard, owner) for shard in shards])
+            for group in _chunks(shards):
+                conn.execute(_CLAIM.format(", ".join(["(?, ?, ?)"] * len(group))),
+                             [a for shard in group for a in (consumer, shard, owner)])
             rows = conn.execute(_OFFSETS, (consumer,)).fetchall()
         return [offset_record(*row) for row in rows if row[0] in wanted]
 
     def commit_offsets(self, consumer: str, owner: str, offsets: dict[int, tuple[int, str]]) -> set[int]:
-        fenced = set()
+        held: set[int] = set()
         with self._write() as conn:
-            for shard, (location, doc) in offsets.items():
-                if conn.execute(_COMMIT, (location, doc, consumer, shard, owner)).rowcount != 1:
-                    fenced.add(shard)
-        return fenced
+            for group in _chunks(list(offsets)):
+                rows = conn.execute(_COMMIT.format(", ".join(["(?, ?, ?)"] * len(group))),
+                                    [*(a for s in group for a in (s, *offsets[s])), consumer, owner]).fetchall()
+                held.update(shard for (shard,) in rows)
+        return set(offsets).difference(held)
 
     def read_offsets(self, consumer: str) -> list[OffsetRecord]:
         with self._errors("read offsets"):
