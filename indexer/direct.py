@@ -11,7 +11,8 @@ cells after the last commit.
 
 The queues are worked by a pool of at most ``max_active_shards`` tasks, a batch of a
 shard at a time in round robin, rather than by a task per shard: with 4096 shards a
-task per shard with cells cost more than the cells did.
+task per shard with cells cost more than the cells did. The pool grows only while
+all its tasks wait on handlers, so handlers that never wait are run by one task.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class HandlerPublisher(Publisher):
         self._runnable: deque[int] = deque()  # partitions with cells queued and no worker on them, in turn
         self._scheduled: set[int] = set()  # runnable or being worked on: one worker per partition at a time
         self._workers: set[asyncio.Task[None]] = set()
+        self._busy = 0  # workers inside a batch (waiting on its handlers, if they wait)
         self._running = False
 
     async def start(self) -> None:
@@ -126,7 +128,13 @@ class HandlerPublisher(Publisher):
             return
         self._scheduled.add(partition)
         self._runnable.append(partition)
-        if len(self._workers) < min(self.max_workers, len(self._scheduled)):
+        if self._busy == len(self._workers):  # else a worker not waiting on a handler comes back for it
+            self._spawn()
+
+    def _spawn(self) -> None:
+        """One more worker, within ``max_workers``. Workers are added only while every one waits on a
+        handler: a task per kicked shard cost 4096 shards more than their cells when handlers never wait."""
+        if len(self._workers) < self.max_workers:
             task = asyncio.create_task(self._worker(), name=f"handlers-{len(self._workers)}")
             self._workers.add(task)
             task.add_done_callback(self._workers.discard)  # also if it never ran
@@ -140,9 +148,13 @@ class HandlerPublisher(Publisher):
                 partition = self._runnable.popleft()
                 queue = self._queues[partition]
                 again = False
+                self._busy += 1
+                if self._runnable and self._busy == len(self._workers):  # the others wait on handlers too
+                    self._spawn()
                 try:
                     again = await self._work(partition, queue) and bool(queue)
                 finally:  # a partition is never left scheduled without being in line
+                    self._busy -= 1
                     if again:
                         self._runnable.append(partition)
                     else:

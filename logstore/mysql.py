@@ -94,9 +94,7 @@ _SCHEMA = (
     " owner VARCHAR(200) NOT NULL, location BIGINT NULL, doc TEXT NOT NULL,"
     " commits BIGINT NOT NULL DEFAULT 0, PRIMARY KEY (consumer, shard)) ENGINE=InnoDB",
 )
-# Placeholders only in VALUES: pymysql's executemany then sends one multi-row INSERT, not one per shard.
-_CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES (%s, %s, %s, %s)"
-          " ON DUPLICATE KEY UPDATE owner = VALUES(owner)")
+_CLAIM = "INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES {} ON DUPLICATE KEY UPDATE owner = VALUES(owner)"
 # Only ever run on rows locked as held by the committing owner: it updates, never inserts.
 _UPSERT_OFFSETS = ("INSERT INTO cellstream_offsets (consumer, shard, owner, location, doc) VALUES {}"
                    " ON DUPLICATE KEY UPDATE location = VALUES(location), doc = VALUES(doc), commits = commits + 1")
@@ -537,6 +535,19 @@ class MySQLRecorder(NodeRecorder):
         rows = self._read(f"SELECT COUNT(*) FROM cells WHERE {where}", [shard, location, *extra])
         return int(rows[0][0])
 
+    def counts_after(self, locations: Sequence[tuple[int, int]], columns: Sequence[str] | None = None) -> dict[int, int]:
+        if not columns:  # dense ids: the heads tell
+            heads = self.heads([shard for shard, _ in locations])
+            return {shard: max(0, heads.get(shard, 0) - location) for shard, location in locations}
+        where, extra = _after(columns)
+        out: dict[int, int] = {}
+        for start in range(0, len(locations), 500):  # a UNION of 500 counts a statement
+            group = locations[start:start + 500]
+            sql = " UNION ALL ".join([f"SELECT %s, COUNT(*) FROM cells WHERE {where}"] * len(group))
+            out.update((int(s), int(n)) for s, n in self._read(
+                sql, [a for shard, location in group for a in (shard, shard, location, *extra)]))
+        return out
+
     def first_at(self, shard: int, when: dt.datetime) -> int | None:
         rows = self._read("SELECT MIN(added_id) FROM cells WHERE shard = %s AND created_at >= %s",
                           (shard, when.astimezone(dt.UTC).replace(tzinfo=None)))
@@ -551,14 +562,23 @@ class MySQLRecorder(NodeRecorder):
         return {s: n for s, n in self.shard_counts().items() if s in wanted}  # dense ids: the count is the head
 
     def shard_counts(self) -> dict[int, int]:
-        return {int(s): int(n) for s, n in self._read("SELECT shard, last_id FROM cellstream_shards", ())}
+        # One row, not 4096: pymysql builds each row in Python.
+        [[shards, last]] = self._read("SELECT GROUP_CONCAT(shard), GROUP_CONCAT(last_id) FROM cellstream_shards", ())
+        if shards is None:
+            return {}
+        return dict(zip(map(int, shards.split(",")), map(int, last.split(",")), strict=True))
 
     # -- consumer offsets -----------------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
         wanted = set(shards)
 
+        # Literals, not placeholders: the driver's escaping of 4 values a shard was most of a claim's cost.
+        who = f"X'{consumer.encode().hex()}', {{}}, X'{owner.encode().hex()}', '{{{{}}}}'"
+        rows = [f"({who.format(int(shard))})" for shard in shards]
+
         def run(cur: pymysql.cursors.Cursor) -> list[OffsetRecord]:
-            cur.executemany(_CLAIM, [(consumer, shard, owner, "{}") for shard in shards])
+            for start in range(0, len(rows), 5000):
+                cur.execute(_CLAIM.format(", ".join(rows[start:start + 5000])))
             cur.execute(_OFFSETS, (consumer,))
             return [offset_record(*row) for row in cur.fetchall() if row[0] in wanted]
         return self._call("claim offsets", run)
@@ -574,9 +594,10 @@ class MySQLRecorder(NodeRecorder):
             try:
                 held_rows = run_script(cur, [
                     ("START TRANSACTION", ()),
-                    (f"SELECT shard FROM cellstream_offsets WHERE consumer = %s AND owner = %s"
+                    (f"SELECT GROUP_CONCAT(shard) FROM cellstream_offsets WHERE consumer = %s AND owner = %s"
                      f" AND shard IN ({', '.join(['%s'] * len(shards))}) FOR UPDATE", [consumer, owner, *shards])])
-                held = sorted(int(row[0]) for row in held_rows[1].rows or ())
+                [[listed]] = held_rows[1].rows or ()  # one row, not one per shard: pymysql parses rows slowly
+                held = sorted(map(int, listed.split(","))) if listed else []
                 # Literals only (the docs as hex): no placeholder, so no escaping pass over thousands of rows.
                 rows = [f"(X'{consumer.encode().hex()}', {s}, X'{owner.encode().hex()}', {offsets[s][0]},"
                         f" X'{offsets[s][1].encode().hex()}')" for s in held]

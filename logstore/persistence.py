@@ -176,6 +176,11 @@ class NodeRecorder(ABC):
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         """How many cells of the shard (of ``columns`` if given) have ``added_id > location``."""
 
+    def counts_after(self, locations: Sequence[tuple[int, int]], columns: Sequence[str] | None = None) -> dict[int, int]:
+        """``count_after`` of several shards of this node (shard, location pairs); backends with a cheaper
+        way than a read per shard override this."""
+        return {shard: self.count_after(shard, location, columns) for shard, location in locations}
+
     @abstractmethod
     def shard_counts(self) -> dict[int, int]:
         """Cells per shard, for every shard of the node."""

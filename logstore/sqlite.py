@@ -352,6 +352,19 @@ class SQLiteRecorder(NodeRecorder):
             row = self._conn().execute(sql, (shard, location, *(columns or ()))).fetchone()
         return int(row[0])
 
+    def counts_after(self, locations: Sequence[tuple[int, int]], columns: Sequence[str] | None = None) -> dict[int, int]:
+        of = f" AND column_name IN ({', '.join('?' * len(columns))})" if columns else ""
+        out: dict[int, int] = {}
+        with self._errors("read log"):
+            conn = self._conn()
+            for start in range(0, len(locations), _SHARDS_A_READ):
+                group = locations[start:start + _SHARDS_A_READ]
+                out.update(conn.execute(
+                    f"WITH w(shard, loc) AS (VALUES {', '.join(['(?, ?)'] * len(group))}) SELECT w.shard,"
+                    f" (SELECT COUNT(*) FROM cells WHERE shard = w.shard AND added_id > w.loc{of}) FROM w",
+                    [*(a for pair in group for a in pair), *(columns or ())]))
+        return out
+
     def first_at(self, shard: int, when: dt.datetime) -> int | None:
         with self._errors("read log"):
             row = self._conn().execute(

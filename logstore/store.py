@@ -424,6 +424,19 @@ class Store:
         names = self._check_page(shard, location, 1, columns)
         return self._recorder(shard).count_after(shard, location, names)
 
+    def counts_after(self, locations: Mapping[int, int], *, columns: Sequence[str] | None = None) -> dict[int, int]:
+        """``count_after`` of many shards (shard -> location), a few reads per storage node: the lag of a
+        reader of thousands of shards without a read per shard."""
+        by_node: dict[int, list[tuple[int, int]]] = {}
+        names: list[str] | None = None
+        for shard, location in locations.items():
+            names = self._check_page(shard, location, 1, columns)
+            by_node.setdefault(id(self._recorder(shard)), []).append((shard, location))
+        out: dict[int, int] = {}
+        for group in by_node.values():
+            out.update(self._recorder(group[0][0]).counts_after(group, names))
+        return out
+
     def head(self, shard: int) -> int:
         """The highest added_id of the shard (0 when empty): the location of the log's end."""
         return self._recorder(self._check_shard(shard)).head(shard)

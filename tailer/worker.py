@@ -832,7 +832,7 @@ class Tailer:
             elif page:
                 created[shard] = page[0].created_at
         now = dt.datetime.now(dt.UTC)
-        return {shard: (self.store.count_after(shard, acked[shard]),
-                        max(0.0, (now - when).total_seconds()) if when is not None else 0.0)
+        counts = self.store.counts_after({shard: acked[shard] for shard in created})
+        return {shard: (counts[shard], max(0.0, (now - when).total_seconds()) if when is not None else 0.0)
                 for shard, when in created.items()}
 

@@ -412,6 +412,19 @@ class StoreContract:
         with pytest.raises(logstore.InvalidArgumentError, match="list of column names"):
             store.count_after(shard, 0, columns="BASE")
 
+    def test_counts_after_of_many_shards_equal_each_count_after(self, store: logstore.Store) -> None:
+        keys = [k for s in range(self.shards) for k in keys_in_shard(store, s, 1)]
+        store.put_cells([(k, column, ref, {}) for i, k in enumerate(keys) for column in ("BASE", "OTHER")
+                         for ref in range(1, 2 + i % 4)])
+        locations = {s: (store.head(s) // 3 if s % 2 else 0) for s in range(self.shards)}
+        for columns in (None, ["BASE"]):
+            expected = {s: store.count_after(s, loc, columns=columns) for s, loc in locations.items()}
+            assert store.counts_after(locations, columns=columns) == expected
+            assert any(expected.values())
+        assert store.counts_after({}) == {}
+        with pytest.raises(logstore.InvalidArgumentError, match="location"):
+            store.counts_after({0: -1})
+
     # -- consumer offsets -------------------------------------------------
     def test_consumer_offsets_are_claimed_committed_and_read_back(self, store: logstore.Store) -> None:
         claimed = store.claim_offsets("billing", "worker-a")
