@@ -124,22 +124,26 @@ class Bench:
     # -- 2. log scan --------------------------------------------------------------------
     def log_scan(self) -> None:
         def project() -> int:
-            # As a tailer reads: every shard's page in groups of 512 shards, until no page has cells.
+            # As a tailer reads: the shards' cell counts first (one read), then queries of many shards, each
+            # reserving about a page (1,000 cells) as the raw side's page, until every count is read.
+            left = {info.shard: info.cells for info in self.store.shard_stats() if info.cells}
+            locations = dict.fromkeys(left, 0)
             n = 0
-            locations = dict.fromkeys(range(self.shards), 0)
-            groups = [list(locations)[i:i + 512] for i in range(0, self.shards, 512)]
-            while groups:
-                busy = []
-                for group in groups:
-                    pages = self.store.get_cells_for_shards({s: locations[s] for s in group}, 1000)
-                    for shard, page in pages.items():
-                        assert isinstance(page, list)
-                        if page:
-                            locations[shard] = page[-1].added_id
-                            n += len(page)
-                    if any(pages.values()):
-                        busy.append([s for s in group if pages[s]])
-                groups = busy
+            while left:
+                group: dict[int, int] = {}
+                reserved = 0
+                for shard, cells in left.items():
+                    group[shard] = locations[shard]
+                    reserved += min(cells, 1000)
+                    if reserved >= 1000:
+                        break
+                for shard, page in self.store.get_cells_for_shards(group, 1000).items():
+                    assert isinstance(page, list) and page
+                    locations[shard] = page[-1].added_id
+                    n += len(page)
+                    left[shard] -= len(page)
+                    if left[shard] <= 0:
+                        del left[shard]
             return n
 
         def raw() -> int:
@@ -292,7 +296,7 @@ def main() -> int:
         print(f"batched puts: 4 x {args.cells} cells in batches of {args.batch} into {args.shards} shards",
               file=sys.stderr)
         bench.batched_puts(args.cells, args.batch)
-        print("log scan of every shard, pages of 1000", file=sys.stderr)
+        print("log scan of every shard, queries of about 1000 cells as a tailer reads", file=sys.stderr)
         bench.log_scan()
         print(f"get_cell_latest x {args.lookups}", file=sys.stderr)
         bench.latest_reads(args.lookups)

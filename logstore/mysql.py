@@ -100,10 +100,12 @@ _UPSERT_OFFSETS = ("INSERT INTO cellstream_offsets (consumer, shard, owner, loca
                    " ON DUPLICATE KEY UPDATE location = VALUES(location), doc = VALUES(doc), commits = commits + 1")
 _OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = %s ORDER BY shard"
 CELL_COLUMNS = "shard, added_id, row_key, column_name, ref_key, body, created_at"
+# A log row as three fields: pymysql spends more on each field of a row than on its bytes, so a page of
+# cells comes back with the key, time, ref_key, column and body packed in one (see _log_row_to_cell).
+LOG_COLUMNS = "shard, added_id, CONCAT(row_key, CAST(created_at AS CHAR), ref_key, ' ', column_name, ' ', body)"
 _INSERT = f"INSERT INTO cells ({CELL_COLUMNS}) VALUES "
 # Taken once all shard locks of a write are held, so created_at never decreases along a shard's ids.
 _TIMESTAMP = "CAST(@cs_t := UTC_TIMESTAMP(6) AS DATETIME(6))"
-_SPREAD = 64  # see _dense_pages
 _SAME_CELL = "(row_key = %s AND column_name = %s AND ref_key = %s)"
 
 
@@ -123,20 +125,19 @@ def _after(columns: Sequence[str] | None) -> tuple[str, list[str]]:
 
 def _dense_pages(locations: Sequence[tuple[int, int]], limit: int) -> tuple[str, list[int]]:
     """One query of the pages of many shards, relying on dense ids: a shard's page after location L is the
-    id range (L, L + limit]. Shards whose locations lie within _SPREAD of each other share one index
-    range (``shard IN (...) AND added_id BETWEEN ...``; a reader filters out the few ids outside a
-    shard's own page), so a scan from one location or a tail near the heads is a handful of ranges,
-    and the query never evaluates a long OR for each row (which cost MariaDB quadratic time)."""
-    groups: list[list[tuple[int, int]]] = []
-    for shard, location in sorted(locations, key=lambda p: p[1]):
-        if not groups or location - groups[-1][0][1] > _SPREAD:
-            groups.append([])
-        groups[-1].append((shard, location))
+    id range (L, L + limit]. Shards at the same location share one index range (``shard IN (...) AND
+    added_id BETWEEN ...``), so a scan from one location is a single range, and every range is exact: no
+    row outside a page is sent (a shared range over nearby locations re-sent rows already read, which the
+    driver parsed at great cost), and the query never evaluates a long OR for each row (which cost MariaDB
+    quadratic time)."""
+    groups: dict[int, list[int]] = {}
+    for shard, location in locations:
+        groups.setdefault(location, []).append(shard)
     parts, args = [], []
-    for group in groups:
-        parts.append(f"(SELECT {CELL_COLUMNS} FROM cells WHERE shard IN ({', '.join(['%s'] * len(group))})"
+    for location, shards in groups.items():
+        parts.append(f"(SELECT {LOG_COLUMNS} FROM cells WHERE shard IN ({', '.join(['%s'] * len(shards))})"
                      " AND added_id BETWEEN %s AND %s)")
-        args += [shard for shard, _ in group] + [group[0][1] + 1, group[-1][1] + limit]
+        args += [*shards, location + 1, location + limit]
     return " UNION ALL ".join(parts), args
 
 
@@ -164,6 +165,16 @@ def _shard_of_cell(cell: PendingCell) -> int:
 def _row_to_cell(row: tuple[Any, ...]) -> Cell:
     shard, added_id, row_key, column, ref_key, blob, created = row
     return make_cell(shard, added_id, row_key, column, ref_key, blob, created)
+
+
+def _log_row_to_cell(row: tuple[int, int, bytes]) -> Cell:
+    """A row of LOG_COLUMNS: the 16-byte key, the 26-character time, then "ref_key column body"
+    (neither a number nor a column name holds a space)."""
+    shard, added_id, packed = row
+    ref_end = packed.index(32, 42)
+    column_end = packed.index(32, ref_end + 1)
+    return make_cell(shard, added_id, packed[:16], packed[ref_end + 1:column_end].decode(), int(packed[42:ref_end]),
+                     packed[column_end + 1:], _utc_datetime(packed[16:42]))
 
 
 def _check_layout(node: str, meta: dict[str, str]) -> None:
@@ -496,9 +507,9 @@ class MySQLRecorder(NodeRecorder):
 
     def get_log(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Cell]:
         where, extra = _after(columns)
-        rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s",
+        rows = self._read(f"SELECT {LOG_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s",
                           [shard, location, *extra, limit])
-        return decode_log(rows, _row_to_cell)
+        return decode_log(rows, _log_row_to_cell)
 
     def get_logs(
         self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
@@ -509,21 +520,18 @@ class MySQLRecorder(NodeRecorder):
         if columns:  # the cells of some columns are not dense: each shard's page needs its own LIMIT
             where, extra = _after(columns)
             sql = " UNION ALL ".join(
-                [f"(SELECT {CELL_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s)"] * len(locations))
+                [f"(SELECT {LOG_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s)"] * len(locations))
             args = [a for shard, location in locations for a in (shard, location, *extra, limit)]
         else:
             sql, args = _dense_pages(locations, limit)
-        # A range shared by several shards also holds ids outside a shard's own page (see _dense_pages).
-        after = {shard: location for shard, location in locations} if not columns else None
         by_shard: dict[int, list[tuple[Any, ...]]] = {shard: [] for shard, _ in locations}
         for row in self._read(sql, args):
-            if after is None or after[row[0]] < row[1] <= after[row[0]] + limit:
-                by_shard[row[0]].append(row)
+            by_shard[row[0]].append(row)
         out: dict[int, list[Cell] | CorruptCellError] = {}
         for shard, page in by_shard.items():
             page.sort(key=lambda row: row[1])  # neither form of the query promises an order
             try:
-                out[shard] = decode_log(page, _row_to_cell)
+                out[shard] = decode_log(page, _log_row_to_cell)
             except CorruptCellError as exc:
                 out[shard] = exc
         return out
