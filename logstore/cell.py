@@ -102,38 +102,48 @@ class _BadValue(Exception):
 
 
 def _check_value(value: Any, depth: int) -> None:
+    """Raise _BadValue unless ``value`` is JSON: the leaves of a container are checked in its own loop,
+    not by a call each (the calls were most of a put's validation)."""
     t = type(value)
+    if t is dict or t is list:
+        _check_container(value, depth)
+    elif not _scalar(value, t):
+        raise _BadValue(f"{t.__name__} is not a JSON type (str, int, float, bool, None, list, dict)")
+
+
+def _scalar(value: Any, t: type) -> bool:
+    """True for a JSON scalar; raises _BadValue for an int or float JSON cannot hold; False otherwise."""
     if t is str or t is bool or value is None:
-        return
+        return True
     if t is int:
         if not _INT_MIN <= value <= _INT_MAX:
             raise _BadValue(f"integer {value} does not fit in 64 bits")
-        return
+        return True
     if t is float:
         if not math.isfinite(value):
             raise _BadValue(f"{value} is not a JSON number (NaN and Infinity are refused)")
-        return
+        return True
+    return False
+
+
+def _check_container(value: dict[Any, Any] | list[Any], depth: int) -> None:
     if depth >= MAX_DEPTH:
         raise _BadValue(f"nested deeper than {MAX_DEPTH} levels")
-    if t is dict:
-        for key, item in value.items():
-            if type(key) is not str:
-                raise _BadValue(f"key {key!r} is not a string")
-            try:
-                _check_value(item, depth + 1)
-            except _BadValue as bad:
-                bad.path.append(key)
-                raise
-        return
-    if t is list:
-        for index, item in enumerate(value):
-            try:
-                _check_value(item, depth + 1)
-            except _BadValue as bad:
-                bad.path.append(index)
-                raise
-        return
-    raise _BadValue(f"{t.__name__} is not a JSON type (str, int, float, bool, None, list, dict)")
+    is_dict = type(value) is dict
+    for key, item in value.items() if is_dict else enumerate(value):  # type: ignore[union-attr]
+        if is_dict and type(key) is not str:
+            raise _BadValue(f"key {key!r} is not a string")
+        t = type(item)
+        if t is str or t is bool or t is float and math.isfinite(item):
+            continue  # the common leaves, checked inline
+        try:
+            if t is dict or t is list:
+                _check_container(item, depth + 1)
+            elif not _scalar(item, t):
+                raise _BadValue(f"{t.__name__} is not a JSON type (str, int, float, bool, None, list, dict)")
+        except _BadValue as bad:
+            bad.path.append(key)
+            raise
 
 
 def _field(path: list[str | int]) -> str:

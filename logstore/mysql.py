@@ -427,7 +427,7 @@ class MySQLRecorder(NodeRecorder):
         locked = run_script(cur, [
             ("START TRANSACTION", ()),
             ("SELECT COUNT(*), GROUP_CONCAT(last_id ORDER BY shard), GROUP_CONCAT(CONCAT(shard, ' ', fence))"
-             f" FROM cellstream_shards WHERE shard IN ({', '.join(['%s'] * len(shards))}) FOR UPDATE", shards),
+             f" FROM cellstream_shards WHERE shard IN ({', '.join(map(str, shards))}) FOR UPDATE", ()),
             (f"SELECT {_TIMESTAMP}", ())])
         [[count, counters, fences]] = locked[1].rows or ()
         if fences:
