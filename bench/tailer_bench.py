@@ -281,7 +281,8 @@ def main() -> int:
         sys.setswitchinterval(float(os.environ["BENCH_SWITCH"]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cells", type=int, default=50_000)
-    parser.add_argument("--shards", type=int, default=64)
+    parser.add_argument("--shards", type=int, default=4096,
+                        help="shards of the store of the throughput and latency parts (default 4096, the store's)")
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--consume", help=argparse.SUPPRESS)  # the latency run's consumer process

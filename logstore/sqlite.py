@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from .cell import Cell
 from .config import SQLiteTarget, StoreOptions
@@ -46,6 +47,7 @@ INDEX_FILE = "indexes.db"
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
 _SQLITE_NEEDED = (3, 35)
+_T = TypeVar("_T")
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS cellstream_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -98,8 +100,9 @@ _OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE con
 _SHARDS_A_READ = 500  # shards a statement: at most 1,500 of SQLite's 32,766 variables
 
 
-def _chunks(shards: Sequence[int]) -> Iterator[Sequence[int]]:
-    return (shards[i:i + _SHARDS_A_READ] for i in range(0, len(shards), _SHARDS_A_READ))
+def _chunks(items: Sequence[_T]) -> Iterator[Sequence[_T]]:
+    """``items`` (shards, or shard and location pairs) by _SHARDS_A_READ."""
+    return (items[i:i + _SHARDS_A_READ] for i in range(0, len(items), _SHARDS_A_READ))
 
 
 def _pages_sql(shards: int, columns: Sequence[str] | None) -> str:
@@ -328,8 +331,7 @@ class SQLiteRecorder(NodeRecorder):
         retaking it behind a busy event loop waits a switch interval, so a query per shard cost a
         4096-shard reader far more than the reading did."""
         by_shard: dict[int, list[tuple[int, int, bytes, str, int, bytes, int]]] = {s: [] for s, _ in locations}
-        for start in range(0, len(locations), _SHARDS_A_READ):
-            group = locations[start:start + _SHARDS_A_READ]
+        for group in _chunks(locations):
             sql, args = _pages_sql(len(group), columns), [a for pair in group for a in pair]
             args += [*(columns or ()), *(columns or ()), limit - 1]
             with self._errors("read log"):
@@ -357,8 +359,7 @@ class SQLiteRecorder(NodeRecorder):
         out: dict[int, int] = {}
         with self._errors("read log"):
             conn = self._conn()
-            for start in range(0, len(locations), _SHARDS_A_READ):
-                group = locations[start:start + _SHARDS_A_READ]
+            for group in _chunks(locations):
                 out.update(conn.execute(
                     f"WITH w(shard, loc) AS (VALUES {', '.join(['(?, ?)'] * len(group))}) SELECT w.shard,"
                     f" (SELECT COUNT(*) FROM cells WHERE shard = w.shard AND added_id > w.loc{of}) FROM w",
