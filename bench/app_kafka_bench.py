@@ -41,12 +41,11 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from kazoo.client import KazooClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
 from bench.pacing import latencies, paced_puts
-from bench.scratch import scratch
+from bench.scratch import scratch, wait_claimed
 from indexer import App
 from logstore import Cell
 from tailer.config import KafkaOptions, TailerConfig
@@ -54,7 +53,6 @@ from tailer.kafka import KafkaPublisher
 from tailer.messages import decode_cell
 from tailer.storecoord import StoreCoordinator
 from tailer.worker import Tailer
-from tailer.zookeeper import tailer_path
 
 SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
 KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
@@ -134,22 +132,6 @@ async def _group_state(name: str) -> tuple[str, int]:
         await admin.close()
 
 
-def _wait_claimed(zk: str, name: str, shards: int, tailer: subprocess.Popen[bytes], timeout: float) -> None:
-    """Until the tailer holds a claim (its ZooKeeper claims/<shard> node) on each of the ``shards`` shards:
-    with thousands of shards, claiming and positioning them at their heads takes a while."""
-    hosts, root = tailer_path(zk, name)
-    client = KazooClient(hosts=hosts)
-    client.start(timeout=10)
-    try:
-        deadline = time.monotonic() + timeout
-        while not client.exists(f"{root}/claims") or len(client.get_children(f"{root}/claims")) < shards:
-            assert time.monotonic() < deadline and tailer.poll() is None, "the tailer did not claim its shards"
-            time.sleep(0.2)
-    finally:
-        client.stop()
-        client.close()
-
-
 def latency(store: logstore.Store, url: str, zk: str, prefix: str, consumer: str, rate: float,
             seconds: float) -> list[float]:
     column, name = f"LAT_{consumer.upper()}", f"latency-{consumer}"
@@ -164,7 +146,7 @@ def latency(store: logstore.Store, url: str, zk: str, prefix: str, consumer: str
             assert time.monotonic() < deadline and tailer.poll() is None, "the tailer did not start"
             time.sleep(0.2)
         # Before the consumer starts, so that its window (--seconds) is not spent waiting for the claims.
-        _wait_claimed(zk, name, store.shard_count, tailer, 180)
+        wait_claimed(zk, name, store.shard_count, tailer, 180)
         deadline = time.monotonic() + 60
         reader = subprocess.Popen([sys.executable, __file__, "--consume", consumer, "--prefix", prefix,
                                    "--column", column, "--seconds", str(seconds + 12),

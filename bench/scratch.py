@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -11,6 +13,7 @@ import pymysql
 from kazoo.client import KazooClient
 
 from logstore.config import parse_node_url
+from tailer.zookeeper import tailer_path
 from tests.kafka_support import delete_topics
 
 
@@ -54,3 +57,19 @@ def scratch(server: str, zookeeper: str, kafka: str, name: str) -> Iterator[Scra
         client.delete(chroot, recursive=True)
         client.stop()
         delete_topics(kafka, f"bench{tag}")
+
+
+def wait_claimed(zk: str, name: str, shards: int, tailer: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until the tailer holds a claim (its ZooKeeper claims/<shard> node) on each of the ``shards`` shards:
+    with thousands of shards, claiming and positioning them at their heads takes a while."""
+    hosts, root = tailer_path(zk, name)
+    client = KazooClient(hosts=hosts)
+    client.start(timeout=10)
+    try:
+        deadline = time.monotonic() + timeout
+        while not client.exists(f"{root}/claims") or len(client.get_children(f"{root}/claims")) < shards:
+            assert time.monotonic() < deadline and tailer.poll() is None, "the tailer did not claim its shards"
+            time.sleep(0.2)
+    finally:
+        client.stop()
+        client.close()

@@ -47,7 +47,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
 from bench.pacing import latencies, paced_puts
-from bench.scratch import scratch, scratch_database
+from bench.scratch import scratch, scratch_database, wait_claimed
 from logstore.config import MySQLTarget, parse_node_url
 from tailer.config import KafkaOptions, TailerConfig
 from tailer.kafka import KafkaPublisher
@@ -182,7 +182,7 @@ async def latency(store_url: str, store: logstore.Store, zk: str, prefix: str, r
                               stdout=subprocess.PIPE, text=True)
     assert reader.stdout is not None
     assert reader.stdout.readline().strip() == "ready"
-    time.sleep(3)  # the worker joins and claims its shards
+    wait_claimed(zk, "latency", store.shard_count, worker, 180)  # thousands of shards take a while
     started = time.perf_counter()
     put_at = paced_puts(store, "LAT", rate, seconds, body)
     print(f"   wrote {len(put_at) / (time.perf_counter() - started):.0f} cells/s", flush=True)

@@ -134,7 +134,7 @@ def _check_container(value: dict[Any, Any] | list[Any], depth: int) -> None:
         if is_dict and type(key) is not str:
             raise _BadValue(f"key {key!r} is not a string")
         t = type(item)
-        if t is str or t is bool or t is float and math.isfinite(item):
+        if t is str or t is bool or (t is float and math.isfinite(item)):
             continue  # the common leaves, checked inline
         try:
             if t is dict or t is list:

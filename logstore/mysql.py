@@ -94,7 +94,8 @@ _SCHEMA = (
     " owner VARCHAR(200) NOT NULL, location BIGINT NULL, doc TEXT NOT NULL,"
     " commits BIGINT NOT NULL DEFAULT 0, PRIMARY KEY (consumer, shard)) ENGINE=InnoDB",
 )
-_CLAIM = "INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES {} ON DUPLICATE KEY UPDATE owner = VALUES(owner)"
+_CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES {}"
+          " ON DUPLICATE KEY UPDATE owner = VALUES(owner)")
 # Only ever run on rows locked as held by the committing owner: it updates, never inserts.
 _UPSERT_OFFSETS = ("INSERT INTO cellstream_offsets (consumer, shard, owner, location, doc) VALUES {}"
                    " ON DUPLICATE KEY UPDATE location = VALUES(location), doc = VALUES(doc), commits = commits + 1")
@@ -543,7 +544,8 @@ class MySQLRecorder(NodeRecorder):
         rows = self._read(f"SELECT COUNT(*) FROM cells WHERE {where}", [shard, location, *extra])
         return int(rows[0][0])
 
-    def counts_after(self, locations: Sequence[tuple[int, int]], columns: Sequence[str] | None = None) -> dict[int, int]:
+    def counts_after(self, locations: Sequence[tuple[int, int]],
+                     columns: Sequence[str] | None = None) -> dict[int, int]:
         if not columns:  # dense ids: the heads tell
             heads = self.heads([shard for shard, _ in locations])
             return {shard: max(0, heads.get(shard, 0) - location) for shard, location in locations}

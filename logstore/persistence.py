@@ -176,7 +176,8 @@ class NodeRecorder(ABC):
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         """How many cells of the shard (of ``columns`` if given) have ``added_id > location``."""
 
-    def counts_after(self, locations: Sequence[tuple[int, int]], columns: Sequence[str] | None = None) -> dict[int, int]:
+    def counts_after(self, locations: Sequence[tuple[int, int]],
+                     columns: Sequence[str] | None = None) -> dict[int, int]:
         """``count_after`` of several shards of this node (shard, location pairs); backends with a cheaper
         way than a read per shard override this."""
         return {shard: self.count_after(shard, location, columns) for shard, location in locations}

@@ -94,7 +94,8 @@ _CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner) VALUES {}"
 # The rows it returns are the shards still held; the others were fenced (or never claimed).
 _COMMIT = ("WITH v(shard, location, doc) AS (VALUES {}) UPDATE cellstream_offsets"
            " SET location = v.location, doc = v.doc, commits = commits + 1 FROM v"
-           " WHERE consumer = ? AND owner = ? AND cellstream_offsets.shard = v.shard RETURNING cellstream_offsets.shard")
+           " WHERE consumer = ? AND owner = ? AND cellstream_offsets.shard = v.shard"
+           " RETURNING cellstream_offsets.shard")
 _OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = ? ORDER BY shard"
 
 _SHARDS_A_READ = 500  # shards a statement: at most 1,500 of SQLite's 32,766 variables
@@ -354,7 +355,8 @@ class SQLiteRecorder(NodeRecorder):
             row = self._conn().execute(sql, (shard, location, *(columns or ()))).fetchone()
         return int(row[0])
 
-    def counts_after(self, locations: Sequence[tuple[int, int]], columns: Sequence[str] | None = None) -> dict[int, int]:
+    def counts_after(self, locations: Sequence[tuple[int, int]],
+                     columns: Sequence[str] | None = None) -> dict[int, int]:
         of = f" AND column_name IN ({', '.join('?' * len(columns))})" if columns else ""
         out: dict[int, int] = {}
         with self._errors("read log"):

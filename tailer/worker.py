@@ -467,7 +467,7 @@ class Tailer:
         and how long the counting took."""
         started = self._clock()
         try:
-            counts = {info.shard: info.cells for info in self.store.shard_stats()}
+            counts = self.store.cell_counts()
         except LogstoreError as exc:
             logger.warning("cannot read shard counts: %s", exc)
             return None, {}, self._clock() - started

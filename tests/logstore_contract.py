@@ -314,6 +314,7 @@ class StoreContract:
         for s in stats:
             assert s.cells == sum(1 for c in cells if c.shard == s.shard)
             assert s.node == store.node_of(s.shard)
+        assert store.cell_counts() == {s.shard: s.cells for s in stats}
 
     def test_close_is_safe_twice_and_final(self, url: str) -> None:
         store = logstore.open(url, shards=self.shards)

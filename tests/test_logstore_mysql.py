@@ -87,6 +87,7 @@ def test_cluster_file_spreads_shards_over_two_databases(mysql_database_factory: 
         assert store.nodes == ["a", "b"] and store.shard_count == 64
         cells = store.put_cells([(uuid.uuid4(), "BASE", 1, {"i": i}) for i in range(200)])
         assert {store.node_of(c.shard) for c in cells} == {"a", "b"}
+        assert store.cell_counts() == {s: sum(1 for c in cells if c.shard == s) for s in range(64)}
         assert "secret" not in repr(store) and "***" in repr(store)
     for url, shards in ((a, range(0, 32)), (b, range(32, 64))):
         with _connect(url) as conn, conn.cursor() as cur:

@@ -122,8 +122,8 @@ def test_a_worker_that_lost_its_session_is_fenced_and_offsets_never_move_back(
         while len(a.assignment()[2]) < SHARDS:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        claim = a.claim(3, lambda: 0)
-        assert claim is not None and claim.location == 0
+        claim, other = a.claim(3, lambda: 0), a.claim(4, lambda: 0)
+        assert claim is not None and claim.location == 0 and other is not None
         [committed] = a.commit({3: (claim, Offset(40))}).values()
         assert not isinstance(committed, BaseException)
         b.start(lambda: None)
@@ -148,9 +148,11 @@ def test_a_worker_that_lost_its_session_is_fenced_and_offsets_never_move_back(
         while not (a.assignment()[0] > generation and a.lease_valid()):  # a re-joins with a new session
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        [refused] = a.commit({3: (committed, Offset(99))}).values()
-        assert isinstance(refused, FencedError)
+        # One transaction carries both; shard 3's refusal must neither lose shard 4's offset nor let 3's through.
+        outcome = a.commit({3: (committed, Offset(99)), 4: (other, Offset(7))})
+        assert isinstance(outcome[3], FencedError) and not isinstance(outcome[4], BaseException)
         assert zk_offsets(zk_chroot, "fence")[3]["location"] == 40
+        assert zk_offsets(zk_chroot, "fence")[4]["location"] == 7
     finally:
         a.stop()
         b.stop()
