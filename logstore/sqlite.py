@@ -333,7 +333,8 @@ class SQLiteRecorder(NodeRecorder):
         4096-shard reader far more than the reading did."""
         by_shard: dict[int, list[tuple[int, int, bytes, str, int, bytes, int]]] = {s: [] for s, _ in locations}
         for group in _chunks(locations):
-            sql, args = _pages_sql(len(group), columns), [a for pair in group for a in pair]
+            sql = _pages_sql(len(group), columns)
+            args: list[int | str] = [a for pair in group for a in pair]
             args += [*(columns or ()), *(columns or ()), limit - 1]
             with self._errors("read log"):
                 for row in self._conn().execute(sql, args).fetchall():
