@@ -22,7 +22,7 @@ from typing import Any, NoReturn, TextIO
 import logstore
 from logstore import Cell, Store
 
-from . import app_cli, connect_cli, index_cli, serve_cli, tail_cli
+from . import __version__, app_cli, connect_cli, index_cli, serve_cli, tail_cli
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
 
     parser = _Parser(prog="cellstream", description="cellstream: log streaming over a sharded cell store")
+    parser.add_argument("--version", action="version", version=f"cellstream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("init", parents=[common], help="create the instance (or check an existing one)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.resources
 import io
 import json
 import uuid
@@ -177,3 +179,15 @@ def test_demo_runs_on_the_embedded_default(capsys: pytest.CaptureFixture[str]) -
 def test_demo_on_mysql(mysql_database: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "demo", "--store", mysql_database)
     assert code == 0 and "a new cell arrives" in out
+
+
+def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"cellstream {importlib.metadata.version('cellstream')}"
+
+
+@pytest.mark.parametrize("package", ["logstore", "tailer", "indexer", "connectors", "cellstream"])
+def test_every_package_declares_its_type_hints(package: str) -> None:
+    assert importlib.resources.files(package).joinpath("py.typed").is_file()
