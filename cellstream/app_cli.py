@@ -36,7 +36,8 @@ def load_app(spec: str, per_shard_metrics: bool = False) -> App:
     turns the option on whatever the app's code says (``--per-shard-metrics``)."""
     module_name, sep, attribute = spec.rpartition(":")
     if not sep or not module_name or not attribute:
-        raise indexer.ConfigurationError(f"--app {spec!r} must be MODULE:APP, e.g. examples.billing:app")
+        raise indexer.ConfigurationError(
+            f"--app {spec!r} must be MODULE:APP, e.g. cellstream.demo.examples.billing:app")
     if module_name.endswith(".py") or "/" in module_name:
         path = Path(module_name)
         loader = importlib.util.spec_from_file_location(path.stem, path)

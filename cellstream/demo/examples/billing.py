@@ -1,7 +1,7 @@
 """The seed's trigger example: bill the rider when a trip's BASE cell is written.
 
-    CELLSTREAM_STORE=sqlite:///./data cellstream run examples.billing:app
-    cellstream dlq --app examples.billing:app stats
+    CELLSTREAM_STORE=sqlite:///./data cellstream run cellstream.demo.examples.billing:app
+    cellstream dlq --app cellstream.demo.examples.billing:app stats
 
 Billing is idempotent: the handler looks at the trip's STATUS first and charges only
 a trip that is not completed yet, and the card provider takes the trip as its

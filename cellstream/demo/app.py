@@ -1,4 +1,4 @@
-"""The stream-processing part of the demo: ``examples/billing.py`` in direct mode, a poison cell
+"""The stream-processing part of the demo: ``examples/billing.py`` (beside this module) in direct mode, a poison cell
 dead-lettered, then replayed after the fix. Offsets live in the store; no server is needed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TextIO
 import logstore
 from logstore.retry import RetryPolicy
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "billing.py"
+EXAMPLE = Path(__file__).resolve().parent / "examples" / "billing.py"
 
 
 def _say(out: TextIO, text: str = "") -> None:
@@ -32,7 +32,7 @@ def app_demo(store: logstore.Store, out: TextIO, blocked: str) -> None:
     provider = billing.CardProvider(blocked={blocked}, flaky_every=4)
     fast = RetryPolicy(initial=0.01, maximum=0.05, deadline=None)
     with billing.build(store, provider, backoff=fast) as app:
-        _say(out, "\n== 8. a stream processor: examples/billing.py bills the rider of every BASE cell")
+        _say(out, "\n== 8. a stream processor: cellstream.demo.examples.billing bills the rider of every BASE cell")
         _say(out, f"   direct mode on the embedded store; the card provider times out every 4th call and "
                   f"declines {blocked}")
         counts = app.drain(timeout=60)
@@ -50,7 +50,8 @@ def app_demo(store: logstore.Store, out: TextIO, blocked: str) -> None:
         _say(out, f"   drain again: processed {again.processed} (offsets were committed after each cell)")
 
         provider.blocked.discard(blocked)
-        _say(out, f"   the rider's card is fixed; replay: cellstream dlq --app examples.billing:app replay {entry.id}")
+        _say(out, "   the rider's card is fixed; replay: cellstream dlq --app cellstream.demo.examples.billing:app"
+                  f" replay {entry.id}")
         [result] = app.dlq.replay(entry.id)
         replayed = app.dlq.show(entry.id)
         _say(out, f"   {result.id}: {result.before} -> {result.after}; history "

@@ -1,6 +1,6 @@
-"""The secondary-index part of the demo: ``examples/indexes.yaml`` kept by an app, backfilled, activated,
-queried; a moved entry, a dead-lettered cell, a second version built beside the first and switched to, and a
-lost entry found and repaired by verification."""
+"""The secondary-index part of the demo: ``examples/indexes.yaml`` (beside this module) kept by an app,
+backfilled, activated, queried; a moved entry, a dead-lettered cell, a second version built beside the
+first and switched to, and a lost entry found and repaired by verification."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from indexer.indexes import Index, lag
 from indexer.verify import verify
 from logstore.indexing import EntryWrite
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "indexes.yaml"
+EXAMPLE = Path(__file__).resolve().parent / "examples" / "indexes.yaml"
 NAME = "trips_by_driver"
 
 

@@ -1,5 +1,5 @@
-"""The connector part of the demo: ``examples/lake.yaml`` loads BASE and STATUS into a Parquet lake, read
-back with pyarrow; a second run loads only what is new."""
+"""The connector part of the demo: ``examples/lake.yaml`` (beside this module) loads BASE and STATUS into a
+Parquet lake, read back with pyarrow; a second run loads only what is new."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from connectors.parquet import ParquetSink
 from connectors.runtime import connector_app
 from connectors.sink import CELL_COLUMNS
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lake.yaml"
+EXAMPLE = Path(__file__).resolve().parent / "examples" / "lake.yaml"
 
 
 def _say(out: TextIO, text: str = "") -> None:

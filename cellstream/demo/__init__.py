@@ -17,11 +17,11 @@ from typing import TextIO
 
 import logstore
 
-from .demo_app import app_demo
-from .demo_connect import connect_demo
-from .demo_index import index_demo
-from .demo_tailer import tailer_demo
-from .demo_worker import worker_demo
+from .app import app_demo
+from .connect import connect_demo
+from .index import index_demo
+from .tailer import tailer_demo
+from .worker import worker_demo
 
 DEMO_SHARDS = 16
 CITIES = ["Aarhus", "Lisbon", "Oakland", "Sao Paulo", "Hyderabad"]
