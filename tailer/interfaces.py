@@ -1,11 +1,13 @@
 """What the worker needs from coordination and from a message sink.
 
-Two coordinators exist: :class:`tailer.zookeeper.ZooKeeperCoordinator` (workers
-share shards through ZooKeeper) and :class:`tailer.local.LocalCoordinator` (one
-process owns every shard; offsets in a file, like Kafka Connect's standalone
-mode). Two publishers exist: :class:`tailer.kafka.KafkaPublisher` and
-:class:`tailer.local.DirectoryPublisher`. The worker (:mod:`tailer.worker`) is
-the same for all four combinations.
+Three coordinators exist: :class:`tailer.zookeeper.ZooKeeperCoordinator` (workers
+share shards through ZooKeeper), :class:`tailer.storecoord.StoreCoordinator`
+(offsets and ownership in the store's consumer-offsets table) and
+:class:`tailer.local.LocalCoordinator` (one process owns every shard; offsets in a
+file, like Kafka Connect's standalone mode). Three publishers exist:
+:class:`tailer.kafka.KafkaPublisher`, :class:`tailer.local.DirectoryPublisher` and
+direct mode's :class:`indexer.direct.HandlerPublisher` (cells to an app's handlers).
+The worker (:mod:`tailer.worker`) is the same for every combination.
 
 Coordinator methods block (ZooKeeper round trips); the worker calls them from a
 thread. Publisher methods are coroutines.
