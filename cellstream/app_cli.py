@@ -28,7 +28,7 @@ import indexer
 from connectors.errors import ConnectorError, SinkConfigError
 from indexer import App, DLQFilter
 
-EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_FAILED, EXIT_STALLED = 0, 1, 2, 4, 5, 6, 7
+from .exits import Exit, fail
 
 
 def load_app(spec: str, per_shard_metrics: bool = False) -> App:
@@ -107,31 +107,26 @@ def run_app(args: argparse.Namespace, out: Any) -> int:
     try:
         return int(args.app_func(args, out))
     except indexer.EntryNotFoundError as exc:
-        return _fail(exc, EXIT_NOT_FOUND)
+        return fail(exc, Exit.NOT_FOUND)
     except indexer.InvalidFilterError as exc:
-        return _fail(exc, EXIT_USAGE)
+        return fail(exc, Exit.USAGE)
     except indexer.HandlerStalledError as exc:
-        return _fail(exc, EXIT_STALLED)
+        return fail(exc, Exit.STALLED)
     except (indexer.ConfigurationError, logstore.ConfigurationError) as exc:
-        return _fail(exc, EXIT_CONFIG)
+        return fail(exc, Exit.CONFIG)
     except logstore.InvalidArgumentError as exc:
-        return _fail(exc, EXIT_USAGE)
+        return fail(exc, Exit.USAGE)
     except (indexer.IndexerError, logstore.LogstoreError) as exc:
-        return _fail(exc, EXIT_UNAVAILABLE if exc.retriable else EXIT_FAILED)
+        return fail(exc, Exit.UNAVAILABLE if exc.retriable else Exit.FAILED)
     except SinkConfigError as exc:  # a connector's file, through --app FILE.yaml
-        return _fail(exc, EXIT_USAGE)
+        return fail(exc, Exit.USAGE)
     except ConnectorError as exc:
-        return _fail(exc, EXIT_UNAVAILABLE if exc.retriable else EXIT_FAILED)
-
-
-def _fail(exc: BaseException, code: int) -> int:
-    print(f"cellstream: error: {exc}", file=sys.stderr)
-    return code
+        return fail(exc, Exit.UNAVAILABLE if exc.retriable else Exit.FAILED)
 
 
 def cmd_run(args: argparse.Namespace, out: Any) -> int:
     if args.workers < 1:
-        return _fail(indexer.ConfigurationError("--workers must be at least 1"), EXIT_USAGE)
+        return fail(indexer.ConfigurationError("--workers must be at least 1"), Exit.USAGE)
     app = load_app(args.app, args.per_shard_metrics)
     if args.workers > 1 and not (app.brokers or app.config.zookeeper):
         raise indexer.ConfigurationError(
@@ -140,10 +135,10 @@ def cmd_run(args: argparse.Namespace, out: Any) -> int:
         counts = app.drain(args.timeout)
         out.emit(counts._asdict(), f"processed {counts.processed}, retried {counts.retried}, "
                                    f"dead-lettered {counts.dead_lettered}")
-        return EXIT_OK
+        return Exit.OK
     if args.workers == 1:
         app.run(metrics_port=args.metrics_port)
-        return EXIT_OK
+        return Exit.OK
     return _run_workers(args)
 
 
@@ -170,7 +165,7 @@ def _run_workers(args: argparse.Namespace) -> int:
     for worker in workers:
         worker.join()
     failed = [w for w in workers if w.exitcode not in (0, -signal.SIGTERM)]
-    return EXIT_FAILED if failed else EXIT_OK
+    return Exit.FAILED if failed else Exit.OK
 
 
 def dlq_app(args: argparse.Namespace) -> App:
@@ -199,21 +194,21 @@ def cmd_dlq(args: argparse.Namespace, out: Any) -> int:
                             f"(attempts {s['attempts']}, {s['row_key']}@{s['ref_key']})")
             if not entries and not out.as_json:
                 out.emit(None, "no dead letters match")
-            return EXIT_OK
+            return Exit.OK
         for group in dlq.stats(match):
             out.emit(group, f"{group['count']:6} ({group['open']} open) {group['handler']} {group['error_type']} "
                             f"[{group['fingerprint']}] {group['example'][:60]!r} "
                             f"first {group['first_seen']} last {group['last_seen']}")
-        return EXIT_OK
+        return Exit.OK
     if args.action == "show":
         entry = dlq.show(args.id)
         data = entry.model_dump(mode="json")
         out.emit(data, json.dumps(data, indent=2, ensure_ascii=False))
-        return EXIT_OK
+        return Exit.OK
     if args.action == "discard":
         entry = dlq.discard(args.id, args.reason)
         out.emit(entry.summary(), f"{entry.id} discarded ({args.reason})")
-        return EXIT_OK
+        return Exit.OK
     if (args.id is None) == (args.match is None):
         raise indexer.InvalidFilterError("replay takes an entry ID or --match FILTER (one of them)")
     results = dlq.replay(args.id, match=DLQFilter.parse(args.match) if args.match else None, dry_run=args.dry_run)
@@ -222,4 +217,4 @@ def cmd_dlq(args: argparse.Namespace, out: Any) -> int:
                               + (f" ({r.error})" if r.error else ""))
     if not results and not out.as_json:
         out.emit(None, "nothing to replay")
-    return EXIT_OK
+    return Exit.OK

@@ -1,9 +1,6 @@
 """The ``cellstream`` command.
 
-Exit codes (also in the README):
-  0 success - 1 not found - 2 bad input or usage - 3 cell conflict -
-  4 configuration error - 5 storage, Kafka or ZooKeeper unavailable (retriable) -
-  6 other storage or publishing error - 7 a handler stalled (``run``) - 130 interrupted.
+Exit codes: one table for every command, :class:`cellstream.exits.Exit` (also in the README).
 """
 
 from __future__ import annotations
@@ -23,17 +20,16 @@ import logstore
 from logstore import Cell, Store
 
 from . import __version__, app_cli, connect_cli, index_cli, serve_cli, tail_cli
+from .exits import Exit
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_CONFLICT = 0, 1, 2, 3
-EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_STORAGE, EXIT_INTERRUPTED = 4, 5, 6, 130
 _EXITS: list[tuple[type[logstore.LogstoreError], int]] = [
-    (logstore.InvalidArgumentError, EXIT_USAGE),
-    (logstore.CellConflictError, EXIT_CONFLICT),
-    (logstore.ConfigurationError, EXIT_CONFIG),
-    (logstore.StorageUnavailableError, EXIT_UNAVAILABLE),
-    (logstore.StorageError, EXIT_STORAGE),
+    (logstore.InvalidArgumentError, Exit.USAGE),
+    (logstore.CellConflictError, Exit.CONFLICT),
+    (logstore.ConfigurationError, Exit.CONFIG),
+    (logstore.StorageUnavailableError, Exit.UNAVAILABLE),
+    (logstore.StorageError, Exit.FAILED),
 ]
 
 
@@ -101,7 +97,7 @@ def human_cell(cell: Cell) -> str:
 def cmd_init(store: Store, args: argparse.Namespace, out: Output) -> int:
     out.emit({"shards": store.shard_count, "nodes": store.nodes},
              f"logstore ready: {store.shard_count} shards on {', '.join(store.nodes)}")
-    return EXIT_OK
+    return Exit.OK
 
 
 def _batch_lines(stream: TextIO) -> Iterator[tuple[Any, Any, Any, Any]]:
@@ -120,7 +116,7 @@ def cmd_put(store: Store, args: argparse.Namespace, out: Output) -> int:
             cells = store.put_cells(list(_batch_lines(stream)))
         for cell in cells:
             out.cell(cell)
-        return EXIT_OK
+        return Exit.OK
     if args.row_key is None or args.column is None or args.ref_key is None or args.body is None:
         raise UsageError("put needs ROW_KEY COLUMN REF_KEY BODY (BODY is JSON, - reads stdin), or --batch FILE")
     try:
@@ -129,7 +125,7 @@ def cmd_put(store: Store, args: argparse.Namespace, out: Output) -> int:
         raise UsageError(f"REF_KEY {args.ref_key!r} is not an integer") from None
     text = sys.stdin.read() if args.body == "-" else args.body
     out.cell(store.put_cell(args.row_key, args.column, ref_key, _json_arg(text, "BODY")))
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_get(store: Store, args: argparse.Namespace, out: Output) -> int:
@@ -140,9 +136,9 @@ def cmd_get(store: Store, args: argparse.Namespace, out: Output) -> int:
     if cell is None:
         where = f"{args.row_key} {args.column}" + ("" if args.ref is None else f"@{args.ref}")
         out.emit(None, f"no cell {where}")
-        return EXIT_NOT_FOUND
+        return Exit.NOT_FOUND
     out.cell(cell)
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_row(store: Store, args: argparse.Namespace, out: Output) -> int:
@@ -153,7 +149,7 @@ def cmd_row(store: Store, args: argparse.Namespace, out: Output) -> int:
         out.emit(None, f"no cells for row {args.row_key}")
     for cell in [] if out.as_json else row.values():
         out.cell(cell)
-    return EXIT_OK if row else EXIT_NOT_FOUND
+    return Exit.OK if row else Exit.NOT_FOUND
 
 
 def cmd_log(store: Store, args: argparse.Namespace, out: Output, sleep: Callable[[float], None] = time.sleep) -> int:
@@ -173,7 +169,7 @@ def cmd_log(store: Store, args: argparse.Namespace, out: Output, sleep: Callable
             sleep(args.poll)
     if not out.as_json and not args.follow:
         print(f"-- {printed} cells; next location {location}", file=sys.stderr)
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_shards(store: Store, args: argparse.Namespace, out: Output) -> int:
@@ -181,7 +177,7 @@ def cmd_shards(store: Store, args: argparse.Namespace, out: Output) -> int:
     shown = stats if args.all else [s for s in stats if s.cells]
     if out.as_json:
         out.emit([s._asdict() for s in shown], "")
-        return EXIT_OK
+        return Exit.OK
     print(f"{'shard':>6} {'node':<12} {'cells':>10}", file=out.out)
     for s in shown:
         print(f"{s.shard:>6} {s.node:<12} {s.cells:>10}", file=out.out)
@@ -191,7 +187,7 @@ def cmd_shards(store: Store, args: argparse.Namespace, out: Output) -> int:
     for node, total in per_node.items():
         print(f"node {node}: {total} cells", file=out.out)
     print(f"{len(stats)} shards, {sum(per_node.values())} cells", file=out.out)
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_shards_move(store: Store, args: argparse.Namespace, out: Output) -> int:
@@ -217,7 +213,7 @@ def cmd_shards_move(store: Store, args: argparse.Namespace, out: Output) -> int:
         out.emit(r._asdict(), f"shard {r.shard}: moved from {r.source} to {r.target}, {r.cells} cells up to added_id "
                               f"{r.head}; writes fenced {r.fenced_seconds * 1000:.0f} ms; the source copy stays "
                               f"until `cellstream shards drop-moved {r.shard}`")
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_shards_drop(store: Store, args: argparse.Namespace, out: Output) -> int:
@@ -225,7 +221,7 @@ def cmd_shards_drop(store: Store, args: argparse.Namespace, out: Output) -> int:
 
     for shard, node in drop_moved(store, args.shard):
         out.emit({"shard": shard, "dropped_from": node}, f"shard {shard}: the copy on node {node} is dropped")
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_pending(store: Store, args: argparse.Namespace, out: Output) -> int:
@@ -241,12 +237,12 @@ def cmd_pending(store: Store, args: argparse.Namespace, out: Output) -> int:
                 break
             time.sleep(0.5)
         if report.waiting or report.unreachable:
-            return EXIT_UNAVAILABLE
+            return Exit.UNAVAILABLE
     stats = store.pending_stats()
     out.emit({node: {"waiting": w, "failed": f} for node, (w, f) in stats.items()},
              "\n".join(f"node {node}: {w} buffered cells waiting, {f} failed" for node, (w, f) in stats.items())
              or "no buffered cells")
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_demo(args: argparse.Namespace, out: Output) -> int:
@@ -357,15 +353,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return code
     except UsageError as exc:
         print(f"cellstream: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return Exit.USAGE
     except logstore.LogstoreError as exc:
         print(f"cellstream: error: {exc}", file=sys.stderr)
-        return next((code for kind, code in _EXITS if isinstance(exc, kind)), EXIT_STORAGE)
+        return next((code for kind, code in _EXITS if isinstance(exc, kind)), Exit.FAILED)
     except OSError as exc:
         print(f"cellstream: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return Exit.USAGE
     except UnicodeDecodeError as exc:
         print(f"cellstream: error: input is not UTF-8 text ({exc.reason} at byte {exc.start})", file=sys.stderr)
-        return EXIT_USAGE
+        return Exit.USAGE
     except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+        return Exit.INTERRUPTED

@@ -28,9 +28,7 @@ from connectors.config import ConnectorConfig, load_connector
 from connectors.errors import ConnectorError, SinkConfigError, SinkUnavailableError
 from connectors.runtime import connector_app
 
-from .app_cli import _fail
-
-EXIT_OK, EXIT_USAGE, EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_FAILED, EXIT_STALLED = 0, 2, 4, 5, 6, 7
+from .exits import Exit, fail
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -51,13 +49,13 @@ def run(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
         config = load_connector(args.file)
         return int((_run if args.action == "run" else _status)(store, config, args, out))
     except SinkConfigError as exc:
-        return _fail(exc, EXIT_USAGE)
+        return fail(exc, Exit.USAGE)
     except indexer.HandlerStalledError as exc:
-        return _fail(exc, EXIT_STALLED)
+        return fail(exc, Exit.STALLED)
     except (indexer.ConfigurationError, logstore.ConfigurationError) as exc:
-        return _fail(exc, EXIT_CONFIG)
+        return fail(exc, Exit.CONFIG)
     except (ConnectorError, indexer.IndexerError, logstore.LogstoreError) as exc:
-        return _fail(exc, EXIT_UNAVAILABLE if exc.retriable else EXIT_FAILED)
+        return fail(exc, Exit.UNAVAILABLE if exc.retriable else Exit.FAILED)
 
 
 def _behind(store: logstore.Store, config: ConnectorConfig) -> dict[int, tuple[int | None, int]]:
@@ -76,7 +74,7 @@ def _run(store: logstore.Store, config: ConnectorConfig, args: argparse.Namespac
     try:
         if not args.drain:
             app.run(metrics_port=args.metrics_port)
-            return EXIT_OK
+            return Exit.OK
         from tqdm import tqdm
 
         total = _kafka_lag(config) if config.brokers is not None else sum(
@@ -113,7 +111,7 @@ def _run(store: logstore.Store, config: ConnectorConfig, args: argparse.Namespac
             "files_written": getattr(applier.sink, "files_written", None)}
     out.emit(data, f"connector {config.name}: loaded {counts.processed} cells, dead-lettered "
                    f"{counts.dead_lettered}, in {seconds:.1f}s")
-    return EXIT_OK
+    return Exit.OK
 
 
 def _status(store: logstore.Store, config: ConnectorConfig, args: argparse.Namespace, out: Any) -> int:
@@ -128,7 +126,7 @@ def _status(store: logstore.Store, config: ConnectorConfig, args: argparse.Names
         out.emit(row, f"shard {row['shard']}: committed {row['committed']}, lag {row['lag_cells']} cells")
     if not rows:
         out.emit([], f"connector {config.name}: nothing to load")
-    return EXIT_OK
+    return Exit.OK
 
 
 def _kafka_positions(config: ConnectorConfig) -> list[tuple[str, int, int | None, int]]:
@@ -152,4 +150,4 @@ def _kafka_status(config: ConnectorConfig, out: Any) -> int:
         out.emit(row, f"{topic}[{partition}]: committed {committed}, lag {row['lag_messages']} messages")
     if not found:
         out.emit([], f"connector {config.name}: its topics have no partitions yet")
-    return EXIT_OK
+    return Exit.OK

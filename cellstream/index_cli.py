@@ -8,10 +8,10 @@
   cellstream index verify NAME [--version V] [--sample RATE] [--repair] [--show N]
 
 In a query, ``key=value`` is equality and ``key=START..END`` a range (START included,
-END excluded; either may be empty). Exit codes: 0 success (verify: no mismatch left),
-1 no such index or version, 2 bad input, 3 verify found mismatches (and did not
-repair them all), 4 a version in the wrong state, 5 a server unreachable, 6 other
-failure.
+END excluded; either may be empty). Exit codes (:class:`cellstream.exits.Exit`): 0 success
+(verify: no mismatch left), 1 no such index or version, 2 bad input, 5 a server unreachable,
+6 other failure, 8 verify found mismatches (and did not repair them all), 9 a version in the
+wrong state.
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ from indexer.catalog import IndexCatalog, IndexNotFoundError, IndexStateError
 from indexer.indexes import Index, InvalidQueryError, lag
 from indexer.verify import VerifyProgress, verify
 
-from .app_cli import _fail
-
-EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_MISMATCH, EXIT_STATE, EXIT_UNAVAILABLE, EXIT_FAILED = 0, 1, 2, 3, 4, 5, 6
+from .exits import Exit, fail
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -80,13 +78,13 @@ def run(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
     try:
         return int(_ACTIONS[args.action](store, args, out))
     except IndexNotFoundError as exc:
-        return _fail(exc, EXIT_NOT_FOUND)
+        return fail(exc, Exit.NOT_FOUND)
     except (InvalidQueryError, logstore.InvalidArgumentError) as exc:
-        return _fail(exc, EXIT_USAGE)
+        return fail(exc, Exit.USAGE)
     except (IndexStateError, indexer.ConfigurationError, logstore.ConfigurationError) as exc:
-        return _fail(exc, EXIT_STATE)
+        return fail(exc, Exit.STATE)
     except (indexer.IndexerError, logstore.LogstoreError) as exc:
-        return _fail(exc, EXIT_UNAVAILABLE if exc.retriable else EXIT_FAILED)
+        return fail(exc, Exit.UNAVAILABLE if exc.retriable else Exit.FAILED)
 
 
 def _query(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
@@ -106,7 +104,7 @@ def _query(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
         out.emit(data, " ".join(f"{k}={v}" for k, v in data.items()))
     if not out.as_json:
         print(f"-- {len(entries)} entries (version {definition.version})", file=sys.stderr)
-    return EXIT_OK
+    return Exit.OK
 
 
 def _typed(kind: str, value: Any) -> Any:
@@ -153,19 +151,19 @@ def _backfill(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
     out.emit(data, f"index {args.name} version {args.version}: {result.shards} shards done, {result.cells} cells "
                    f"read, {result.applied} applied, {result.superseded} superseded, {result.dead_lettered} "
                    f"dead-lettered in {result.seconds:.1f}s")
-    return EXIT_OK
+    return Exit.OK
 
 
 def _activate(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
     record = IndexCatalog(store).activate(args.name, args.version)
     out.emit({"index": args.name, "active": record.active}, f"index {args.name}: version {record.active} is active")
-    return EXIT_OK
+    return Exit.OK
 
 
 def _drop(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
     IndexCatalog(store).drop(args.name, args.version)
     out.emit({"index": args.name, "dropped": args.version}, f"index {args.name}: version {args.version} dropped")
-    return EXIT_OK
+    return Exit.OK
 
 
 def _status(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
@@ -190,7 +188,7 @@ def _status(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
         out.emit(row, " ".join(f"{k}={v}" for k, v in row.items() if k != "lag_read_seconds"))
     if not rows:
         out.emit([], "no indexes")
-    return EXIT_OK
+    return Exit.OK
 
 
 def _verify(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
@@ -210,7 +208,7 @@ def _verify(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
     out.emit(data, f"index {result.name} version {result.version}: {result.rows} rows checked ({result.pending} "
                    f"pending), {summary}" + (f"; {result.repaired} rows repaired, {result.changed} changed "
                                              "meanwhile" if args.repair else ""))
-    return EXIT_MISMATCH if left > 0 else EXIT_OK
+    return Exit.MISMATCH if left > 0 else Exit.OK
 
 
 _ACTIONS = {"query": _query, "backfill": _backfill, "activate": _activate, "drop": _drop, "status": _status,

@@ -26,9 +26,7 @@ from typing import Any
 import logstore
 from logstore.server import ServerConfig, WorkerNode, check_bind
 
-from .app_cli import _fail
-
-EXIT_OK, EXIT_USAGE, EXIT_CONFIG, EXIT_UNAVAILABLE = 0, 2, 4, 5
+from .exits import Exit, fail
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -68,15 +66,15 @@ def run(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
         config = ServerConfig(host=host, port=port, token=token, max_body_bytes=args.max_body_bytes,
                               threads=args.threads)
     except logstore.InvalidArgumentError as exc:
-        return _fail(exc, EXIT_USAGE)
+        return fail(exc, Exit.USAGE)
     except ValueError as exc:  # pydantic's, for --max-body-bytes or --threads
-        return _fail(logstore.InvalidArgumentError(str(exc).splitlines()[-1].strip()), EXIT_USAGE)
+        return fail(logstore.InvalidArgumentError(str(exc).splitlines()[-1].strip()), Exit.USAGE)
     try:
         return _run(_serve(store, config, out))
     except logstore.ConfigurationError as exc:
-        return _fail(exc, EXIT_CONFIG)
+        return fail(exc, Exit.CONFIG)
     except logstore.LogstoreError as exc:
-        return _fail(exc, EXIT_UNAVAILABLE if exc.retriable else EXIT_CONFIG)
+        return fail(exc, Exit.UNAVAILABLE if exc.retriable else Exit.CONFIG)
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:
@@ -108,4 +106,4 @@ async def _serve(store: logstore.Store, config: ServerConfig, out: Any) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError):
                 loop.remove_signal_handler(sig)
-    return EXIT_OK
+    return Exit.OK

@@ -29,8 +29,9 @@ from tailer.interfaces import Coordinator, Publisher
 from tailer.metrics import TailerMetrics
 from tailer.worker import Tailer
 
+from .exits import Exit
+
 logger = logging.getLogger(__name__)
-EXIT_OK, EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_FAILED = 0, 4, 5, 6
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser, usage_error: type[Exception]) -> None:
@@ -67,8 +68,8 @@ def cmd_tail(store: Store, args: argparse.Namespace, out: Any, usage_error: type
     except TailerError as exc:
         print(f"cellstream: error: {exc}", file=sys.stderr)
         if isinstance(exc, ConfigurationError):
-            return EXIT_CONFIG
-        return EXIT_UNAVAILABLE if exc.retriable else EXIT_FAILED
+            return Exit.CONFIG
+        return Exit.UNAVAILABLE if exc.retriable else Exit.FAILED
 
 
 def _config(args: argparse.Namespace, usage_error: type[Exception]) -> TailerConfig:
@@ -140,7 +141,7 @@ async def _serve(tailer: Tailer) -> int:
     await tailer.stop()  # flushes, commits and releases the shards
     if waiter.done() and waiter.exception() is not None:
         raise waiter.exception()  # type: ignore[misc]
-    return EXIT_OK
+    return Exit.OK
 
 
 def _status(store: Store, args: argparse.Namespace, out: Any, usage_error: type[Exception]) -> int:
@@ -158,7 +159,7 @@ def _status(store: Store, args: argparse.Namespace, out: Any, usage_error: type[
     shards = report["shards"]
     if out.as_json:
         out.emit(report, "")
-        return EXIT_OK
+        return Exit.OK
     lagging = [r for r in shards if r["lag_cells"] or r["last_error"] or args.all]
     print(f"tailer {name}: assignment epoch {report['epoch']}, {len(report['workers'])} workers, "
           f"{sum(r['lag_cells'] for r in shards)} cells behind, "
@@ -170,7 +171,7 @@ def _status(store: Store, args: argparse.Namespace, out: Any, usage_error: type[
         print(f"  shard {r['shard']}: location={r['location']} head={r['head']} lag={r['lag_cells']} cells "
               f"{r['lag_seconds']}s owner={r['claimed_by'] or r['assigned_to']} "
               f"deadlettered={r['deadlettered']}{error}", file=out.out)
-    return EXIT_OK
+    return Exit.OK
 
 
 __all__ = ["add_parser"]

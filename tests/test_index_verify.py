@@ -117,7 +117,7 @@ def test_every_kind_of_damage_is_found_and_repaired(store: logstore.Store, clust
         return code, json.loads(capsys.readouterr().out)
 
     code, found = run("--show", "100")
-    assert code == 3
+    assert code == 8
     assert found["mismatches"] == {"stale": 1, "missing": 1, "different": 1, "misplaced": 1, "orphan": 1,
                                    "locator": 2}
     by_kind = {m["kind"]: m for m in found["listed"] if m["kind"] != "locator"}

@@ -153,7 +153,7 @@ def test_the_index_commands(store: logstore.Store, sqlite_url: str, tmp_path: Pa
         text = capsys.readouterr().out.strip()
         return code, [json.loads(line) for line in text.splitlines()] if text else []
 
-    assert run("index", "query", NAME, f"driver_partner_uuid={driver}")[0] == 4  # nothing active yet
+    assert run("index", "query", NAME, f"driver_partner_uuid={driver}")[0] == 9  # nothing active yet
     code, [done] = run("index", "backfill", NAME, "--version", "1")
     assert code == 0 and done["shards"] == SHARDS
     assert run("index", "activate", NAME, "--version", "1") == (0, [{"index": NAME, "active": 1}])
@@ -166,5 +166,5 @@ def test_the_index_commands(store: logstore.Store, sqlite_url: str, tmp_path: Pa
     assert status["backfill_shards_done"] == SHARDS
     assert run("index", "query", NAME, "fare=1")[0] == 2
     assert run("index", "query", "nope", "a=1")[0] == 1
-    assert run("index", "drop", NAME, "--version", "1")[0] == 4  # the active version
+    assert run("index", "drop", NAME, "--version", "1")[0] == 9  # the active version
     assert run("index", "activate", NAME, "--version", "7")[0] == 1
