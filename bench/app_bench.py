@@ -36,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
+from bench.scaling import compare_shard_counts
 from bench.scratch import scratch_database
 from indexer import App
 from logstore import Cell
@@ -167,20 +168,9 @@ def shard_scaling(backends: list[str], server: str, cells: int, base: int, shard
                        else stack.enter_context(scratch_database(server, f"app{n}")))
                 stores[n] = stack.enter_context(logstore.open(url, shards=n))
                 write(stores[n], cells)
-            seconds: dict[int, list[float]] = {base: [], shards: []}
-            for r in range(rounds):
-                for n in (base, shards) if r % 2 == 0 else (shards, base):
-                    seconds[n].append(drain_seconds(stores[n], f"bench-scaling-{r}", cells))
-        # The best round of each: on a shared machine a round is only ever slowed down by others.
-        rate = {n: cells / min(s) for n, s in seconds.items()}
-        median = {n: cells / statistics.median(s) for n, s in seconds.items()}
-        ratio = rate[shards] / rate[base]
-        print(f"{backend}: no-op drain of {cells} cells: {rate[base]:.0f} cells/s at {base} shards, "
-              f"{rate[shards]:.0f} at {shards}: ratio {ratio:.2f} (target >= 0.7: "
-              f"{'met' if ratio >= 0.7 else 'MISSED'})", flush=True)
-        out[backend] = {"cells": cells, "cells_per_s": {str(n): round(r) for n, r in rate.items()},
-                        "median_cells_per_s": {str(n): round(r) for n, r in median.items()},
-                        "seconds": {str(n): s for n, s in seconds.items()}, "ratio": round(ratio, 3)}
+            out[backend] = compare_shard_counts(
+                f"{backend}: no-op drain", cells, base, shards, rounds, 0.7,
+                lambda n, r: drain_seconds(stores[n], f"bench-scaling-{r}", cells))  # noqa: B023 (run at once)
     return out
 
 

@@ -47,6 +47,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
 from bench.pacing import latencies, paced_puts
+from bench.scaling import compare_shard_counts
 from bench.scratch import scratch, scratch_database, wait_claimed
 from logstore.config import MySQLTarget, parse_node_url
 from tailer.config import KafkaOptions, TailerConfig
@@ -259,20 +260,9 @@ def shard_scaling(backends: list[str], cells: int, base: int, shards: int, round
                 for start in range(0, cells, 1000):
                     stores[n].put_cells([(uuid.uuid4(), "BASE", 1, body(i))
                                          for i in range(start, min(cells, start + 1000))])
-            seconds: dict[int, list[float]] = {base: [], shards: []}
-            for r in range(rounds):
-                for n in (base, shards) if r % 2 == 0 else (shards, base):
-                    seconds[n].append(asyncio.run(standalone_drain(stores[n], folder, f"r{r}-{n}")))
-        # The best round of each: on a shared machine a round is only ever slowed down by others.
-        rate = {n: cells / min(s) for n, s in seconds.items()}
-        median = {n: cells / statistics.median(s) for n, s in seconds.items()}
-        ratio = rate[shards] / rate[base]
-        print(f"{backend}: standalone tailer, {cells} cells: {rate[base]:.0f} cells/s at {base} shards, "
-              f"{rate[shards]:.0f} at {shards}: ratio {ratio:.2f} (target >= 0.9: "
-              f"{'met' if ratio >= 0.9 else 'MISSED'})", flush=True)
-        out[backend] = {"cells": cells, "cells_per_s": {str(n): round(r) for n, r in rate.items()},
-                        "median_cells_per_s": {str(n): round(r) for n, r in median.items()},
-                        "seconds": {str(n): s for n, s in seconds.items()}, "ratio": round(ratio, 3)}
+            out[backend] = compare_shard_counts(
+                f"{backend}: standalone tailer", cells, base, shards, rounds, 0.9,
+                lambda n, r: asyncio.run(standalone_drain(stores[n], folder, f"r{r}-{n}")))  # noqa: B023 (run at once)
     return out
 
 
