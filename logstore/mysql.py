@@ -599,6 +599,7 @@ class MySQLRecorder(NodeRecorder):
         shards = sorted(offsets)
         if not shards:
             return set()
+        who, holder = f"X'{consumer.encode().hex()}'", f"X'{owner.encode().hex()}'"
 
         def run(cur: pymysql.cursors.Cursor) -> set[int]:
             try:
@@ -609,8 +610,7 @@ class MySQLRecorder(NodeRecorder):
                 [[listed]] = held_rows[1].rows or ()  # one row, not one per shard: pymysql parses rows slowly
                 held = sorted(map(int, listed.split(","))) if listed else []
                 # Literals only (the docs as hex): no placeholder, so no escaping pass over thousands of rows.
-                rows = [f"(X'{consumer.encode().hex()}', {s}, X'{owner.encode().hex()}', {offsets[s][0]},"
-                        f" X'{offsets[s][1].encode().hex()}')" for s in held]
+                rows = [f"({who}, {s}, {holder}, {offsets[s][0]}, X'{offsets[s][1].encode().hex()}')" for s in held]
                 statements: list[Statement | Weighed] = [
                     ((_UPSERT_OFFSETS.format(", ".join(rows[i:i + 1000])), ()), sum(map(len, rows[i:i + 1000])) + 200)
                     for i in range(0, len(rows), 1000)]

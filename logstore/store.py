@@ -453,8 +453,8 @@ class Store:
     def shard_stats(self) -> list[ShardInfo]:
         """Cells per shard and the node holding it, for every shard (the shard map read afresh)."""
         self.refresh_map()
-        counts = {name: recorder.shard_counts() for name, recorder in self._recorders.items()}
-        return [ShardInfo(s, node.name, counts[node.name].get(s, 0)) for s, node in enumerate(self._node_of)]
+        counts = self.cell_counts()
+        return [ShardInfo(s, node.name, counts[s]) for s, node in enumerate(self._node_of)]
 
     def cell_counts(self) -> dict[int, int]:
         """Cells per shard for every shard: one read per storage node, and the shard map only when
