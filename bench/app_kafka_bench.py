@@ -49,9 +49,9 @@ from bench.scratch import scratch, wait_claimed
 from indexer import App
 from logstore import Cell
 from tailer.config import KafkaOptions, TailerConfig
-from tailer.kafka import KafkaPublisher
+from tailer.coordinators.store import StoreCoordinator
 from tailer.messages import decode_cell
-from tailer.storecoord import StoreCoordinator
+from tailer.publishers.kafka import KafkaPublisher
 from tailer.worker import Tailer
 
 SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")

@@ -43,10 +43,10 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
 from connectors.config import ConnectorConfig
-from connectors.parquet import ParquetSink, ParquetSinkConfig
-from connectors.postgres import PostgresSink, PostgresSinkConfig
 from connectors.runtime import connector_app
-from connectors.sink import Position, flatten, utc_date
+from connectors.sinks.base import Position, flatten, utc_date
+from connectors.sinks.parquet import ParquetSink, ParquetSinkConfig
+from connectors.sinks.postgres import PostgresSink, PostgresSinkConfig
 
 SERVER = os.environ.get("CELLSTREAM_TEST_POSTGRES", "postgresql://cellstream:cellstream@127.0.0.1:5432")
 READ_GROUP, PAGE = 512, 10_000  # the raw read: shards per get_cells_for_shards call, cells per shard page

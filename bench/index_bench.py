@@ -60,15 +60,15 @@ import logstore
 from bench.pacing import latencies, paced_puts
 from bench.scratch import drop_database
 from indexer import App
-from indexer.backfill import backfill
-from indexer.catalog import IndexCatalog
-from indexer.definitions import IndexDefinition, load_indexes
-from indexer.indexes import Index, IndexApplier
-from indexer.verify import verify
+from indexer.indexes.applier import Index, IndexApplier
+from indexer.indexes.backfill import backfill
+from indexer.indexes.catalog import IndexCatalog
+from indexer.indexes.definitions import IndexDefinition, load_indexes
+from indexer.indexes.verify import verify
 from logstore import Cell, mysql_index, sqlite_index
+from logstore.backends.sqlite.recorder import INDEX_FILE
 from logstore.config import MySQLTarget, SQLiteTarget, parse_node_url
-from logstore.indexing import ApplyResult, IndexChange, IndexSpec, Stream
-from logstore.sqlite import INDEX_FILE
+from logstore.index_tables.persistence import ApplyResult, IndexChange, IndexSpec, Stream
 
 SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
 NAME = "driver_partner_index"

@@ -13,7 +13,7 @@ import pymysql
 from kazoo.client import KazooClient
 
 from logstore.config import parse_node_url
-from tailer.zookeeper import tailer_path
+from tailer.coordinators.zookeeper import tailer_path
 from tests.kafka_support import delete_topics
 
 

@@ -51,11 +51,12 @@ from bench.scaling import compare_shard_counts
 from bench.scratch import scratch, scratch_database, wait_claimed
 from logstore.config import MySQLTarget, parse_node_url
 from tailer.config import KafkaOptions, TailerConfig
-from tailer.kafka import KafkaPublisher
-from tailer.local import DirectoryPublisher, LocalCoordinator
+from tailer.coordinators.local import LocalCoordinator
+from tailer.coordinators.zookeeper import ZooKeeperCoordinator
 from tailer.messages import encode_cell
+from tailer.publishers.directory import DirectoryPublisher
+from tailer.publishers.kafka import KafkaPublisher
 from tailer.worker import Tailer
-from tailer.zookeeper import ZooKeeperCoordinator
 
 SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
 KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")

@@ -4,7 +4,7 @@ On MariaDB (a fresh database of ``--shards`` shards, default 4096, the store's d
 cells written first:
 
 1. direct: ``clients`` threads, each with its own pymysql connection, run get_cell_latest's query (the
-   ``SELECT ... ORDER BY ref_key DESC LIMIT 1`` of logstore.mysql on the node's ``cells`` table) at
+   ``SELECT ... ORDER BY ref_key DESC LIMIT 1`` of logstore.backends.mysql.recorder on the node's ``cells`` table) at
    ``rate`` per second in all;
 2. worker reads: ``cellstream serve`` in its own process in front of the same store; ``clients``
    keep-alive connections (this process, uvloop, a minimal HTTP/1.1 client like wrk's) GET

@@ -9,7 +9,7 @@
       root: lake                     # relative to the file's directory
       max_rows: 100000
 
-or a PostgreSQL sink (see :mod:`connectors.postgres`):
+or a PostgreSQL sink (see :mod:`connectors.sinks.postgres`):
 
     sink:
       type: postgres
@@ -25,13 +25,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from indexer.definitions import DefinitionError, load_yaml
+from connectors.errors import SinkConfigError
+from connectors.sinks.parquet import ParquetSinkConfig
+from connectors.sinks.postgres import PostgresSinkConfig
+from indexer.indexes.definitions import DefinitionError, load_yaml
 from logstore import InvalidCellError
 from logstore.cell import check_column
-
-from .errors import SinkConfigError
-from .parquet import ParquetSinkConfig
-from .postgres import PostgresSinkConfig
 
 
 class ParquetSinkSpec(ParquetSinkConfig):

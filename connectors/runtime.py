@@ -7,7 +7,7 @@ cells reach the sink in batches, in per-shard order: ``convert`` on the way in (
 cell that cannot convert goes to the app's dead-letter queue with the reason, like
 any handler's; `cellstream dlq` triages it), then ``write``. Before the source
 commits positions, its checkpoint flushes the sink
-(:meth:`indexer.handlers.Processor.checkpoint`): flush-before-commit, so a crash
+(:meth:`indexer.runtime.handlers.Processor.checkpoint`): flush-before-commit, so a crash
 replays only cells after the last commit, and the sinks make replays harmless.
 """
 
@@ -17,13 +17,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from connectors.config import ConnectorConfig, ParquetSinkSpec
+from connectors.sinks.base import Position, Sink
+from connectors.sinks.parquet import ParquetSink
+from connectors.sinks.postgres import PostgresSink
 from indexer import App
 from logstore import Cell, Store
-
-from .config import ConnectorConfig, ParquetSinkSpec
-from .parquet import ParquetSink
-from .postgres import PostgresSink
-from .sink import Position, Sink
 
 
 def position(cell: Cell) -> Position:

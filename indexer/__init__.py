@@ -12,11 +12,7 @@ succeeded or were dead-lettered.
 
 from __future__ import annotations
 
-from .app import App
-from .config import AppConfig
-from .deadletters import DeadLetter
-from .dlq import DeadLetterQueue, DLQFilter, ReplayResult
-from .errors import (
+from indexer.errors import (
     ConfigurationError,
     DrainTimeoutError,
     EntryNotFoundError,
@@ -30,7 +26,11 @@ from .errors import (
     SourceUnavailableError,
     TakenOverError,
 )
-from .handlers import Counts, Trigger
+from indexer.runtime.app import App
+from indexer.runtime.config import AppConfig
+from indexer.runtime.deadletters import DeadLetter
+from indexer.runtime.dlq import DeadLetterQueue, DLQFilter, ReplayResult
+from indexer.runtime.handlers import Counts, Trigger
 
 __all__ = [
     "App",

@@ -2,7 +2,7 @@
 
 Every error the runtime raises is an :class:`IndexerError`; ``retriable`` tells the
 caller whether the same call may succeed later. Handlers raise what they like: the
-retry policy (:mod:`indexer.policy`) decides from ``retriable`` (an exception without
+retry policy (:mod:`indexer.runtime.policy`) decides from ``retriable`` (an exception without
 the attribute is retried), and :class:`NonRetriableError` is the one users raise to
 send a cell to the dead-letter queue at once.
 """

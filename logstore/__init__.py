@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .cell import Cell
-from .config import (
+from logstore.cell import Cell
+from logstore.config import (
     DEFAULT_SHARDS,
     MAX_SHARDS,
     ClusterConfig,
@@ -28,7 +28,7 @@ from .config import (
     parse_node_url,
     single_node,
 )
-from .errors import (
+from logstore.errors import (
     CellConflictError,
     ConfigurationError,
     CorruptCellError,
@@ -39,8 +39,8 @@ from .errors import (
     StorageError,
     StorageUnavailableError,
 )
-from .persistence import NodeRecorder, OffsetRecord
-from .store import ShardInfo, Store, node_meta
+from logstore.persistence import NodeRecorder, OffsetRecord
+from logstore.store import ShardInfo, Store, node_meta
 
 __all__ = [
     "DEFAULT_SHARDS",
@@ -66,14 +66,14 @@ __all__ = [
 def _recorder(name: str, target: NodeTarget, options: StoreOptions, token: str | None = None,
               replicas: Sequence[MySQLTarget] = ()) -> NodeRecorder:
     if isinstance(target, HttpTarget):
-        from .client import HttpRecorder
+        from logstore.backends.http import HttpRecorder
 
         return HttpRecorder(name, target, options, token)
     if isinstance(target, MySQLTarget):
-        from .mysql import MySQLRecorder
+        from logstore.backends.mysql.recorder import MySQLRecorder
 
         return MySQLRecorder(name, target, options, replicas)
-    from .sqlite import SQLiteRecorder
+    from logstore.backends.sqlite.recorder import SQLiteRecorder
 
     return SQLiteRecorder(name, target, options)
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from .errors import CorruptCellError, InvalidCellError
+from logstore.errors import CorruptCellError, InvalidCellError
 
 FORMAT_V1 = 1
 _V1_PREFIX = bytes([FORMAT_V1])

@@ -27,8 +27,8 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import ConfigurationError, InvalidArgumentError
-from .retry import RetryPolicy
+from logstore.errors import ConfigurationError, InvalidArgumentError
+from logstore.retry import RetryPolicy
 
 DEFAULT_SHARDS = 4096
 MAX_SHARDS = 65536

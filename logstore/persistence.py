@@ -22,10 +22,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from .cell import Cell, decode_body, same_json
-from .errors import CellConflictError, ConfigurationError, CorruptCellError, StorageError
-from .indexing import IndexRecorder
-from .retry import RetryPolicy
+from logstore.cell import Cell, decode_body, same_json
+from logstore.errors import CellConflictError, ConfigurationError, CorruptCellError, StorageError
+from logstore.index_tables.persistence import IndexRecorder
+from logstore.retry import RetryPolicy
 
 FORMAT_VERSION = 1
 Coordinates = tuple[bytes, str, int]
@@ -80,7 +80,7 @@ class NodeRecorder(ABC):
     #: Fault injection for tests: called inside every write transaction, with the
     #: shards it writes, after the cells are inserted and before COMMIT.
     before_commit: Callable[[Sequence[int]], None] | None = None
-    #: The node's index tables (logstore.indexing).
+    #: The node's index tables (logstore.index_tables.persistence).
     indexes: IndexRecorder
 
     @abstractmethod
@@ -101,7 +101,7 @@ class NodeRecorder(ABC):
         """Store ``cells`` atomically; return the stored cell for each, in order. ``retry`` replaces the
         store's policy for this call (a write about to be buffered elsewhere waits less)."""
 
-    # -- shard moves (logstore.moves): only nodes that can give and take shards override these --
+    # -- shard moves (logstore.backends.mysql.moves): only nodes that can give and take shards override these --
     supports_moves = False
 
     def moves(self) -> dict[int, str]:

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple
 
-from .cell import (
+from logstore.cell import (
     Cell,
     check_column,
     check_ref_key,
@@ -22,8 +22,8 @@ from .cell import (
     same_json,
     shard_of,
 )
-from .config import ClusterConfig, NodeConfig, StoreOptions
-from .errors import (
+from logstore.config import ClusterConfig, NodeConfig, StoreOptions
+from logstore.errors import (
     CellConflictError,
     CorruptCellError,
     InvalidArgumentError,
@@ -32,8 +32,8 @@ from .errors import (
     StorageError,
     StorageUnavailableError,
 )
-from .index_store import IndexStore
-from .persistence import Coordinates, NodeMeta, NodeRecorder, OffsetRecord, PendingCell, PendingRecord
+from logstore.index_tables.store import IndexStore
+from logstore.persistence import Coordinates, NodeMeta, NodeRecorder, OffsetRecord, PendingCell, PendingRecord
 
 logger = logging.getLogger(__name__)
 MAX_PAGE = 100_000
@@ -98,7 +98,7 @@ class Store:
 
     @property
     def indexes(self) -> IndexStore:
-        """The secondary index tables on the store's nodes (:mod:`logstore.index_store`)."""
+        """The secondary index tables on the store's nodes (:mod:`logstore.index_tables.store`)."""
         if self._indexes is None:
             self._indexes = IndexStore(self, lambda shard: self._recorder(shard).indexes,
                                        [r.indexes for r in self._recorders.values()])

@@ -2,8 +2,8 @@
 
 Every error raised by the tailer is a :class:`TailerError`; ``retriable`` tells the
 caller whether the same call may succeed later. Kafka (aiokafka) errors are
-translated in :mod:`tailer.kafka` and ZooKeeper (kazoo) errors in
-:mod:`tailer.zookeeper`; neither escapes untranslated.
+translated in :mod:`tailer.publishers.kafka` and ZooKeeper (kazoo) errors in
+:mod:`tailer.coordinators.zookeeper`; neither escapes untranslated.
 """
 
 from __future__ import annotations

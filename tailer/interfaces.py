@@ -1,12 +1,12 @@
 """What the worker needs from coordination and from a message sink.
 
-Three coordinators exist: :class:`tailer.zookeeper.ZooKeeperCoordinator` (workers
-share shards through ZooKeeper), :class:`tailer.storecoord.StoreCoordinator`
+Three coordinators exist: :class:`tailer.coordinators.zookeeper.ZooKeeperCoordinator` (workers
+share shards through ZooKeeper), :class:`tailer.coordinators.store.StoreCoordinator`
 (offsets and ownership in the store's consumer-offsets table) and
-:class:`tailer.local.LocalCoordinator` (one process owns every shard; offsets in a
+:class:`tailer.coordinators.local.LocalCoordinator` (one process owns every shard; offsets in a
 file, like Kafka Connect's standalone mode). Three publishers exist:
-:class:`tailer.kafka.KafkaPublisher`, :class:`tailer.local.DirectoryPublisher` and
-direct mode's :class:`indexer.direct.HandlerPublisher` (cells to an app's handlers).
+:class:`tailer.publishers.kafka.KafkaPublisher`, :class:`tailer.publishers.directory.DirectoryPublisher` and
+direct mode's :class:`indexer.runtime.direct.HandlerPublisher` (cells to an app's handlers).
 The worker (:mod:`tailer.worker`) is the same for every combination.
 
 Coordinator methods block (ZooKeeper round trips); the worker calls them from a
@@ -21,9 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from logstore import Cell
-
-from .errors import PublishError
-from .messages import Message, encode_cell
+from tailer.errors import PublishError
+from tailer.messages import Message, encode_cell
 
 
 class Claim(NamedTuple):

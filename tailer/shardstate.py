@@ -10,9 +10,8 @@ from typing import Any, NamedTuple
 
 from logstore import CorruptCellError, LogstoreError
 from logstore.cell import Cell
-
-from .interfaces import Claim
-from .messages import coordinates
+from tailer.interfaces import Claim
+from tailer.messages import coordinates
 
 # A read's result per shard: its page, or the error that ended it (a CorruptCellError holds the cells before).
 Pages = dict[int, list[Cell] | LogstoreError]

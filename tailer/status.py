@@ -12,10 +12,9 @@ from kazoo.exceptions import KazooException, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
 
 from logstore import CorruptCellError, Store
-
-from .errors import ConfigurationError
-from .local import read_offsets
-from .zookeeper import tailer_path, translate
+from tailer.coordinators.local import read_offsets
+from tailer.coordinators.zookeeper import tailer_path, translate
+from tailer.errors import ConfigurationError
 
 
 def _shard_rows(store: Store, offsets: dict[int, dict[str, Any]], owners: dict[int, str | None],

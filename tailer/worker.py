@@ -29,13 +29,12 @@ from typing import Any, TypeVar
 from logstore import CorruptCellError, LogstoreError, Store
 from logstore.cell import Cell
 from logstore.retry import RetryPolicy
-
-from .config import TailerConfig
-from .errors import FencedError, PublishError, TailerError
-from .interfaces import Claim, Coordinator, Offset, Publisher
-from .messages import Message, coordinates, encode_deadletter
-from .metrics import Lag, TailerMetrics
-from .shardstate import Look, Pages, Pending, ShardState, page_of
+from tailer.config import TailerConfig
+from tailer.errors import FencedError, PublishError, TailerError
+from tailer.interfaces import Claim, Coordinator, Offset, Publisher
+from tailer.messages import Message, coordinates, encode_deadletter
+from tailer.metrics import Lag, TailerMetrics
+from tailer.shardstate import Look, Pages, Pending, ShardState, page_of
 
 logger = logging.getLogger(__name__)
 _BACKOFF = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from indexer import App
-from indexer.indexes import IndexApplier
+from indexer.indexes.applier import IndexApplier
 from logstore import Cell
 
 

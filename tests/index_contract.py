@@ -1,4 +1,4 @@
-"""The index-table contract (logstore.indexing), written once and run on every backend, on one node
+"""The index-table contract (logstore.index_tables.persistence), written once and run on every backend, on one node
 and on a cluster of two nodes (where entries move between nodes when their shard field changes).
 
 Backend test classes implement ``open_store(nodes)``: a fresh instance of SHARDS shards on that many nodes.
@@ -18,7 +18,7 @@ import pytest
 
 import logstore
 from logstore import ConfigurationError, InvalidArgumentError
-from logstore.indexing import Condition, EntryWrite, Fix, IndexChange, IndexEntry, IndexSpec, Locator
+from logstore.index_tables.persistence import Condition, EntryWrite, Fix, IndexChange, IndexEntry, IndexSpec, Locator
 
 SHARDS = 8
 SPEC = IndexSpec.model_validate({

@@ -12,8 +12,8 @@ from typing import Any
 
 import logstore
 from indexer import App
-from indexer.definitions import EntryFieldError, IndexDefinition, load_indexes
-from logstore.indexing import IndexEntry
+from indexer.indexes.definitions import EntryFieldError, IndexDefinition, load_indexes
+from logstore.index_tables.persistence import IndexEntry
 
 SEED_YAML = """
 indexes:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import logstore
-from cellstream.cli import main
+from cellstream.cli.main import main
 
 APP = '''
 from indexer import App
@@ -68,7 +68,7 @@ def test_run_drain_then_triage_from_the_command_line(sqlite_url: str, tmp_path: 
 
 
 def test_run_per_shard_metrics_overrides_the_app_option(sqlite_url: str, tmp_path: Path) -> None:
-    from cellstream.app_cli import load_app
+    from cellstream.cli.apps import load_app
 
     module = tmp_path / "flagapp.py"
     module.write_text(APP.format(url=sqlite_url, fixed=True))

@@ -29,9 +29,9 @@ import logstore
 from indexer import App, ConfigurationError, HandlerStalledError, SourceUnavailableError
 from logstore.retry import RetryPolicy
 from tailer.config import KafkaOptions, TailerConfig
-from tailer.kafka import KafkaPublisher
+from tailer.coordinators.store import StoreCoordinator
 from tailer.messages import coordinates, encode_deadletter
-from tailer.storecoord import StoreCoordinator
+from tailer.publishers.kafka import KafkaPublisher
 from tailer.worker import Tailer
 
 from .app_worker import kill_mid_handler_then_drain

@@ -18,7 +18,8 @@ import pytest
 import logstore
 from logstore.retry import RetryPolicy
 from tailer.config import TailerConfig
-from tailer.local import DirectoryPublisher, LocalCoordinator, read_topic
+from tailer.coordinators.local import LocalCoordinator
+from tailer.publishers.directory import DirectoryPublisher, read_topic
 from tailer.worker import Tailer
 
 from .index_support import two_nodes
@@ -140,7 +141,7 @@ def test_a_buffered_cell_that_conflicts_at_home_is_kept_failed_not_dropped(mysql
 
 def test_a_worker_node_buffers_and_its_replayer_writes_home(mysql_database: str, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    from cellstream.cli import main
+    from cellstream.cli.main import main
 
     from .worker_support import NodeThread
 

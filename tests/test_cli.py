@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import logstore
-from cellstream.cli import main
+from cellstream.cli.main import main
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -143,7 +143,7 @@ def test_demo_ignores_the_store_in_the_environment(sqlite_url: str, capsys: pyte
 
 
 def test_log_follow_prints_new_cells(sqlite_url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from cellstream import cli
+    from cellstream.cli import main as cli
 
     store = logstore.open(sqlite_url, shards=1)
     first = store.put_cell(uuid.uuid4(), "BASE", 1, {"n": 1})

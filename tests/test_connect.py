@@ -19,10 +19,10 @@ import duckdb
 import pytest
 
 import logstore
-from cellstream.cli import main
+from cellstream.cli.main import main
 from connectors.config import load_connector
 from connectors.runtime import connector_app
-from indexer.deadletters import DeadLetterStore
+from indexer.runtime.deadletters import DeadLetterStore
 
 SHARDS = 8
 CONFIG = """

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 import logstore
-from cellstream.cli import main
+from cellstream.cli.main import main
 from connectors.config import load_connector
 from connectors.runtime import connector_app
-from indexer.deadletters import DeadLetterStore
+from indexer.runtime.deadletters import DeadLetterStore
 
 SHARDS = 8
 CONFIG = """
@@ -178,8 +178,8 @@ def test_from_the_tailers_kafka_topics(sqlite_url: str, postgres_database: str, 
 
 
 def test_a_history_replay_falls_back_from_the_direct_copy_to_the_upsert(postgres_database: str) -> None:
-    from connectors.postgres import PostgresSink, PostgresSinkConfig
-    from connectors.sink import Position
+    from connectors.sinks.base import Position
+    from connectors.sinks.postgres import PostgresSink, PostgresSinkConfig
 
     start = dt.datetime(2026, 11, 22, tzinfo=dt.UTC)
     cells = [logstore.Cell(row_key=uuid.uuid4(), column="STATUS", ref_key=n % 3 + 1, body={"done": n % 2 == 0},

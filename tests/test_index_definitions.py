@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import indexer.definitions
+import indexer.indexes.definitions
 from indexer import NonRetriableError
-from indexer.definitions import DefinitionError, EntryFieldError, load_indexes
+from indexer.indexes.definitions import DefinitionError, EntryFieldError, load_indexes
 
 from .index_support import SEED_YAML
 
@@ -30,7 +30,7 @@ def test_the_seed_index_loads_with_its_query_keys(tmp_path: Path) -> None:
 
 
 def test_the_module_example_runs() -> None:
-    assert doctest.testmod(indexer.definitions).failed == 0
+    assert doctest.testmod(indexer.indexes.definitions).failed == 0
 
 
 @pytest.mark.parametrize(

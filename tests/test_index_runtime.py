@@ -15,10 +15,10 @@ import pytest
 
 import logstore
 from indexer import App
-from indexer.backfill import backfill
-from indexer.catalog import IndexCatalog, IndexStateError
-from indexer.indexes import Index, IndexApplier, InvalidQueryError, lag
-from indexer.verify import verify
+from indexer.indexes.applier import Index, IndexApplier, InvalidQueryError, lag
+from indexer.indexes.backfill import backfill
+from indexer.indexes.catalog import IndexCatalog, IndexStateError
+from indexer.indexes.verify import verify
 
 from .app_worker import kill_mid_handler_then_drain
 from .index_support import SEED_YAML, T0, actual, expected, row_keys, seed, trip

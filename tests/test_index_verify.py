@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 import logstore
-from cellstream.cli import main
+from cellstream.cli.main import main
 from indexer import App
-from indexer.backfill import backfill
-from indexer.catalog import IndexCatalog, IndexStateError
-from indexer.indexes import InvalidQueryError
-from indexer.verify import verify
-from logstore.indexing import EntryWrite
+from indexer.indexes.applier import InvalidQueryError
+from indexer.indexes.backfill import backfill
+from indexer.indexes.catalog import IndexCatalog, IndexStateError
+from indexer.indexes.verify import verify
+from logstore.index_tables.persistence import EntryWrite
 
 from .index_support import SEED_YAML, Background, actual, expected, seed, trip, two_nodes
 

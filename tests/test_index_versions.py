@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 import logstore
-from cellstream.cli import main
+from cellstream.cli.main import main
 from indexer import App
-from indexer.backfill import BackfillProgress, backfill
-from indexer.catalog import IndexCatalog, IndexStateError
-from indexer.indexes import Index
+from indexer.indexes.applier import Index
+from indexer.indexes.backfill import BackfillProgress, backfill
+from indexer.indexes.catalog import IndexCatalog, IndexStateError
 
 from .index_support import SEED_YAML, V2_YAML, Background, actual, expected, seed, trip
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import logstore
-from logstore.sqlite import DB_FILE
+from logstore.backends.sqlite.recorder import DB_FILE
 
 from .logstore_contract import StoreContract
 from .worker_support import worker_node

@@ -125,7 +125,7 @@ def test_bad_cluster_files_name_the_problem(tmp_path: Path, text: str, message: 
 
 
 def test_batches_larger_than_one_packet_stay_atomic(mysql_database: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import logstore.mysql as backend
+    import logstore.backends.mysql.recorder as backend
 
     sizes: list[int] = []
     original = backend.run_script
@@ -258,7 +258,7 @@ def test_a_database_of_the_table_per_shard_layout_is_refused_and_left_as_it_was(
 def test_a_batch_over_many_shards_is_one_insert_and_one_counter_statement(
         mysql_database: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-batch cost does not grow with the shards it touches: the statements of a write are counted."""
-    import logstore.mysql as backend
+    import logstore.backends.mysql.recorder as backend
 
     statements: list[str] = []
     original = backend.run_script

@@ -14,8 +14,8 @@ import pytest
 
 import logstore
 from connectors.errors import ConversionError
-from connectors.parquet import ParquetSink, ParquetSinkConfig
-from connectors.sink import Position
+from connectors.sinks.base import Position
+from connectors.sinks.parquet import ParquetSink, ParquetSinkConfig
 
 SHARDS = 4
 

@@ -14,7 +14,7 @@ import pymysql
 import pytest
 
 import logstore
-from logstore.mysql import MySQLRecorder
+from logstore.backends.mysql.recorder import MySQLRecorder
 from logstore.retry import RetryPolicy
 
 from .conftest import MYSQL_REPLICA, mysql_admin

@@ -18,7 +18,7 @@ import pymysql
 import pytest
 
 import logstore
-from cellstream.cli import main
+from cellstream.cli.main import main
 
 from .index_support import two_nodes
 

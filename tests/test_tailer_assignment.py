@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from tailer.assignment import balance
+from tailer.coordinators.assignment import balance
 
 
 def loads(owners: dict[int, str], workers: list[str]) -> list[int]:

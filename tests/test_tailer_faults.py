@@ -23,9 +23,9 @@ from kazoo.exceptions import NoNodeError
 
 import logstore
 from tailer.config import KafkaOptions, TailerConfig
-from tailer.kafka import KafkaPublisher
+from tailer.coordinators.zookeeper import ZooKeeperCoordinator, tailer_path
+from tailer.publishers.kafka import KafkaPublisher
 from tailer.worker import Tailer
-from tailer.zookeeper import ZooKeeperCoordinator, tailer_path
 
 from .conftest import KAFKA
 from .kafka_support import assert_shard_order, cell_ids, kcat_read, wait_for

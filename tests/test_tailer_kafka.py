@@ -15,13 +15,13 @@ from kazoo.client import KazooClient
 from prometheus_client import generate_latest
 
 import logstore
-from cellstream.cli import main
+from cellstream.cli.main import main
 from tailer.config import KafkaOptions, TailerConfig
+from tailer.coordinators.zookeeper import ZooKeeperCoordinator, tailer_path
 from tailer.errors import FencedError
 from tailer.interfaces import Offset
-from tailer.kafka import KafkaPublisher
+from tailer.publishers.kafka import KafkaPublisher
 from tailer.worker import Tailer
-from tailer.zookeeper import ZooKeeperCoordinator, tailer_path
 
 from .conftest import KAFKA
 from .kafka_support import Msg, aiokafka_read, assert_shard_order, cell_ids, kcat_read, wait_for

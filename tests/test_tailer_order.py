@@ -19,8 +19,8 @@ import pytest
 
 import logstore
 from tailer.config import TailerConfig
+from tailer.coordinators.local import LocalCoordinator
 from tailer.interfaces import Publisher
-from tailer.local import LocalCoordinator
 from tailer.worker import Tailer
 
 A, B = 0, 1  # shard A's batch is failed by the restart that shard B's failure causes

@@ -21,8 +21,9 @@ from prometheus_client import CollectorRegistry
 
 import logstore
 from tailer.config import TailerConfig
+from tailer.coordinators.local import LocalCoordinator
 from tailer.interfaces import Publisher
-from tailer.local import DirectoryPublisher, LocalCoordinator, read_topic
+from tailer.publishers.directory import DirectoryPublisher, read_topic
 from tailer.worker import Tailer
 
 from .logstore_contract import keys_in_shard
@@ -159,7 +160,7 @@ def test_per_shard_lag_series_are_opt_in(uneven: logstore.Store, tmp_path: Path)
 def test_the_cli_flag_turns_per_shard_series_on(sqlite_url: str) -> None:
     import argparse
 
-    from cellstream.tail_cli import _config
+    from cellstream.cli.tail import _config
 
     base = {"name": "t", "prefix": "cells", "partitions": 4, "replication_factor": 1, "columns": None,
             "start": "beginning", "format": "json", "session_timeout": 10.0, "poll": 0.005}
@@ -168,7 +169,7 @@ def test_the_cli_flag_turns_per_shard_series_on(sqlite_url: str) -> None:
 
 
 def test_zookeeper_claims_many_shards_at_once_and_refuses_those_held(zk_chroot: str) -> None:
-    from tailer.zookeeper import ZooKeeperCoordinator
+    from tailer.coordinators.zookeeper import ZooKeeperCoordinator
 
     first, second = (ZooKeeperCoordinator(zk_chroot, "many", 512, session_timeout=5) for _ in range(2))
     try:

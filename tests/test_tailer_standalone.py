@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 
 import logstore
-from cellstream.cli import main
+from cellstream.cli.main import main
 from tailer.config import TailerConfig
-from tailer.local import DirectoryPublisher, LocalCoordinator, read_offsets, read_topic
+from tailer.coordinators.local import LocalCoordinator, read_offsets
+from tailer.publishers.directory import DirectoryPublisher, read_topic
 from tailer.worker import Tailer
 
 from .test_logstore_sqlite import _db

@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 import pytest
 
 import logstore
+from logstore.node.server import ServerConfig, WorkerNode
 from logstore.retry import RetryPolicy
-from logstore.server import ServerConfig, WorkerNode
 
 from .faults import TcpProxy
 from .worker_support import NodeThread, worker_node

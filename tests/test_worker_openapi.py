@@ -13,7 +13,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import checks
 
-from logstore import openapi
+from logstore.node import openapi
 
 from .worker_support import worker_node
 

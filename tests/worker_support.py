@@ -1,4 +1,4 @@
-"""A worker node (logstore.server) on a free loopback port, run on its own event loop in a thread so
+"""A worker node (logstore.node.server) on a free loopback port, run on its own event loop in a thread so
 synchronous clients (logstore.open("http://..."), schemathesis) can call it from the test's thread."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import logstore
-from logstore.server import ServerConfig, WorkerNode
+from logstore.node.server import ServerConfig, WorkerNode
 
 
 class NodeThread:

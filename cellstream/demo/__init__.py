@@ -16,12 +16,11 @@ import uuid
 from typing import TextIO
 
 import logstore
-
-from .app import app_demo
-from .connect import connect_demo
-from .index import index_demo
-from .tailer import tailer_demo
-from .worker import worker_demo
+from cellstream.demo.app import app_demo
+from cellstream.demo.connect import connect_demo
+from cellstream.demo.index import index_demo
+from cellstream.demo.tailer import tailer_demo
+from cellstream.demo.worker import worker_demo
 
 DEMO_SHARDS = 16
 CITIES = ["Aarhus", "Lisbon", "Oakland", "Sao Paulo", "Hyderabad"]

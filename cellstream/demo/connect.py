@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 
 import logstore
 from connectors.config import ParquetSinkSpec, load_connector
-from connectors.parquet import ParquetSink
 from connectors.runtime import connector_app
-from connectors.sink import CELL_COLUMNS
+from connectors.sinks.base import CELL_COLUMNS
+from connectors.sinks.parquet import ParquetSink
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "lake.yaml"
 

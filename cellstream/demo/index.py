@@ -12,12 +12,12 @@ from typing import TextIO
 
 import logstore
 from indexer import App
-from indexer.backfill import backfill
-from indexer.catalog import IndexCatalog
-from indexer.definitions import load_indexes
-from indexer.indexes import Index, lag
-from indexer.verify import verify
-from logstore.indexing import EntryWrite
+from indexer.indexes.applier import Index, lag
+from indexer.indexes.backfill import backfill
+from indexer.indexes.catalog import IndexCatalog
+from indexer.indexes.definitions import load_indexes
+from indexer.indexes.verify import verify
+from logstore.index_tables.persistence import EntryWrite
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "indexes.yaml"
 NAME = "trips_by_driver"

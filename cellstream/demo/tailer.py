@@ -16,7 +16,8 @@ from typing import TextIO
 
 import logstore
 from tailer.config import TailerConfig
-from tailer.local import DirectoryPublisher, LocalCoordinator, read_offsets, read_topic
+from tailer.coordinators.local import LocalCoordinator, read_offsets
+from tailer.publishers.directory import DirectoryPublisher, read_topic
 from tailer.worker import Tailer
 
 PARTITIONS = 4

@@ -12,7 +12,7 @@ import uuid
 from typing import Any, TextIO
 
 import logstore
-from logstore.server import ServerConfig, WorkerNode
+from logstore.node.server import ServerConfig, WorkerNode
 
 
 def _say(out: TextIO, text: str = "") -> None:

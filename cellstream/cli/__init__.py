@@ -1,0 +1,1 @@
+"""The ``cellstream`` command: one module per command group, each with ``register(subparsers)``."""

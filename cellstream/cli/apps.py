@@ -1,0 +1,219 @@
+"""``cellstream run`` and ``cellstream dlq``: run a stream-processing app, triage its dead letters.
+
+  cellstream run MODULE:APP [--workers N] [--drain [--timeout S]] [--metrics-port PORT [--per-shard-metrics]]
+  cellstream dlq --app MODULE:APP list [--handler H] [--status S] [--error E] [--since T] [--until T]
+  cellstream dlq --app MODULE:APP stats | show ID | discard ID --reason TEXT
+  cellstream dlq --app MODULE:APP replay (ID | --match FILTER) [--dry-run]
+
+MODULE is an importable module (the current directory is on the path) or a file
+path; APP is the name of its :class:`indexer.App`. ``--app`` may also be a
+connector's YAML file (``cellstream connect``), with ``--store``. Exit codes: 0 success, 1 no such
+dead letter, 2 bad input, 4 configuration error, 5 a server unreachable, 6 other
+failure, 7 a handler stalled (too many open dead letters), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import multiprocessing
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import indexer
+from cellstream.cli.exits import Exit, fail
+from connectors.errors import ConnectorError, SinkConfigError
+from indexer import App, DLQFilter
+
+
+def load_app(spec: str, per_shard_metrics: bool = False) -> App:
+    """The App named by ``module:attribute`` (or ``path/to/file.py:attribute``); ``per_shard_metrics``
+    turns the option on whatever the app's code says (``--per-shard-metrics``)."""
+    module_name, sep, attribute = spec.rpartition(":")
+    if not sep or not module_name or not attribute:
+        raise indexer.ConfigurationError(
+            f"--app {spec!r} must be MODULE:APP, e.g. cellstream.demo.examples.billing:app")
+    if module_name.endswith(".py") or "/" in module_name:
+        path = Path(module_name)
+        loader = importlib.util.spec_from_file_location(path.stem, path)
+        if loader is None or loader.loader is None or not path.exists():
+            raise indexer.ConfigurationError(f"no Python file {module_name}")
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[path.stem] = module
+        loader.loader.exec_module(module)
+    else:
+        if "" not in sys.path:
+            sys.path.insert(0, "")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            raise indexer.ConfigurationError(f"cannot import {module_name}: {exc}") from None
+    app = getattr(module, attribute, None)
+    if not isinstance(app, App):
+        raise indexer.ConfigurationError(f"{spec}: {attribute} is not an indexer.App")
+    if per_shard_metrics:
+        app.config = app.config.model_copy(update={"per_shard_metrics": True})
+    return app
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("run", parents=[common], help="run a stream-processing app (MODULE:APP) until SIGTERM")
+    p.add_argument("app", metavar="MODULE:APP")
+    p.add_argument("--workers", type=int, default=1, help="processes (needs --zookeeper or Kafka mode when > 1)")
+    p.add_argument("--drain", action="store_true", help="process what is in the log now, print the counts, exit")
+    p.add_argument("--timeout", type=float, default=600.0, help="with --drain: give up after this many seconds")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--per-shard-metrics", action="store_true",
+                   help="direct mode: export the lag of every shard (default: totals and the most lagging shards)")
+    p.set_defaults(app_func=cmd_run)
+
+    p = sub.add_parser("dlq", help="triage an app's (or a connector's) dead letters")
+    p.add_argument("--app", required=True, metavar="MODULE:APP|CONNECTOR.yaml")
+    actions = p.add_subparsers(dest="action", required=True, parser_class=type(p))
+    a = actions.add_parser("list", parents=[common], help="entries, oldest first")
+    _filters(a)
+    a = actions.add_parser("stats", parents=[common], help="entries grouped by handler and error fingerprint")
+    _filters(a)
+    a = actions.add_parser("show", parents=[common], help="one entry: body, traceback, history")
+    a.add_argument("id")
+    a = actions.add_parser("replay", parents=[common], help="run the handler again on an entry, or on --match")
+    a.add_argument("id", nargs="?")
+    a.add_argument("--match", metavar="FILTER", help="e.g. 'handler=bill_rider,error=Declined' (open entries)")
+    a.add_argument("--dry-run", action="store_true", help="list what would be replayed")
+    a = actions.add_parser("discard", parents=[common], help="close an open entry without processing it")
+    a.add_argument("id")
+    a.add_argument("--reason", required=True)
+    p.set_defaults(app_func=cmd_dlq)
+
+
+def _filters(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--handler")
+    p.add_argument("--status", choices=["open", "replayed", "resolved", "discarded"])
+    p.add_argument("--error", help="part of the error class name")
+    p.add_argument("--fingerprint")
+    p.add_argument("--since", help="last failure at or after this ISO-8601 time")
+    p.add_argument("--until", help="last failure before this ISO-8601 time")
+
+
+def run_app(args: argparse.Namespace, out: Any) -> int:
+    """Dispatch an app command and map its errors to exit codes (one line on stderr)."""
+    import logstore
+
+    try:
+        return int(args.app_func(args, out))
+    except indexer.EntryNotFoundError as exc:
+        return fail(exc, Exit.NOT_FOUND)
+    except indexer.InvalidFilterError as exc:
+        return fail(exc, Exit.USAGE)
+    except indexer.HandlerStalledError as exc:
+        return fail(exc, Exit.STALLED)
+    except (indexer.ConfigurationError, logstore.ConfigurationError) as exc:
+        return fail(exc, Exit.CONFIG)
+    except logstore.InvalidArgumentError as exc:
+        return fail(exc, Exit.USAGE)
+    except (indexer.IndexerError, logstore.LogstoreError) as exc:
+        return fail(exc, Exit.UNAVAILABLE if exc.retriable else Exit.FAILED)
+    except SinkConfigError as exc:  # a connector's file, through --app FILE.yaml
+        return fail(exc, Exit.USAGE)
+    except ConnectorError as exc:
+        return fail(exc, Exit.UNAVAILABLE if exc.retriable else Exit.FAILED)
+
+
+def cmd_run(args: argparse.Namespace, out: Any) -> int:
+    if args.workers < 1:
+        return fail(indexer.ConfigurationError("--workers must be at least 1"), Exit.USAGE)
+    app = load_app(args.app, args.per_shard_metrics)
+    if args.workers > 1 and not (app.brokers or app.config.zookeeper):
+        raise indexer.ConfigurationError(
+            "--workers > 1 needs shared coordination: give the app zookeeper=... (direct mode) or brokers=...")
+    if args.drain:
+        counts = app.drain(args.timeout)
+        out.emit(counts._asdict(), f"processed {counts.processed}, retried {counts.retried}, "
+                                   f"dead-lettered {counts.dead_lettered}")
+        return Exit.OK
+    if args.workers == 1:
+        app.run(metrics_port=args.metrics_port)
+        return Exit.OK
+    return _run_workers(args)
+
+
+def _worker(spec: str, metrics_port: int | None, per_shard_metrics: bool) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards SIGTERM; Ctrl-C goes to the parent
+    load_app(spec, per_shard_metrics).run(metrics_port=metrics_port)
+
+
+def _run_workers(args: argparse.Namespace) -> int:
+    """N processes of the same app: they share the shards (ZooKeeper) or partitions (consumer group)."""
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_worker, args=(args.app, args.metrics_port + n if args.metrics_port else None,
+                                                     args.per_shard_metrics),
+                               name=f"worker-{n}") for n in range(args.workers)]
+    for worker in workers:
+        worker.start()
+
+    def forward(signum: int, _frame: Any) -> None:
+        for worker in workers:
+            if worker.pid is not None and worker.is_alive():
+                worker.terminate()  # SIGTERM: each stops gracefully
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for worker in workers:
+        worker.join()
+    failed = [w for w in workers if w.exitcode not in (0, -signal.SIGTERM)]
+    return Exit.FAILED if failed else Exit.OK
+
+
+def dlq_app(args: argparse.Namespace) -> App:
+    """The app whose dead letters to triage: ``MODULE:APP``, or a connector's YAML file (with --store)."""
+    if not args.app.endswith((".yaml", ".yml")):
+        return load_app(args.app)
+    from connectors.config import load_connector
+    from connectors.runtime import connector_app
+
+    if not args.store:
+        raise indexer.ConfigurationError(f"--app {args.app} is a connector: give its store with --store URL")
+    return connector_app(load_connector(Path(args.app)), args.store)[0]
+
+
+def cmd_dlq(args: argparse.Namespace, out: Any) -> int:
+    app = dlq_app(args)
+    dlq = app.dlq
+    if args.action in ("list", "stats"):
+        match = DLQFilter.build(handler=args.handler, status=args.status, error=args.error,
+                                fingerprint=args.fingerprint, since=args.since, until=args.until)
+        if args.action == "list":
+            entries = dlq.list(match)
+            for entry in entries:
+                s = entry.summary()
+                out.emit(s, f"{s['id']} {s['status']:9} {s['handler']} {s['error_type']}: {s['message'][:80]} "
+                            f"(attempts {s['attempts']}, {s['row_key']}@{s['ref_key']})")
+            if not entries and not out.as_json:
+                out.emit(None, "no dead letters match")
+            return Exit.OK
+        for group in dlq.stats(match):
+            out.emit(group, f"{group['count']:6} ({group['open']} open) {group['handler']} {group['error_type']} "
+                            f"[{group['fingerprint']}] {group['example'][:60]!r} "
+                            f"first {group['first_seen']} last {group['last_seen']}")
+        return Exit.OK
+    if args.action == "show":
+        entry = dlq.show(args.id)
+        data = entry.model_dump(mode="json")
+        out.emit(data, json.dumps(data, indent=2, ensure_ascii=False))
+        return Exit.OK
+    if args.action == "discard":
+        entry = dlq.discard(args.id, args.reason)
+        out.emit(entry.summary(), f"{entry.id} discarded ({args.reason})")
+        return Exit.OK
+    if (args.id is None) == (args.match is None):
+        raise indexer.InvalidFilterError("replay takes an entry ID or --match FILTER (one of them)")
+    results = dlq.replay(args.id, match=DLQFilter.parse(args.match) if args.match else None, dry_run=args.dry_run)
+    for r in results:
+        out.emit(r._asdict(), f"{r.id} {r.handler}: {r.before} -> {r.after}"
+                              + (f" ({r.error})" if r.error else ""))
+    if not results and not out.as_json:
+        out.emit(None, "nothing to replay")
+    return Exit.OK

@@ -1,0 +1,152 @@
+"""``cellstream connect``: run warehouse connectors and see how far they are.
+
+  cellstream connect run FILE [--drain [--timeout S]] [--metrics-port PORT]
+  cellstream connect status FILE
+
+``run`` loads the cells of the file's columns into its sink until SIGTERM or SIGINT;
+with ``--drain`` it loads what the log holds now (with a progress bar: cells, cells/s,
+ETA), checkpoints, prints the counts and exits. ``status`` shows each shard's
+committed position and lag in cells (with a Kafka source: each topic partition's
+committed offset and lag in messages). Exit codes: 0 success, 2 a bad file or option,
+4 a store configuration problem, 5 a server or the sink unavailable, 6 other
+failure, 7 the connector stalled (too many open dead letters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import indexer
+import logstore
+from cellstream.cli.exits import Exit, fail
+from connectors.config import ConnectorConfig, load_connector
+from connectors.errors import ConnectorError, SinkConfigError, SinkUnavailableError
+from connectors.runtime import connector_app
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("connect", help="load the cell stream into a warehouse (Parquet lake)")
+    actions = p.add_subparsers(dest="action", required=True, parser_class=type(p))
+    a = actions.add_parser("run", parents=[common], help="run a connector (sink.yaml)")
+    a.add_argument("file", type=Path)
+    a.add_argument("--drain", action="store_true", help="load what the log holds now, then exit")
+    a.add_argument("--timeout", type=float, default=3600.0, help="with --drain: give up after this many seconds")
+    a.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    a = actions.add_parser("status", parents=[common], help="each shard's committed position and lag")
+    a.add_argument("file", type=Path)
+    p.set_defaults(store_func=run)
+
+
+def run(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+    try:
+        config = load_connector(args.file)
+        return int((_run if args.action == "run" else _status)(store, config, args, out))
+    except SinkConfigError as exc:
+        return fail(exc, Exit.USAGE)
+    except indexer.HandlerStalledError as exc:
+        return fail(exc, Exit.STALLED)
+    except (indexer.ConfigurationError, logstore.ConfigurationError) as exc:
+        return fail(exc, Exit.CONFIG)
+    except (ConnectorError, indexer.IndexerError, logstore.LogstoreError) as exc:
+        return fail(exc, Exit.UNAVAILABLE if exc.retriable else Exit.FAILED)
+
+
+def _behind(store: logstore.Store, config: ConnectorConfig) -> dict[int, tuple[int | None, int]]:
+    """shard: (committed position or None, cells of the columns after it)."""
+    offsets = store.read_offsets(f"app.{config.name}")
+    out = {}
+    for shard in range(store.shard_count):
+        found = offsets.get(shard)
+        location = found.location if found is not None else None
+        out[shard] = (location, store.count_after(shard, location or 0, columns=config.columns))
+    return out
+
+
+def _run(store: logstore.Store, config: ConnectorConfig, args: argparse.Namespace, out: Any) -> int:
+    app, applier = connector_app(config, store)
+    try:
+        if not args.drain:
+            app.run(metrics_port=args.metrics_port)
+            return Exit.OK
+        from tqdm import tqdm
+
+        total = _kafka_lag(config) if config.brokers is not None else sum(
+            cells for _, cells in _behind(store, config).values())
+        bar = tqdm(total=total, unit="cells", file=sys.stderr, disable=out.as_json, dynamic_ncols=True)
+
+        async def load() -> indexer.Counts:
+            task = asyncio.ensure_future(app.drain_async(args.timeout))
+            while not task.done():
+                counts = app.processor.counts
+                bar.n = min(total, counts.processed + counts.dead_lettered)
+                bar.refresh()
+                await asyncio.wait([task], timeout=0.25)
+            return task.result()
+        started = time.monotonic()
+        try:
+            counts = asyncio.run(load())
+        finally:
+            bar.close()
+        # The stop's checkpoint may have failed to flush (it then commits nothing): say so, not success.
+        applier.flush()
+        behind = _kafka_lag(config) if config.brokers is not None else sum(
+            cells for _, cells in _behind(store, config).values())
+        if behind:
+            raise SinkUnavailableError(f"connector {config.name}: {behind} cells loaded but their positions not "
+                                       "committed (the last checkpoint failed); run it again, the sink takes "
+                                       "them again harmlessly")
+    finally:
+        with contextlib.suppress(Exception):
+            applier.sink.close()
+        app.close()
+    seconds = time.monotonic() - started
+    data = {"connector": config.name, **counts._asdict(), "seconds": round(seconds, 3),
+            "files_written": getattr(applier.sink, "files_written", None)}
+    out.emit(data, f"connector {config.name}: loaded {counts.processed} cells, dead-lettered "
+                   f"{counts.dead_lettered}, in {seconds:.1f}s")
+    return Exit.OK
+
+
+def _status(store: logstore.Store, config: ConnectorConfig, args: argparse.Namespace, out: Any) -> int:
+    if config.brokers is not None:
+        return _kafka_status(config, out)
+    rows = []
+    for shard, (location, behind) in _behind(store, config).items():
+        if location is None and behind == 0:
+            continue
+        rows.append({"connector": config.name, "shard": shard, "committed": location, "lag_cells": behind})
+    for row in rows:
+        out.emit(row, f"shard {row['shard']}: committed {row['committed']}, lag {row['lag_cells']} cells")
+    if not rows:
+        out.emit([], f"connector {config.name}: nothing to load")
+    return Exit.OK
+
+
+def _kafka_positions(config: ConnectorConfig) -> list[tuple[str, int, int | None, int]]:
+    from indexer.runtime.kafka import group_positions
+
+    assert config.brokers is not None
+    return asyncio.run(group_positions(config.brokers, config.name,
+                                       [f"{config.topic_prefix}.{column}" for column in config.columns]))
+
+
+def _kafka_lag(config: ConnectorConfig) -> int:
+    return sum(end - (committed or 0) for _, _, committed, end in _kafka_positions(config))
+
+
+def _kafka_status(config: ConnectorConfig, out: Any) -> int:
+    """Each partition of the connector's topics: what its consumer group committed, and how far behind it is."""
+    found = _kafka_positions(config)
+    for topic, partition, committed, end in found:
+        row = {"connector": config.name, "topic": topic, "partition": partition, "committed": committed,
+               "lag_messages": end - (committed or 0)}
+        out.emit(row, f"{topic}[{partition}]: committed {committed}, lag {row['lag_messages']} messages")
+    if not found:
+        out.emit([], f"connector {config.name}: its topics have no partitions yet")
+    return Exit.OK

@@ -1,0 +1,176 @@
+"""``cellstream tail``: run a tailer worker, or show a tailer's status.
+
+  cellstream tail --store URL --brokers HOST:PORT --zookeeper HOST:PORT[/chroot] --name NAME
+                  [--columns A,B] [--from beginning|now|TIME] [--partitions P] [--format json|msgpack]
+                  [--metrics-port PORT [--per-shard-metrics]]
+  cellstream tail --store URL --out DIR --offsets FILE --name NAME ...      (standalone, no servers)
+  cellstream tail status NAME --store URL (--zookeeper HOST:PORT | --offsets FILE) [--all] [--json]
+
+Exit codes of ``tail``: 0 after a graceful stop (SIGTERM/SIGINT), 4 configuration
+error, 5 Kafka, ZooKeeper or the store unreachable, 6 other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from cellstream.cli.exits import Exit
+from logstore import Store
+from tailer.config import KafkaOptions, TailerConfig, parse_start
+from tailer.errors import ConfigurationError, TailerError
+from tailer.interfaces import Coordinator, Publisher
+from tailer.metrics import TailerMetrics
+from tailer.worker import Tailer
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser, usage_error: type[Exception]) -> None:
+    p = sub.add_parser("tail", parents=[common], help="publish shard logs to Kafka (or `tail status NAME`)")
+    p.add_argument("action", nargs="?", choices=["status"], help="status: show a tailer's workers and lag")
+    p.add_argument("status_name", nargs="?", metavar="NAME", help="the tailer to show (with status)")
+    p.add_argument("--name", help="the tailer's name; workers with the same name share the shards")
+    p.add_argument("--brokers", default=os.environ.get("CELLSTREAM_BROKERS"), help="Kafka bootstrap servers")
+    p.add_argument("--zookeeper", default=os.environ.get("CELLSTREAM_ZOOKEEPER"), help="host:port[/chroot]")
+    p.add_argument("--out", metavar="DIR", help="standalone: write topics as files under DIR instead of Kafka")
+    p.add_argument("--offsets", metavar="FILE", help="standalone: keep offsets in FILE instead of ZooKeeper")
+    p.add_argument("--columns", type=lambda s: tuple(s.split(",")), default=None, help="comma-separated")
+    p.add_argument("--from", dest="start", default="beginning", help="beginning, now or an ISO-8601 time")
+    p.add_argument("--prefix", default="cells", help="topic prefix (topics are PREFIX.COLUMN)")
+    p.add_argument("--partitions", type=int, default=16, help="partitions per topic; shard s -> s mod P")
+    p.add_argument("--replication-factor", type=int, default=1)
+    p.add_argument("--format", choices=["json", "msgpack"], default="json", help="message value format")
+    p.add_argument("--poll", type=float, default=0.005,
+                   help="seconds between looks at the shards while cells arrive (idle: up to 0.05 s)")
+    p.add_argument("--session-timeout", type=float, default=10.0, help="ZooKeeper session timeout (s)")
+    p.add_argument("--max-request-size", type=int, default=1_000_000, help="larger messages are dead-lettered")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--per-shard-metrics", action="store_true",
+                   help="export lag series for every owned shard (default: totals and the most lagging shards)")
+    p.add_argument("--all", action="store_true", help="status: list every shard, not only lagging ones")
+    p.set_defaults(func=lambda store, args, out: cmd_tail(store, args, out, usage_error))
+
+
+def cmd_tail(store: Store, args: argparse.Namespace, out: Any, usage_error: type[Exception]) -> int:
+    try:
+        if args.action == "status":
+            return _status(store, args, out, usage_error)
+        return _run(store, args, usage_error)
+    except TailerError as exc:
+        print(f"cellstream: error: {exc}", file=sys.stderr)
+        if isinstance(exc, ConfigurationError):
+            return Exit.CONFIG
+        return Exit.UNAVAILABLE if exc.retriable else Exit.FAILED
+
+
+def _config(args: argparse.Namespace, usage_error: type[Exception]) -> TailerConfig:
+    if not args.name:
+        raise usage_error("tail needs --name NAME")
+    try:
+        start = parse_start(args.start)
+        return TailerConfig(
+            name=args.name, topic_prefix=args.prefix, partitions=args.partitions,
+            replication_factor=args.replication_factor, columns=args.columns, start_from=start,
+            value_format=args.format, session_timeout=args.session_timeout, poll_interval=args.poll,
+            idle_poll_interval=max(args.poll, 0.05), per_shard_metrics=args.per_shard_metrics,
+        )
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"])
+        raise usage_error(f"--{where.replace('_', '-')}: {problem['msg'].removeprefix('Value error, ')}") from None
+    except ValueError as exc:
+        raise usage_error(str(exc)) from None
+
+
+def _parts(store: Store, args: argparse.Namespace, config: TailerConfig,
+           usage_error: type[Exception]) -> tuple[Coordinator, Publisher]:
+    if bool(args.brokers) == bool(args.out):
+        raise usage_error("give exactly one of --brokers (Kafka) and --out DIR (standalone files)")
+    if bool(args.zookeeper) == bool(args.offsets):
+        raise usage_error("give exactly one of --zookeeper (shared workers) and --offsets FILE (standalone)")
+    coordinator: Coordinator
+    publisher: Publisher
+    if args.zookeeper:
+        from tailer.coordinators.zookeeper import ZooKeeperCoordinator
+        coordinator = ZooKeeperCoordinator(args.zookeeper, config.name, store.shard_count,
+                                           session_timeout=config.session_timeout,
+                                           lease_fraction=config.lease_fraction)
+    else:
+        from tailer.coordinators.local import LocalCoordinator
+        coordinator = LocalCoordinator(args.offsets, store.shard_count)
+    if args.brokers:
+        from tailer.publishers.kafka import KafkaPublisher
+        publisher = KafkaPublisher(KafkaOptions(brokers=args.brokers, max_request_size=args.max_request_size))
+    else:
+        from tailer.publishers.directory import DirectoryPublisher
+        publisher = DirectoryPublisher(args.out, max_message_bytes=args.max_request_size)
+    return coordinator, publisher
+
+
+def _run(store: Store, args: argparse.Namespace, usage_error: type[Exception]) -> int:
+    config = _config(args, usage_error)
+    coordinator, publisher = _parts(store, args, config, usage_error)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    metrics = TailerMetrics(config.name)
+    if args.metrics_port is not None:
+        metrics.serve(args.metrics_port)
+    return asyncio.run(_serve(Tailer(store, config, coordinator, publisher, metrics)))
+
+
+async def _serve(tailer: Tailer) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await tailer.start()
+    logger.info("tailer %s worker %s running", tailer.config.name, tailer.coordinator.worker_id)
+    waiter = asyncio.create_task(tailer.wait())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    await tailer.stop()  # flushes, commits and releases the shards
+    if waiter.done() and waiter.exception() is not None:
+        raise waiter.exception()  # type: ignore[misc]
+    return Exit.OK
+
+
+def _status(store: Store, args: argparse.Namespace, out: Any, usage_error: type[Exception]) -> int:
+    name = args.status_name or args.name
+    if not name:
+        raise usage_error("tail status needs the tailer's NAME")
+    from tailer import status
+
+    if args.offsets:
+        report = status.standalone_status(store, args.offsets, name)
+    elif args.zookeeper:
+        report = status.zookeeper_status(store, args.zookeeper, name)
+    else:
+        raise usage_error("tail status needs --zookeeper HOST:PORT or --offsets FILE")
+    shards = report["shards"]
+    if out.as_json:
+        out.emit(report, "")
+        return Exit.OK
+    lagging = [r for r in shards if r["lag_cells"] or r["last_error"] or args.all]
+    print(f"tailer {name}: assignment epoch {report['epoch']}, {len(report['workers'])} workers, "
+          f"{sum(r['lag_cells'] for r in shards)} cells behind, "
+          f"{sum(r['deadlettered'] for r in shards)} dead-lettered", file=out.out)
+    for w in report["workers"]:
+        print(f"  worker {w.get('member', w['worker'])}{' (leader)' if w['leader'] else ''}", file=out.out)
+    for r in lagging:
+        error = f" last_error={r['last_error']['error']!r}" if r["last_error"] else ""
+        print(f"  shard {r['shard']}: location={r['location']} head={r['head']} lag={r['lag_cells']} cells "
+              f"{r['lag_seconds']}s owner={r['claimed_by'] or r['assigned_to']} "
+              f"deadlettered={r['deadlettered']}{error}", file=out.out)
+    return Exit.OK
+
+
+__all__ = ["add_parser"]

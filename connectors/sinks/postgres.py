@@ -1,0 +1,266 @@
+"""The PostgreSQL sink: one table per column, loaded by COPY (into a staging table, then one upsert per flush).
+
+Each column's table holds row_key, ref_key, added_id, shard, created_at, the body as
+JSONB, and the configured *promoted* fields as typed columns. Two modes:
+
+- ``history``: one row per cell, primary key (row_key, ref_key); a cell written
+  again changes nothing (``ON CONFLICT DO NOTHING``).
+- ``latest``: one row per row_key, replaced only by a cell of a higher ref_key, so
+  an older cell arriving late, or a replay, never overwrites a newer one.
+
+A flush is one transaction: every buffered cell is COPYed into a temporary staging
+table, then moved with one ``INSERT ... SELECT ... ON CONFLICT`` per table, so
+writing the same cells twice leaves the tables as if written once, whatever the
+order. A history table first tries the COPY straight into the table, inside a
+savepoint: cells already there (a replay after a restart, or another process
+writing the same shard during a rebalance) raise a unique violation, the savepoint
+undoes the whole COPY, and the batch takes the staging path. Only replays pay for
+the second write on the server; a latest table always needs the upsert.
+
+A promoted field whose value does not fit its type makes the cell a
+ConversionError (dead-lettered); a missing one is NULL. The tables are created if
+missing, and promoted fields added to the configuration are added as columns.
+Connection errors become SinkUnavailableError (retried); the password is never logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import math
+import uuid
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import psycopg
+from psycopg import sql
+from psycopg.types.json import Jsonb
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from connectors.errors import ConnectorError, ConversionError, SinkUnavailableError
+from connectors.sinks.base import Position, Sink
+from logstore import Cell
+
+logger = logging.getLogger(__name__)
+PromotedType = Literal["text", "bigint", "double", "boolean", "timestamptz", "uuid", "jsonb"]
+_SQL_TYPES = {"text": "text", "bigint": "bigint", "double": "double precision", "boolean": "boolean",
+              "timestamptz": "timestamptz", "uuid": "uuid", "jsonb": "jsonb"}
+_NAME = r"^[a-z_][a-z0-9_]{0,62}$"
+_BINARY_TYPES = {"text": "text", "bigint": "int8", "double": "float8", "boolean": "bool", "timestamptz": "timestamptz",
+                 "uuid": "uuid", "jsonb": "jsonb"}
+
+
+class Promoted(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    field: str = Field(min_length=1, description="the body field (nested ones as a.b)")
+    column: str | None = Field(None, pattern=_NAME, description="the table column; default: the field, a.b as a_b")
+    type: PromotedType
+
+    @property
+    def name(self) -> str:
+        return self.column or self.field.replace(".", "_").lower()
+
+
+class TableSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["history", "latest"]
+    table: str | None = Field(None, pattern=_NAME, description="default: cells_<column in lower case>")
+    promote: list[Promoted] = Field(default_factory=list)
+
+
+def _table(column: str, spec: TableSpec) -> str:
+    return spec.table or f"cells_{column.lower()}"
+
+
+class PostgresSinkConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: SecretStr = Field(description="postgresql://user:password@host:port/database")
+    db_schema: str = Field("public", alias="schema", pattern=_NAME)
+    columns: dict[str, TableSpec] = Field(min_length=1, description="how each column is loaded")
+
+    @model_validator(mode="after")
+    def _tables(self) -> PostgresSinkConfig:
+        tables = [_table(c, s) for c, s in self.columns.items()]
+        if len(set(tables)) != len(tables):
+            raise ValueError("columns: two columns load into the same table")
+        taken = {"row_key", "ref_key", "added_id", "shard", "created_at", "body"}
+        for column, spec in self.columns.items():
+            names = [p.name for p in spec.promote]
+            if len(set(names)) != len(names) or taken & set(names):
+                raise ValueError(f"columns: {column}: promoted column names repeat, or collide with "
+                                 f"{', '.join(sorted(taken))}")
+        return self
+
+
+def _value(promoted: Promoted, value: Any) -> Any:
+    """A promoted field's value for its column type; ValueError when it does not fit."""
+    if value is None:
+        return None
+    kind = promoted.type
+    if kind == "text":
+        return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    if kind == "bigint" and type(value) is int and -(1 << 63) <= value < 1 << 63:
+        return value
+    if kind == "double" and type(value) in (int, float) and math.isfinite(value):
+        return float(value)
+    if kind == "boolean" and type(value) is bool:
+        return value
+    if kind == "timestamptz" and isinstance(value, str):
+        when = dt.datetime.fromisoformat(value)
+        if when.tzinfo is not None:
+            return when
+    if kind == "uuid" and isinstance(value, str):
+        return uuid.UUID(value)
+    if kind == "jsonb":
+        return Jsonb(value)
+    raise ValueError(f"{type(value).__name__} {value!r:.40}")
+
+
+def _lookup(body: dict[str, Any], parts: tuple[str, ...]) -> Any:
+    value: Any = body
+    for part in parts:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
+class PostgresSink(Sink):
+    """The tables of one connector process (see the module docstring)."""
+
+    def __init__(self, config: PostgresSinkConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._rows: dict[str, list[tuple[Any, ...]]] = {}
+        self._conn: psycopg.Connection[Any] | None = None
+        self._plans = {column: [(tuple(p.field.split(".")), p) for p in spec.promote]
+                       for column, spec in config.columns.items()}
+        self.flushes = 0
+        self.direct = 0  # loads COPYed straight into a history table
+        self.staged = 0  # loads through staging and an upsert
+
+    # -- connection -----------------------------------------------------------------
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            with _translated("connecting"):
+                self._conn = psycopg.connect(self.config.url.get_secret_value(), connect_timeout=10)
+                self._create(self._conn)
+        return self._conn
+
+    def _create(self, conn: psycopg.Connection[Any]) -> None:
+        schema = sql.Identifier(self.config.db_schema)
+        with conn.transaction():
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
+            for column, spec in self.config.columns.items():
+                table = sql.Identifier(self.config.db_schema, _table(column, spec))
+                key = "row_key" if spec.mode == "latest" else "row_key, ref_key"
+                conn.execute(sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (row_key uuid NOT NULL, ref_key bigint NOT NULL, added_id bigint "
+                    "NOT NULL, shard integer NOT NULL, created_at timestamptz NOT NULL, body jsonb NOT NULL, "
+                    "PRIMARY KEY ({}))").format(table, sql.SQL(key)))
+                for promoted in spec.promote:
+                    conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
+                        table, sql.Identifier(promoted.name), sql.SQL(_SQL_TYPES[promoted.type])))
+
+    # -- rows -----------------------------------------------------------------------
+    def convert(self, cell: Cell) -> tuple[Any, ...]:
+        plan = self._plans.get(cell.column)
+        if plan is None:
+            raise ConversionError(f"postgres sink: column {cell.column} has no table in the configuration")
+        body = cell.body
+        promoted = []
+        for parts, field in plan:
+            try:
+                promoted.append(_value(field, _lookup(body, parts)))
+            except ValueError as exc:
+                raise ConversionError(f"body field {field.field!r} does not fit {field.type}: {exc}") from None
+        # The body goes as it is: the binary COPY's jsonb dumper serializes it.
+        return (cell.row_key, cell.ref_key, cell.added_id, cell.shard, cell.created_at, body, *promoted)
+
+    def _buffer(self, converted: tuple[Any, ...], cell: Cell, position: Position) -> None:
+        self._rows.setdefault(cell.column, []).append(converted)
+
+    def flush(self) -> None:
+        if not self._rows:
+            return
+        conn = self._connection()
+        try:
+            with _translated("flushing"), conn.transaction():
+                for column, rows in self._rows.items():
+                    self._load(conn, column, rows)
+        except SinkUnavailableError:
+            self._drop_connection()
+            raise
+        self._rows.clear()
+        self.flushes += 1
+
+    def _load(self, conn: psycopg.Connection[Any], column: str, rows: list[tuple[Any, ...]]) -> None:
+        spec = self.config.columns[column]
+        table = sql.Identifier(self.config.db_schema, _table(column, spec))
+        names = ["row_key", "ref_key", "added_id", "shard", "created_at", "body", *(p.name for p in spec.promote)]
+        columns = sql.SQL(", ").join(sql.Identifier(n) for n in names)
+        types = ["uuid", "int8", "int8", "int4", "timestamptz", "jsonb", *(_BINARY_TYPES[p.type] for p in spec.promote)]
+        if spec.mode == "history":
+            try:
+                with conn.transaction():
+                    self._copy(conn, table, columns, types, rows)
+                self.direct += 1
+                return
+            except psycopg.errors.UniqueViolation:
+                logger.info("postgres sink: %s already holds some of %d cells; loading them through staging",
+                            table.as_string(conn), len(rows))
+        self.staged += 1
+        # Dropped at the end: the next table's staging has that table's columns.
+        conn.execute(sql.SQL("CREATE TEMP TABLE staging_rows (LIKE {}) ON COMMIT DROP").format(table))
+        self._copy(conn, sql.Identifier("staging_rows"), columns, types, rows)
+        if spec.mode == "history":  # a cell twice in one statement is a conflict like any other: no DISTINCT
+            conn.execute(sql.SQL("INSERT INTO {table} ({columns}) SELECT {columns} FROM staging_rows "
+                                 "ON CONFLICT (row_key, ref_key) DO NOTHING").format(table=table, columns=columns))
+        else:
+            updates = sql.SQL(", ").join(sql.SQL("{0} = excluded.{0}").format(sql.Identifier(n)) for n in names[1:])
+            conn.execute(sql.SQL("INSERT INTO {table} AS t ({columns}) SELECT DISTINCT ON (row_key) {columns} "
+                                 "FROM staging_rows ORDER BY row_key, ref_key DESC ON CONFLICT (row_key) DO UPDATE "
+                                 "SET {updates} WHERE t.ref_key < excluded.ref_key").format(
+                table=table, columns=columns, updates=updates))
+        conn.execute("DROP TABLE staging_rows")
+
+    @staticmethod
+    def _copy(conn: psycopg.Connection[Any], table: sql.Identifier, columns: sql.Composable, types: list[str],
+              rows: list[tuple[Any, ...]]) -> None:
+        with conn.cursor() as cur, cur.copy(sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
+                table, columns)) as copy:
+            copy.set_types(types)
+            for row in rows:
+                copy.write_row(row)
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        self._rows.clear()
+        self._drop_connection()
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """psycopg's errors as the connectors' (the one place they are translated)."""
+    try:
+        yield
+    except psycopg.OperationalError as exc:
+        raise SinkUnavailableError(f"postgres sink: {what} failed: {_without_secret(exc)}") from None
+    except psycopg.Error as exc:
+        raise ConnectorError(f"postgres sink: {what} failed: {_without_secret(exc)}") from exc
+
+
+def _without_secret(exc: BaseException) -> str:
+    """psycopg's message names host, port and user, never the password; keep only its first line."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+

@@ -1,0 +1,282 @@
+"""The app: handlers on the cell stream, at least once, with retries and a dead-letter queue.
+
+>>> app = App("billing", store="sqlite:///data")             # doctest: +SKIP
+>>> @app.trigger("BASE", max_attempts=5)                      # doctest: +SKIP
+... def bill_rider(cell): ...
+>>> app.drain(timeout=60)                                     # doctest: +SKIP
+Counts(processed=..., retried=..., dead_lettered=...)
+
+Direct mode (no ``brokers``) tails the logstore (:mod:`indexer.runtime.direct`), embedded
+(offsets in the store) or shared between processes through ZooKeeper. Kafka mode
+(``brokers="host:port"``) consumes the tailer's topics as a faust-streaming app
+(:mod:`indexer.runtime.kafka`), sharing partitions through the consumer group ``app.<name>``;
+the store is still needed there, for the dead letters. Every mode runs the same
+:class:`~indexer.runtime.handlers.Processor`, so retries, dead letters and the stall
+threshold behave alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+import logstore
+from indexer.errors import ConfigurationError, DrainTimeoutError, TakenOverError
+from indexer.indexes.applier import IndexApplier, lag
+from indexer.indexes.catalog import IndexCatalog
+from indexer.indexes.definitions import IndexDefinition, load_indexes
+from indexer.runtime.config import AppConfig
+from indexer.runtime.deadletters import DeadLetterStore
+from indexer.runtime.dlq import DeadLetterQueue
+from indexer.runtime.handlers import BatchApplier, Counts, Handler, Processor, Trigger
+from indexer.runtime.metrics import AppMetrics
+from logstore import InvalidCellError, Store
+from logstore.cell import check_column
+from tailer.metrics import TailerMetrics
+
+logger = logging.getLogger(__name__)
+_WATCH = 0.01
+
+
+class Runner(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    def failed(self) -> BaseException | None: ...
+    def lost_shards(self) -> frozenset[int]: ...
+    def caught_up(self, since: float) -> bool: ...
+
+
+class App:
+    """A stream-processing app named ``name`` over the logstore at ``store`` (a URL, path or Store)."""
+
+    def __init__(self, name: str, store: str | Store, brokers: str | None = None, **options: Any) -> None:
+        try:
+            self.config = AppConfig(name=name, **options)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise ConfigurationError(f"app option {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        if brokers is not None:
+            if not isinstance(brokers, str) or not brokers.strip():
+                raise ConfigurationError(f"brokers must be 'host:port[,host:port...]', got {brokers!r}")
+            if self.config.zookeeper:
+                raise ConfigurationError("zookeeper= is for direct mode; in Kafka mode the consumer group "
+                                         "shares the partitions")
+            if self.config.start_from not in ("beginning", "now"):
+                raise ConfigurationError("Kafka mode starts a new consumer group at the beginning or now, "
+                                         "not at a time")
+        self.name = name
+        self.brokers = brokers
+        self._target = store
+        self._store: Store | None = store if isinstance(store, Store) else None
+        self.triggers: list[Trigger] = []
+        self.metrics = AppMetrics(name)
+        self.source_metrics = TailerMetrics(f"app.{name}", registry=self.metrics.registry)
+        self._processor: Processor | None = None
+
+    # -- handlers -------------------------------------------------------------
+    def trigger(self, column: str, *, max_attempts: int = 5, name: str | None = None) -> Callable[[Handler], Handler]:
+        """Run the decorated function (sync or async) on every cell written to ``column``."""
+        try:
+            check_column(column)
+        except InvalidCellError as exc:
+            raise ConfigurationError(f"trigger column: {exc}") from None
+        if type(max_attempts) is not int or max_attempts < 1:
+            raise ConfigurationError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+
+        def register(fn: Handler) -> Handler:
+            handler = name or getattr(fn, "__name__", None) or repr(fn)
+            if any(t.name == handler for t in self.triggers):
+                raise ConfigurationError(f"app {self.name} already has a handler named {handler}")
+            if self._processor is not None:
+                raise ConfigurationError("add triggers before the app starts")
+            self.triggers.append(Trigger(handler, column, fn, max_attempts))
+            return fn
+        return register
+
+    def index(self, definitions: str | Path | Sequence[IndexDefinition]) -> list[IndexDefinition]:
+        """Keep the indexes of a YAML file (or these definitions) current; return the versions kept.
+
+        Each version is registered in the index catalog (its tables created) if new; a version that
+        exists must have the same definition. Every version of these indexes that is not dropped is
+        kept current, the ones the file no longer lists included (an active one must not go stale).
+        """
+        if self._processor is not None:
+            raise ConfigurationError("add indexes before the app starts")
+        loaded = load_indexes(Path(definitions)) if isinstance(definitions, str | Path) else list(definitions)
+        catalog = IndexCatalog(self.store)
+        for definition in loaded:
+            catalog.register(definition)
+        kept: list[IndexDefinition] = []
+        for name in dict.fromkeys(d.name for d in loaded):
+            for definition in catalog.get(name).maintained():
+                applier = IndexApplier(self.store, definition)
+                self.batch_handler(applier.name, definition.column, applier, applier.apply_one)
+                kept.append(definition)
+        return kept
+
+    def batch_handler(self, name: str, column: str, applier: BatchApplier, one: Handler, *,
+                      max_attempts: int = 5) -> None:
+        """Hand ``column``'s cells to ``applier`` in batches (see :class:`~indexer.runtime.handlers.BatchApplier`);
+        ``one`` takes a single cell: a dead letter's replay, or the cells of a batch that failed, one by one."""
+        if self._processor is not None:
+            raise ConfigurationError("add handlers before the app starts")
+        try:
+            check_column(column)
+        except InvalidCellError as exc:
+            raise ConfigurationError(f"handler column: {exc}") from None
+        if any(t.name == name for t in self.triggers):
+            raise ConfigurationError(f"app {self.name} already has a handler named {name}")
+        self.triggers.append(Trigger(name, column, one, max_attempts, applier))
+
+    # -- shared parts -----------------------------------------------------------
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = logstore.open(str(self._target))
+        return self._store
+
+    @property
+    def processor(self) -> Processor:
+        if self._processor is None:
+            if not self.triggers:
+                raise ConfigurationError(f"app {self.name} has no triggers")
+            self._processor = Processor(self.config, self.triggers, DeadLetterStore(self.store, self.name),
+                                        self.metrics)
+        return self._processor
+
+    @property
+    def dlq(self) -> DeadLetterQueue:
+        """The app's dead letters: list, stats, show, replay, discard."""
+        return DeadLetterQueue(DeadLetterStore(self.store, self.name), lambda: self.processor)
+
+    def _runner(self) -> Runner:
+        processor = self.processor
+        if self.brokers is not None:
+            from indexer.runtime.kafka import KafkaRunner  # faust is imported only in Kafka mode
+
+            return KafkaRunner(self.config, self.brokers, processor, self.metrics)
+        from indexer.runtime.direct import DirectRunner
+
+        return DirectRunner(self.store, self.config, processor, self.source_metrics)
+
+    # -- running ----------------------------------------------------------------
+    def drain(self, timeout: float = 60) -> Counts:
+        """Process every cell now in the log (of the shards this process gets), then stop; return the counts.
+
+        Raises HandlerStalledError when a handler reached the stall threshold and
+        DrainTimeoutError (with the counts so far) when ``timeout`` passes first.
+        """
+        return asyncio.run(self.drain_async(timeout))
+
+    async def drain_async(self, timeout: float = 60) -> Counts:
+        return await self._serve(lambda runner, since: runner.caught_up(since), timeout)
+
+    def run(self, metrics_port: int | None = None) -> None:
+        """Run until SIGTERM or SIGINT, then stop gracefully (handlers under way finish)."""
+        if metrics_port is not None:
+            self.metrics.serve(metrics_port)
+        asyncio.run(self.run_async())
+
+    async def run_async(self, stop: asyncio.Event | None = None) -> None:
+        """Run until ``stop`` is set (default: until SIGTERM or SIGINT)."""
+        event = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        signals = [] if stop is not None else [signal.SIGTERM, signal.SIGINT]
+        for sig in signals:
+            loop.add_signal_handler(sig, event.set)
+        try:
+            await self._serve(lambda _runner, _since: event.is_set(), None)
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+    async def _serve(self, done: Callable[[Runner, float], bool], timeout: float | None) -> Counts:
+        processor = self.processor
+        await asyncio.to_thread(processor.load_open_counts)
+        processor.stalled = None
+        for trigger in self.triggers:
+            self.metrics.stalled.labels(self.name, trigger.name).set(0)
+        before = processor.counts
+        runner = self._runner()
+        since = time.monotonic()
+        deadline = None if timeout is None else since + timeout
+        await runner.start()
+        try:
+            await asyncio.to_thread(self._mark_indexes_live)
+        except BaseException:
+            await runner.stop()
+            raise
+        indexed = any(isinstance(t.applier, IndexApplier) for t in self.triggers)  # else no lag to measure
+        measuring: asyncio.Future[None] | None = None
+        next_measure = since
+        try:
+            while not done(runner, since):
+                if indexed and time.monotonic() >= next_measure and (measuring is None or measuring.done()):
+                    measuring = asyncio.ensure_future(asyncio.to_thread(self.measure_index_lag))
+                    next_measure = time.monotonic() + self.config.index_lag_interval
+                if processor.stalled is not None:
+                    raise processor.stalled
+                failed = runner.failed()
+                if failed is not None:
+                    raise failed
+                if runner.lost_shards():
+                    raise TakenOverError(f"another process of app {self.name} took over "
+                                         f"{len(runner.lost_shards())} shards; this one stops")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise DrainTimeoutError(timeout or 0, processor.counts - before)
+                await asyncio.sleep(_WATCH)
+        finally:
+            await runner.stop()
+            if measuring is not None:
+                await measuring
+        if processor.stalled is not None:
+            raise processor.stalled
+        return processor.counts - before
+
+    def measure_index_lag(self) -> None:
+        """(blocking) Set the lag gauges of every index version the app keeps (see indexer.indexes.applier.lag)."""
+        for trigger in self.triggers:
+            applier = trigger.applier
+            if not isinstance(applier, IndexApplier) or applier.dropped:
+                continue
+            definition = applier.definition
+            try:
+                cells, seconds = lag(self.store, definition)
+            except logstore.LogstoreError as exc:  # a metric is not worth stopping the app for
+                logger.warning("app %s: could not measure the lag of index %s version %d: %s",
+                               self.name, definition.name, definition.version, exc)
+                continue
+            labels = (self.name, definition.name, str(definition.version))
+            self.metrics.index_lag_cells.labels(*labels).set(cells)
+            self.metrics.index_lag_seconds.labels(*labels).set(seconds)
+
+    def _mark_indexes_live(self) -> None:
+        catalog = IndexCatalog(self.store)
+        for trigger in self.triggers:
+            if isinstance(trigger.applier, IndexApplier):
+                definition = trigger.applier.definition
+                catalog.mark_live(definition.name, definition.version, self.name)
+
+    def close(self) -> None:
+        """Release the thread pool and, if the app opened it, the store. Safe twice."""
+        if self._processor is not None:
+            self._processor.close()
+            self._processor = None
+        if self._store is not None and not isinstance(self._target, Store):
+            with contextlib.suppress(Exception):
+                self._store.close()
+            self._store = None
+
+    def __enter__(self) -> App:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,276 @@
+"""Handlers and the processor that runs them: retries, dead letters and the stall threshold.
+
+The processor is the same for both modes and for replays; the modes only differ in
+where cells come from and how a position is acknowledged. For each cell it runs every
+handler of the cell's column in turn (each with its own retries and dead letters), and
+returns only when each handler has either succeeded or dead-lettered the cell: only
+then may the source advance past it. The one exception is a stall, which leaves the
+cell unacknowledged and stops the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import datetime as dt
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+from indexer.errors import HandlerStalledError, RetriableError
+from indexer.indexes.combine import Combiner
+from indexer.runtime.config import AppConfig
+from indexer.runtime.deadletters import OPEN_STATES, DeadLetter, DeadLetterStore
+from indexer.runtime.metrics import AppMetrics
+from indexer.runtime.policy import Failure, Outcome, deliver, describe, qualified_name
+from logstore import Cell
+from tailer.messages import coordinates
+
+logger = logging.getLogger(__name__)
+Handler = Callable[[Cell], Any]
+
+
+def tailer_deadletter(record: dict[str, Any]) -> tuple[dict[str, Any], Failure]:
+    """The cell coordinates and the failure in the tailer's dead-letter record of a cell it could not
+    read or publish (:func:`tailer.messages.encode_deadletter`): such a cell reaches no handler, so each
+    handler of its column dead-letters it without an attempt."""
+    where, error = record.get("cell") or {}, record.get("error") or {}
+    stage, kind, message = record.get("stage"), error.get("type"), error.get("message")
+    return where, Failure(str(kind), str(message), f"{stage} failed in the tailer worker: {kind}: {message}",
+                          f"{stage}:{kind}", False)
+
+
+class BatchApplier(Protocol):
+    """A handler that takes a whole batch of a column's cells at once (an index version, a sink). One that
+    only buffers what it applied also has ``flush()`` (blocking), which :meth:`Processor.checkpoint` calls
+    before the source commits positions."""
+
+    name: str
+
+    def prepare(self, cell: Cell) -> Any:
+        """What the cell becomes; raising dead-letters the cell (non-retriable errors say why)."""
+
+    def apply(self, prepared: Sequence[Any], batch: Sequence[Cell]) -> Any:
+        """(blocking) Apply the prepared cells in order; idempotent, so a batch may be applied again.
+        ``batch`` is every cell of the batch, those dead-lettered already included (positions pass them)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Trigger:
+    """A handler subscribed to one column; with an ``applier``, batches go to it and ``fn`` takes one cell
+    (replays, and the cells of a batch that failed, one by one)."""
+
+    name: str
+    column: str
+    fn: Handler
+    max_attempts: int
+    applier: BatchApplier | None = None
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn)
+
+
+class Counts(NamedTuple):
+    """What a run did: cells handled successfully, failed attempts retried, cells dead-lettered."""
+
+    processed: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+
+    def __sub__(self, other: tuple[int, ...]) -> Counts:
+        return Counts(*(a - b for a, b in zip(self, other, strict=True)))
+
+
+class Processor:
+    """Runs an app's handlers on cells (see the module docstring). Use from one event loop."""
+
+    def __init__(self, config: AppConfig, triggers: list[Trigger], deadletters: DeadLetterStore,
+                 metrics: AppMetrics) -> None:
+        self.config = config
+        self.triggers = triggers
+        self.by_column: dict[str, list[Trigger]] = {}
+        for trigger in triggers:
+            self.by_column.setdefault(trigger.column, []).append(trigger)
+        self.deadletters = deadletters
+        self.metrics = metrics
+        self.counts = Counts()
+        self.stalled: HandlerStalledError | None = None
+        self.open: dict[str, int] = {}
+        # Kafka mode mirrors each recorded entry to the app's DLQ topic before the cell is acknowledged.
+        self.on_deadletter: Callable[[DeadLetter], Awaitable[None]] | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.concurrency, thread_name_prefix="handler")
+        self._combiners: dict[str, Combiner] = {}  # batch handlers: the batches of many shards in one call
+
+    def load_open_counts(self) -> None:
+        """(blocking) Count the open dead letters per handler, for the stall threshold."""
+        self.open = dict.fromkeys((t.name for t in self.triggers), 0)
+        for entry in self.deadletters.entries():
+            if entry.status in OPEN_STATES:
+                self.open[entry.handler] = self.open.get(entry.handler, 0) + 1
+        for handler, count in self.open.items():
+            self.metrics.dlq_open.labels(self.config.name, handler).set(count)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- cells ------------------------------------------------------------------
+    async def process(self, cell: Cell, source: dict[str, Any]) -> bool:
+        """Run the column's handlers on ``cell``; False when a handler stalled (do not acknowledge)."""
+        return await self.process_many([(cell, source)])
+
+    async def process_many(self, items: Sequence[tuple[Cell, dict[str, Any]]]) -> bool:
+        """Run the handlers on consecutive cells of one source partition: batch handlers take them at
+        once, the others one cell after another. True when every handler succeeded or dead-lettered every
+        cell; False when one stalled; a RetriableError when a batch could not be settled (handle it again)."""
+        for trigger in self.triggers:
+            if trigger.applier is not None:
+                mine = [(c, s) for c, s in items if c.column == trigger.column]
+                if mine and not await self._apply_batch(trigger, trigger.applier, mine):
+                    return False
+        for cell, source in items:
+            for trigger in self.by_column.get(cell.column, ()):
+                if trigger.applier is not None:
+                    continue
+                if self.stalled is not None:
+                    return False
+                outcome = await self.run(trigger, cell)
+                if not outcome.ok and not await self._deadletter(trigger, source, coordinates(cell), cell.body,
+                                                                 outcome):
+                    return False
+        return True
+
+    async def _apply_batch(self, trigger: Trigger, applier: BatchApplier,
+                           items: list[tuple[Cell, dict[str, Any]]]) -> bool:
+        """Cells that cannot be prepared are dead-lettered first (so the batch's recorded position never
+        passes a cell that was neither applied nor dead-lettered); the rest are applied at once (with the
+        batches of other shards waiting at the time: :mod:`indexer.indexes.combine`), retried while the error is
+        retriable. A batch still failing with a retriable error is not settled; one
+        failing otherwise is applied cell by cell, so only the cells that fail are dead-lettered."""
+        prepared, kept = [], []
+        for cell, source in items:
+            try:
+                prepared.append(applier.prepare(cell))
+                kept.append((cell, source))
+            except Exception as exc:
+                now = dt.datetime.now(dt.UTC)
+                if not await self._deadletter(trigger, source, coordinates(cell), cell.body,
+                                              Outcome(False, 1, describe(exc), now, now)):
+                    return False
+        batch = [cell for cell, _ in items]
+        labels = (self.config.name, trigger.name)
+
+        def retrying(exc: BaseException, attempt: int, delay: float) -> None:
+            self.metrics.retried.labels(*labels).inc()
+            logger.warning("%s: attempt %d at a batch of %d cells failed (%s: %s); retrying in %.2fs", trigger.name,
+                           attempt, len(prepared), qualified_name(type(exc)), exc, delay)
+
+        started = time.perf_counter()
+        combiner = self._combiners.get(trigger.name)
+        if combiner is None:
+            combiner = self._combiners[trigger.name] = Combiner(applier, self._pool)
+        outcome = await deliver(lambda: combiner.apply(prepared, batch), trigger.max_attempts, self.config.backoff,
+                                on_retry=retrying)
+        if outcome.ok:
+            self.counts = self.counts._replace(processed=self.counts.processed + len(prepared))
+            self.metrics.processed.labels(*labels).inc(len(prepared))
+            self.metrics.seconds.labels(*labels).observe(time.perf_counter() - started)
+            return True
+        assert outcome.failure is not None
+        if outcome.failure.retriable:
+            raise RetriableError(f"{trigger.name}: a batch of {len(prepared)} cells not applied: "
+                                 f"{outcome.failure.error_type}: {outcome.failure.message}")
+        logger.warning("%s: a batch failed (%s: %s); applying its cells one by one", trigger.name,
+                       outcome.failure.error_type, outcome.failure.message)
+        for cell, source in kept:
+            one = await self.run(trigger, cell)
+            if one.ok:
+                continue
+            assert one.failure is not None
+            if one.failure.retriable:
+                raise RetriableError(f"{trigger.name}: cell not applied: {one.failure.message}")
+            if not await self._deadletter(trigger, source, coordinates(cell), cell.body, one):
+                return False
+        return True
+
+    async def checkpoint(self) -> None:
+        """Before the source commits positions: flush every buffering handler (raises what a flush raised)."""
+        loop = asyncio.get_running_loop()
+        appliers = {id(t.applier): t.applier for t in self.triggers if hasattr(t.applier, "flush")}
+        for applier in appliers.values():  # one handler may serve several columns
+            await loop.run_in_executor(self._pool, applier.flush)  # type: ignore[union-attr]
+
+    async def undecodable(self, where: dict[str, Any], source: dict[str, Any], error: Failure) -> bool:
+        """A cell that cannot be decoded goes to the DLQ of every handler of its column, with no attempt."""
+        now = dt.datetime.now(dt.UTC)
+        outcome = Outcome(False, 1, error, now, now)
+        for trigger in self.by_column.get(str(where.get("column")), ()):
+            if not await self._deadletter(trigger, source, where, None, outcome):
+                return False
+        return True
+
+    async def run(self, trigger: Trigger, cell: Cell) -> Outcome:
+        """The handler's attempts at ``cell`` under the retry policy."""
+        labels = (self.config.name, trigger.name)
+
+        def retrying(exc: BaseException, attempt: int, delay: float) -> None:
+            self.counts = self.counts._replace(retried=self.counts.retried + 1)
+            self.metrics.retried.labels(*labels).inc()
+            logger.warning("%s: attempt %d at %s/%s/%d failed (%s: %s); retrying in %.2fs", trigger.name, attempt,
+                           cell.row_key, cell.column, cell.ref_key, qualified_name(type(exc)), exc, delay)
+
+        started = time.perf_counter()
+        outcome = await deliver(functools.partial(self._call, trigger, cell), trigger.max_attempts,
+                                self.config.backoff, on_retry=retrying)
+        if outcome.ok:
+            self.counts = self.counts._replace(processed=self.counts.processed + 1)
+            self.metrics.processed.labels(*labels).inc()
+            self.metrics.seconds.labels(*labels).observe(time.perf_counter() - started)
+        return outcome
+
+    async def _call(self, trigger: Trigger, cell: Cell) -> None:
+        if trigger.is_async:
+            await trigger.fn(cell)
+        else:
+            await asyncio.get_running_loop().run_in_executor(self._pool, trigger.fn, cell)
+
+    async def _deadletter(self, trigger: Trigger, source: dict[str, Any], where: dict[str, Any],
+                          body: dict[str, Any] | None, outcome: Outcome) -> bool:
+        assert outcome.failure is not None
+        labels = (self.config.name, trigger.name)
+        opened = self.open.get(trigger.name, 0)
+        if opened + 1 > self.config.stall_threshold:
+            self.stalled = HandlerStalledError(self.config.name, trigger.name, opened, self.config.stall_threshold,
+                                               f"{outcome.failure.error_type}: {outcome.failure.message}")
+            self.metrics.stalled.labels(*labels).set(1)
+            logger.error("%s", self.stalled)
+            return False
+        # Count the entry before the write: handlers of other shards check the threshold meanwhile.
+        self.open[trigger.name] = opened + 1
+        try:
+            entry: DeadLetter = await asyncio.to_thread(
+                self.deadletters.record, trigger.name, trigger.column, source, where, body, outcome)
+        except BaseException:
+            self.open[trigger.name] -= 1
+            raise
+        if len(entry.history) > 1 and entry.history[-2].status in OPEN_STATES:
+            self.open[trigger.name] -= 1  # another failure of an entry that was open already
+        self.metrics.dlq_open.labels(*labels).set(self.open[trigger.name])
+        if self.on_deadletter is not None:
+            await self.on_deadletter(entry)
+        self.counts = self.counts._replace(dead_lettered=self.counts.dead_lettered + 1)
+        self.metrics.deadlettered.labels(*labels).inc()
+        logger.error("%s: cell %s/%s/%s dead-lettered after %d attempts (%s: %s) as %s", trigger.name,
+                     where.get("row_key"), where.get("column"), where.get("ref_key"), outcome.attempts,
+                     outcome.failure.error_type, outcome.failure.message, entry.id)
+        return True
+
+    def entry_closed(self, handler: str) -> None:
+        """An open entry of ``handler`` was resolved or discarded (by a replay or triage in this process)."""
+        self.open[handler] = max(0, self.open.get(handler, 0) - 1)
+        self.metrics.dlq_open.labels(self.config.name, handler).set(self.open[handler])
+

@@ -1,0 +1,206 @@
+"""A worker node as a storage node: :func:`logstore.open("http://host:port", token=...)` gives a
+:class:`~logstore.store.Store` whose one recorder speaks the worker node's HTTP API.
+
+The store validates and routes as it does locally (bad input never leaves the
+process), and the worker node's answers come back as the same cells and the same
+:class:`~logstore.errors.LogstoreError` s, so an app switches between a local store
+and a worker node by URL. Secondary indexes are not served over HTTP: the index
+side raises ConfigurationError.
+
+Connections are kept alive, one per thread (stdlib ``http.client``). A request on a
+kept-alive connection the server has closed meanwhile is sent once more on a new
+one; every request is safe to repeat (puts are idempotent). A worker node that
+cannot be reached, or answers 503, is a retriable StorageUnavailableError.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import http.client
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import quote, urlencode, urlsplit
+
+from logstore.cell import Cell
+from logstore.config import HttpTarget, StoreOptions
+from logstore.errors import ConfigurationError, CorruptCellError, StorageUnavailableError
+from logstore.index_tables.persistence import IndexRecorder
+from logstore.node.wire import cell_from_json, dumps, error_from_json, loads
+from logstore.persistence import NodeMeta, NodeRecorder, OffsetRecord, PendingCell, check_meta
+from logstore.retry import RetryPolicy
+
+logger = logging.getLogger(__name__)
+
+
+class HttpRecorder(NodeRecorder):
+    """The worker node at ``target`` holding every shard (see the module docstring)."""
+
+    def __init__(self, name: str, target: HttpTarget, options: StoreOptions, token: str | None = None) -> None:
+        self.name = name
+        self.target = target
+        parts = urlsplit(target.url)
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or "127.0.0.1"
+        self._port = parts.port or (443 if self._https else 80)
+        self._prefix = parts.path.rstrip("/")
+        self._timeout = options.read_timeout
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._meta: NodeMeta | None = None
+        self._local = threading.local()
+        self._all: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    @property
+    def indexes(self) -> IndexRecorder:  # type: ignore[override]  # an attribute of the other recorders
+        raise ConfigurationError(f"secondary indexes are not served over HTTP ({self.target.url}): "
+                                 "open the cluster file to use them")
+
+    # -- transport ------------------------------------------------------------------
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn, True
+        kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        conn = kind(self._host, self._port, timeout=self._timeout)
+        self._local.conn = conn
+        with self._lock:
+            self._all.append(conn)
+        return conn, False
+
+    def _drop(self, conn: http.client.HTTPConnection) -> None:
+        conn.close()
+        self._local.conn = None
+        with self._lock:
+            if conn in self._all:
+                self._all.remove(conn)
+
+    def _request(self, method: str, path: str, body: Any = None, *, missing_ok: bool = False) -> Any:
+        payload = dumps(body) if body is not None else None
+        while True:
+            conn, reused = self._connection()
+            try:
+                conn.request(method, self._prefix + path, payload, self._headers)
+                response = conn.getresponse()
+                raw = response.read()
+                break
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop(conn)
+                # A kept-alive connection the server closed while idle fails on first use: once more, anew.
+                if reused and isinstance(exc, (http.client.RemoteDisconnected, ConnectionResetError,
+                                               BrokenPipeError, http.client.BadStatusLine)):
+                    continue
+                raise StorageUnavailableError(f"worker node {self.target.url}: {method} {path}: "
+                                              f"{type(exc).__name__}: {exc}") from None
+        if response.getheader("Connection", "").lower() == "close":
+            self._drop(conn)
+        try:
+            doc = loads(raw) if raw else None
+        except ValueError:
+            doc = None
+        if 200 <= response.status < 300:
+            return doc
+        if missing_ok and response.status == 404 and isinstance(doc, dict) and \
+                doc.get("error", {}).get("type") == "NotFound":
+            return None
+        raise error_from_json(response.status, doc)
+
+    # -- instance -------------------------------------------------------------------
+    def read_meta(self) -> NodeMeta | None:
+        info = self._request("GET", "/v1/info")
+        self._meta = NodeMeta(int(info["shards"]), 0, int(info["shards"]) - 1)
+        return self._meta
+
+    def initialize(self, meta: NodeMeta) -> None:
+        # logstore.open read the node's metadata just before: checked against it, not fetched again.
+        check_meta(self.name, self._meta or self.read_meta() or meta, meta)
+
+    # -- cells ----------------------------------------------------------------------
+    def insert(self, cells: Sequence[PendingCell], retry: RetryPolicy | None = None) -> list[Cell]:
+        system = any(c.column.startswith("_") for c in cells)
+        docs = [{"row_key": str(c.row_key), "column": c.column, "ref_key": c.ref_key, "body": c.body} for c in cells]
+        answer = self._request("POST", "/v1/system/cells" if system else "/v1/cells", {"cells": docs})
+        return [cell_from_json(doc) for doc in answer["cells"]]
+
+    def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None:
+        doc = self._request("GET", f"/v1/rows/{row_key}/{column}/{ref_key}", missing_ok=True)
+        return cell_from_json(doc) if doc is not None else None
+
+    def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None:
+        doc = self._request("GET", f"/v1/rows/{row_key}/{column}", missing_ok=True)
+        return cell_from_json(doc) if doc is not None else None
+
+    def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
+        return [cell_from_json(doc) for doc in self._request("GET", f"/v1/rows/{row_key}")["cells"].values()]
+
+    # -- logs -----------------------------------------------------------------------
+    def get_log(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Cell]:
+        query = {"after": location, "limit": limit, **({"columns": ",".join(columns)} if columns else {})}
+        page = self._request("GET", f"/v1/shards/{shard}/log?{urlencode(query)}")
+        return [cell_from_json(doc) for doc in page["cells"]]
+
+    def get_logs(self, locations: Sequence[tuple[int, int]], limit: int,
+                 columns: Sequence[str] | None) -> dict[int, list[Cell] | CorruptCellError]:
+        answer = self._request("POST", "/v1/logs", {"locations": {str(s): at for s, at in locations}, "limit": limit,
+                                                    "columns": list(columns) if columns else None})
+        out: dict[int, list[Cell] | CorruptCellError] = {}
+        for shard, page in answer["pages"].items():
+            if "error" in page:
+                error = error_from_json(500, page)
+                if not isinstance(error, CorruptCellError):
+                    raise error
+                out[int(shard)] = error
+            else:
+                out[int(shard)] = [cell_from_json(doc) for doc in page["cells"]]
+        return out
+
+    def first_at(self, shard: int, when: dt.datetime) -> int | None:
+        # The node answers Store.location_at whole (first - 1, or its head), which the calling
+        # Store.location_at gives back unchanged from this: it subtracts the 1 again.
+        found = self._request("GET", f"/v1/shards/{shard}/location?{urlencode({'at': when.isoformat()})}")
+        return int(found["location"]) + 1
+
+    def head(self, shard: int) -> int:
+        return int(self._request("GET", f"/v1/shards/{shard}")["head"])
+
+    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
+        query = {"after": location, **({"columns": ",".join(columns)} if columns else {})}
+        return int(self._request("GET", f"/v1/shards/{shard}/count?{urlencode(query)}")["count"])
+
+    def shard_counts(self) -> dict[int, int]:
+        return {int(s["shard"]): int(s["cells"]) for s in self._request("GET", "/v1/shards")["shards"]}
+
+    # -- offsets --------------------------------------------------------------------
+    def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
+        answer = self._request("POST", f"/v1/offsets/{_segment(consumer)}/claim",
+                               {"owner": owner, "shards": list(shards)})
+        return _records(answer)
+
+    def commit_offsets(self, consumer: str, owner: str, offsets: dict[int, tuple[int, str]]) -> set[int]:
+        body = {"owner": owner, "offsets": {str(s): {"location": at, "doc": json.loads(doc)}
+                                            for s, (at, doc) in offsets.items()}}
+        return {int(s) for s in self._request("POST", f"/v1/offsets/{_segment(consumer)}/commit", body)["fenced"]}
+
+    def read_offsets(self, consumer: str) -> list[OffsetRecord]:
+        return _records(self._request("GET", f"/v1/offsets/{_segment(consumer)}"))
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            conn.close()
+        self._local = threading.local()
+
+
+def _segment(text: str) -> str:
+    return quote(text, safe="")
+
+
+def _records(answer: dict[str, Any]) -> list[OffsetRecord]:
+    return [OffsetRecord(int(r["shard"]), r["location"], str(r["owner"]), dict(r["doc"]))
+            for r in answer["offsets"].values()]

@@ -1,0 +1,37 @@
+"""MySQL driver errors as logstore's: the one place pymysql's errors are translated."""
+
+from __future__ import annotations
+
+import pymysql
+
+from logstore.errors import ConfigurationError, LogstoreError, ShardMovedError, StorageError, StorageUnavailableError
+
+# Connection lost, server gone or shutting down, network read/write errors, lock wait
+# timeout, deadlock, too many connections, query interrupted, connection killed or
+# idle-disconnected: the same call may succeed later.
+UNAVAILABLE = {1040, 1053, 1158, 1159, 1160, 1161, 1205, 1213, 1317, 1927, 2002, 2003, 2006, 2013,
+               2014, 2055, 4031}
+BAD_CONFIG = {1044, 1045, 1049, 1142, 1227}
+NO_TABLE = 1146
+DUPLICATE = 1062
+NULL_COLUMN = 1048  # a NULL into a NOT NULL column: a one-shard write that found no counter to take ids from
+
+
+def code(exc: pymysql.Error) -> int | None:
+    return exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
+
+
+def translate(exc: pymysql.Error, node: str) -> LogstoreError:
+    number = code(exc)
+    message = exc.args[1] if len(exc.args) > 1 else str(exc)
+    text = f"storage node {node}: MySQL error {number}: {message}"
+    if number in UNAVAILABLE or isinstance(exc, pymysql.err.InterfaceError):
+        return StorageUnavailableError(text)
+    if number in BAD_CONFIG:
+        return ConfigurationError(text)
+    return StorageError(text)
+
+
+def retry_here(exc: BaseException) -> bool:
+    # A moved shard is retriable for the store, which sends the call elsewhere: not against this node.
+    return bool(getattr(exc, "retriable", False)) and not isinstance(exc, ShardMovedError)

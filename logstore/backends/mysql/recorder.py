@@ -1,0 +1,677 @@
+"""The MySQL/MariaDB backend: one database per storage node, one ``cells`` table for all its shards.
+
+Layout (version 2, recorded in ``cellstream_meta``): ``cells`` is clustered by
+``PRIMARY KEY (shard, added_id)``, so a shard's log is one contiguous range of the
+table and a read of many shards is one query of several ranges; ``UNIQUE (row_key,
+column_name, ref_key)`` keeps cells immutable and ``KEY (shard, created_at)`` serves
+``location_at``. A batch costs one multi-row INSERT per node however many shards it
+touches, and the table count, hence MariaDB's table caches, does not grow with the
+shard count (layout 1, a table per shard, overflowed them at 4096 shards).
+
+No-skip guarantee: each shard has a row in ``cellstream_shards`` holding ``last_id``,
+the shard's highest added_id. A write transaction locks its shards' rows (ascending
+shard order, so writers never deadlock), allocates the next ids from ``last_id``,
+inserts and commits, and only then can another writer of those shards lock the row.
+So a shard's ids are allocated and committed in one order, and a reader paging
+``added_id > location`` never sees a higher id commit before a lower one. Because the
+counter rolls back with its transaction, a shard's ids are dense (1, 2, 3, ...): the
+head and the cell count of a shard are ``last_id``, and a page of ``limit`` cells
+after ``location`` is exactly the id range ``(location, location + limit]``.
+
+A write to one shard is one round trip (lock, allocate, insert, COMMIT in one
+multi-statement packet); a write to several shards is two (lock and read the
+counters, then insert, move the counters and COMMIT). The row also carries the
+shard-move fence (:mod:`logstore.backends.mysql.moves`): a writer that finds ``fence`` set writes
+nothing and is told where the shard went.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import suppress
+from functools import partial
+from typing import Any, TypeVar
+
+import pymysql
+from pymysql.constants import CLIENT, FIELD_TYPE
+from pymysql.converters import conversions
+
+from logstore.backends.mysql import pending as mysql_pending
+from logstore.backends.mysql.errors import DUPLICATE, NO_TABLE, NULL_COLUMN, code, retry_here, translate
+from logstore.backends.mysql.pool import Connection, Pool, ReadFallback, Statement, run_script
+from logstore.cell import Cell
+from logstore.config import MySQLTarget, StoreOptions
+from logstore.errors import ConfigurationError, CorruptCellError, ShardMovedError, StorageError
+from logstore.persistence import (
+    FORMAT_VERSION,
+    Coordinates,
+    NodeMeta,
+    NodeRecorder,
+    OffsetRecord,
+    PendingCell,
+    PendingRecord,
+    check_meta,
+    decode_log,
+    make_cell,
+    offset_record,
+    split_existing,
+)
+from logstore.retry import RetryPolicy, retry_call
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+Rows = tuple[tuple[Any, ...], ...]
+Weighed = tuple[Statement, int]  # a statement and its size on the wire, known beforehand
+
+LAYOUT = 2  # the version of the table layout above; layout 1 had a table per shard
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS cellstream_meta ("
+    " name VARCHAR(64) CHARACTER SET ascii NOT NULL PRIMARY KEY,"
+    " value VARCHAR(255) NOT NULL) ENGINE=InnoDB",
+    # fence: writes refused, naming the node the shard went to; moved_to: the move as the map reads it.
+    "CREATE TABLE IF NOT EXISTS cellstream_shards ("
+    " shard INT NOT NULL PRIMARY KEY, last_id BIGINT NOT NULL DEFAULT 0,"
+    " fence VARCHAR(64) CHARACTER SET ascii NULL, moved_to VARCHAR(64) CHARACTER SET ascii NULL,"
+    " moved_at DATETIME(6) NULL) ENGINE=InnoDB",
+    "CREATE TABLE IF NOT EXISTS cells ("
+    " shard INT NOT NULL,"
+    " added_id BIGINT NOT NULL,"
+    " row_key BINARY(16) NOT NULL,"
+    " column_name VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,"
+    " ref_key BIGINT NOT NULL,"
+    " body LONGBLOB NOT NULL,"
+    " created_at DATETIME(6) NOT NULL,"
+    " PRIMARY KEY (shard, added_id),"
+    " UNIQUE KEY cell (row_key, column_name, ref_key),"
+    " KEY created (shard, created_at)"
+    ") ENGINE=InnoDB",
+    "CREATE TABLE IF NOT EXISTS cellstream_offsets ("
+    " consumer VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, shard INT NOT NULL,"
+    " owner VARCHAR(200) NOT NULL, location BIGINT NULL, doc TEXT NOT NULL,"
+    " commits BIGINT NOT NULL DEFAULT 0, PRIMARY KEY (consumer, shard)) ENGINE=InnoDB",
+)
+_CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES {}"
+          " ON DUPLICATE KEY UPDATE owner = VALUES(owner)")
+# Only ever run on rows locked as held by the committing owner: it updates, never inserts.
+_UPSERT_OFFSETS = ("INSERT INTO cellstream_offsets (consumer, shard, owner, location, doc) VALUES {}"
+                   " ON DUPLICATE KEY UPDATE location = VALUES(location), doc = VALUES(doc), commits = commits + 1")
+_OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = %s ORDER BY shard"
+CELL_COLUMNS = "shard, added_id, row_key, column_name, ref_key, body, created_at"
+# A log row as three fields: pymysql spends more on each field of a row than on its bytes, so a page of
+# cells comes back with the key, time, ref_key, column and body packed in one (see _log_row_to_cell).
+LOG_COLUMNS = "shard, added_id, CONCAT(row_key, CAST(created_at AS CHAR), ref_key, ' ', column_name, ' ', body)"
+_INSERT = f"INSERT INTO cells ({CELL_COLUMNS}) VALUES "
+# Taken once all shard locks of a write are held, so created_at never decreases along a shard's ids.
+_TIMESTAMP = "CAST(@cs_t := UTC_TIMESTAMP(6) AS DATETIME(6))"
+_SAME_CELL = "(row_key = %s AND column_name = %s AND ref_key = %s)"
+
+
+def _escaped_size(value: object) -> int:
+    """An upper bound of the value's size once escaped into SQL text."""
+    if isinstance(value, bytes | str):
+        return 2 * len(value.encode() if isinstance(value, str) else value) + 16
+    return 24
+
+
+def _after(columns: Sequence[str] | None) -> tuple[str, list[str]]:
+    """The condition on a shard's cells after a location (shard and location are its first two
+    arguments), of ``columns`` if given."""
+    return ("shard = %s AND added_id > %s" + (f" AND column_name IN ({', '.join(['%s'] * len(columns))})"
+                                              if columns else ""), list(columns or ()))
+
+
+def _dense_pages(locations: Sequence[tuple[int, int]], limit: int) -> tuple[str, list[int]]:
+    """One query of the pages of many shards, relying on dense ids: a shard's page after location L is the
+    id range (L, L + limit]. Shards at the same location share one index range (``shard IN (...) AND
+    added_id BETWEEN ...``), so a scan from one location is a single range, and every range is exact: no
+    row outside a page is sent (a shared range over nearby locations re-sent rows already read, which the
+    driver parsed at great cost), and the query never evaluates a long OR for each row (which cost MariaDB
+    quadratic time)."""
+    groups: dict[int, list[int]] = {}
+    for shard, location in locations:
+        groups.setdefault(location, []).append(shard)
+    parts, args = [], []
+    for location, shards in groups.items():
+        parts.append(f"(SELECT {LOG_COLUMNS} FROM cells WHERE shard IN ({', '.join(['%s'] * len(shards))})"
+                     " AND added_id BETWEEN %s AND %s)")
+        args += [*shards, location + 1, location + limit]
+    return " UNION ALL ".join(parts), args
+
+
+def _utc_datetime(value: str | bytes) -> dt.datetime:
+    # Every DATETIME column of ours holds UTC: build aware datetimes in one C call.
+    text = value.decode("ascii") if isinstance(value, bytes | bytearray) else value
+    return dt.datetime.fromisoformat(text + "+00:00")
+
+
+_CONVERSIONS: dict[Any, Any] = {**conversions, FIELD_TYPE.DATETIME: _utc_datetime}
+
+
+def _values(shard: int, added_id: str, cell: PendingCell) -> str:
+    """A cell's VALUES tuple as SQL text. Its parts need no escaping: numbers, hex literals, and a column
+    name that validation held to [A-Za-z0-9_]. Writing them so costs a fraction of the driver's escaping,
+    which was the largest client cost of a batch."""
+    return (f"({shard}, {added_id}, X'{cell.row_key.bytes.hex()}', '{cell.column}', {cell.ref_key},"
+            f" X'{cell.blob.hex()}', @cs_t)")
+
+
+def _shard_of_cell(cell: PendingCell) -> int:
+    return cell.shard
+
+
+def _row_to_cell(row: tuple[Any, ...]) -> Cell:
+    shard, added_id, row_key, column, ref_key, blob, created = row
+    return make_cell(shard, added_id, row_key, column, ref_key, blob, created)
+
+
+def _log_row_to_cell(row: tuple[int, int, bytes]) -> Cell:
+    """A row of LOG_COLUMNS: the 16-byte key, the 26-character time, then "ref_key column body"
+    (neither a number nor a column name holds a space)."""
+    shard, added_id, packed = row
+    ref_end = packed.index(32, 42)
+    column_end = packed.index(32, ref_end + 1)
+    return make_cell(shard, added_id, packed[:16], packed[ref_end + 1:column_end].decode(), int(packed[42:ref_end]),
+                     packed[column_end + 1:], _utc_datetime(packed[16:42]))
+
+
+def _check_layout(node: str, meta: dict[str, str]) -> None:
+    if meta and meta.get("layout", "1") != str(LAYOUT):
+        raise ConfigurationError(
+            f"storage node {node} was written with storage layout {meta.get('layout', '1')}"
+            f"{' (a table per shard)' if meta.get('layout', '1') == '1' else ''}; this cellstream reads layout "
+            f"{LAYOUT} (one cells table per node) and does not convert: write the cells into a new database")
+    if meta and int(meta.get("format_version", 0)) != FORMAT_VERSION:
+        raise ConfigurationError(f"storage node {node} has unknown format {meta.get('format_version')}")
+
+
+def _read_meta(cur: pymysql.cursors.Cursor) -> dict[str, str] | None:
+    try:
+        cur.execute("SELECT name, value FROM cellstream_meta")
+    except pymysql.err.ProgrammingError as exc:
+        if code(exc) == NO_TABLE:
+            return None
+        raise
+    return dict(cur.fetchall())
+
+
+class MySQLRecorder(NodeRecorder):
+    def __init__(self, name: str, target: MySQLTarget, options: StoreOptions,
+                 replicas: Sequence[MySQLTarget] = ()) -> None:
+        self.name = name
+        self._target = target
+        self._options = options
+        wait = options.connect_timeout + options.read_timeout
+        self._pool = Pool(self._connect, options.pool_size, wait)
+        self._replicas = [Pool(partial(self._replica_connect, r), options.pool_size, wait) for r in replicas]
+        self.fallback = ReadFallback(name)
+        # Calls made because some node is down (buffering, the map's refresh) give up on this one quickly.
+        self._quick_retry = options.retry.model_copy(update={"deadline": options.buffer_after or 2.0})
+        self._deferred: NodeMeta | None = None
+        self._deferred_lock = threading.Lock()
+        self._initializing: int | None = None  # the thread running the deferred initialization
+        from logstore.backends.mysql.index_tables import (
+            MySQLIndexRecorder,  # it uses this module's connections and scripts
+        )
+
+        self.indexes = MySQLIndexRecorder(name, self._call, run_script, options.max_statement_bytes)
+
+    # -- connections and errors -----------------------------------------------------
+    def _raw_connect(self, database: str | None, target: MySQLTarget | None = None) -> Connection:
+        t, o = target or self._target, self._options
+        return pymysql.connect(
+            host=t.host, port=t.port, user=t.user, password=t.password, database=database,
+            autocommit=True, client_flag=CLIENT.MULTI_STATEMENTS, charset="utf8mb4",
+            binary_prefix=True, conv=_CONVERSIONS, connect_timeout=o.connect_timeout,
+            read_timeout=o.read_timeout, write_timeout=o.read_timeout,
+        )
+
+    def _connect(self) -> Connection:
+        try:
+            conn = self._raw_connect(self._target.database)
+        except pymysql.err.OperationalError as exc:
+            if code(exc) != 1049:
+                raise
+            # Unknown database: "creates if missing" covers the database too.
+            admin = self._raw_connect(None)
+            try:
+                with admin.cursor() as cur:
+                    cur.execute(f"CREATE DATABASE IF NOT EXISTS `{self._target.database}` CHARACTER SET utf8mb4")
+            finally:
+                admin.close()
+            conn = self._raw_connect(self._target.database)
+        return self._session(conn)
+
+    def _replica_connect(self, target: MySQLTarget) -> Connection:
+        return self._session(self._raw_connect(target.database, target))
+
+    def _session(self, conn: Connection) -> Connection:
+        try:
+            with conn.cursor() as cur:
+                # READ COMMITTED: every statement sees the latest commits (and takes no gap locks).
+                cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                # A write's counters come back as one GROUP_CONCAT: room for every shard of a node.
+                cur.execute("SET SESSION group_concat_max_len = 4194304")
+                # Strict for every table and statement: a write to a fenced shard finds no counter, and its
+                # NULL ids must fail the INSERT, never be stored as 0 with a warning.
+                cur.execute("SET SESSION sql_mode = IF(@@sql_mode = '', 'STRICT_ALL_TABLES',"
+                            " CONCAT(@@sql_mode, ',STRICT_ALL_TABLES'))")
+        except BaseException:
+            Pool.discard(conn)
+            raise
+        return conn
+
+    def _call(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T], *, read: bool = False,
+              policy: RetryPolicy | None = None) -> T:
+        """Run ``fn`` on a pooled connection; translate driver errors; retry retriable ones. A ``read`` falls
+        back to the node's replicas while its primary is unavailable (:class:`ReadFallback`)."""
+        def attempt() -> T:
+            if not read or not self._replicas:
+                return self._on(self._pool, self.name, what, fn)
+            return self.fallback.read(partial(self._on, self._pool, self.name, what, fn), [
+                partial(self._on, pool, f"{self.name} replica {i}", what, fn) for i, pool in enumerate(self._replicas)])
+        return retry_call(attempt, policy or self._options.retry, retriable=retry_here)
+
+    def _on(self, pool: Pool, where: str, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
+        if pool is self._pool and self._deferred is not None and what != "initialize":
+            self._initialize_deferred()
+        try:
+            with pool.connection() as conn, conn.cursor() as cur:
+                return fn(cur)
+        except pymysql.Error as exc:
+            error = translate(exc, where)
+            logger.log(logging.WARNING if error.retriable else logging.ERROR, "%s on %s failed: %s", what, where, error)
+            raise error from exc
+        except UnicodeError:
+            # pymysql encodes host names (IDNA) and passwords (latin-1) itself.
+            raise ConfigurationError(f"storage node {where}: host name or credentials cannot be encoded") from None
+
+    def _read(self, sql: str, args: Sequence[Any]) -> Rows:
+        def run(cur: pymysql.cursors.Cursor) -> Rows:
+            cur.execute(sql, args)
+            return tuple(cur.fetchall())
+        return self._call("read", run, read=True)
+
+    # -- metadata -------------------------------------------------------------------
+    def read_meta(self) -> NodeMeta | None:
+        rows = self._call("read metadata", _read_meta, read=True)
+        if not rows:
+            return None
+        _check_layout(self.name, rows)
+        return NodeMeta(int(rows["shard_count"]), int(rows["first"]), int(rows["last"]))
+
+    def defer_initialize(self, meta: NodeMeta) -> None:
+        """The primary did not answer at open: it is initialized (and its metadata checked) before the first
+        statement that reaches it. Reads from replicas do not wait for that."""
+        self._deferred = meta
+
+    def _initialize_deferred(self) -> None:
+        if self._initializing == threading.get_ident():
+            return  # a statement of that initialization itself
+        with self._deferred_lock:  # other threads wait: no write before the shard rows exist
+            meta = self._deferred
+            if meta is None:
+                return
+            self._initializing = threading.get_ident()
+            try:
+                self.initialize(meta)  # raises StorageUnavailableError while the primary is still down
+            finally:
+                self._initializing = None
+            self._deferred = None
+            logger.info("storage node %s answers again: initialized", self.name)
+
+    def initialize(self, meta: NodeMeta) -> None:
+        def run(cur: pymysql.cursors.Cursor) -> None:
+            # A node of another layout is refused before anything is created in it.
+            _check_layout(self.name, _read_meta(cur) or {})
+            for statement in (*_SCHEMA, mysql_pending.SCHEMA):
+                cur.execute(statement)
+            values = [("format_version", str(FORMAT_VERSION)), ("layout", str(LAYOUT)),
+                      ("shard_count", str(meta.shard_count)), ("first", str(meta.first)), ("last", str(meta.last))]
+            # INSERT IGNORE: of two processes creating the node at once, the first wins
+            # and the second then checks its metadata against the winner's.
+            cur.execute("START TRANSACTION")
+            cur.executemany("INSERT IGNORE INTO cellstream_meta (name, value) VALUES (%s, %s)", values)
+            if cur.rowcount:
+                cur.executemany("INSERT IGNORE INTO cellstream_shards (shard) VALUES (%s)",
+                                [(s,) for s in range(meta.first, meta.last + 1)])
+                logger.info("created storage node %s with shards %d-%d", self.name, meta.first, meta.last)
+            cur.execute("COMMIT")
+        self._call("initialize", run)
+        stored = self.read_meta()
+        assert stored is not None
+        check_meta(self.name, stored, meta)
+
+    # -- writes ---------------------------------------------------------------------
+    def _inserts(self, rows: list[str]) -> list[Weighed]:
+        """Multi-row INSERTs of cell ``rows`` (each the text of its VALUES tuple), none over half a packet."""
+        budget = self._options.max_statement_bytes // 2
+        out: list[Weighed] = []
+        start = 0
+        while start < len(rows):
+            size, end = 0, start
+            while end < len(rows) and (end == start or size + len(rows[end]) + 2 < budget):
+                size, end = size + len(rows[end]) + 2, end + 1
+            out.append(((_INSERT + ", ".join(rows[start:end]), ()), size + len(_INSERT)))
+            start = end
+        return out
+
+    def _packets(self, statements: Sequence[Statement | Weighed]) -> Iterator[list[Statement]]:
+        """``statements`` grouped into packets within ``max_statement_bytes`` (a Weighed one brings its size)."""
+        packet: list[Statement] = []
+        size = 0
+        for item in statements:
+            if isinstance(item[1], int):
+                statement, weight = item
+            else:
+                statement, weight = item, len(item[0]) + sum(_escaped_size(a) for a in item[1])
+            if packet and size + weight > self._options.max_statement_bytes:
+                yield packet
+                packet, size = [], 0
+            packet.append(statement)
+            size += weight
+        if packet:
+            yield packet
+
+    def _run_write(self, cur: pymysql.cursors.Cursor, statements: Sequence[Statement | Weighed],
+                   shards: Sequence[int]) -> list[Any]:
+        """Run a write's ``statements`` in as few packets as fit, then COMMIT (after the test hook, if set);
+        return the results of the first packet."""
+        hook = self.before_commit
+        if hook is None:
+            statements = [*statements, ("COMMIT", ())]
+        first: list[Any] | None = None
+        for packet in self._packets(statements):
+            results = run_script(cur, packet)
+            first = results if first is None else first
+        if hook is not None:
+            hook(shards)
+            cur.execute("COMMIT")
+        return first or []
+
+    def _write_one_shard(self, cur: pymysql.cursors.Cursor, cells: Sequence[PendingCell]) -> list[Cell]:
+        """One round trip: lock the shard's row and take its ids, insert, COMMIT. A fenced shard (or one
+        this node does not hold) leaves @cs_b NULL, so the INSERT fails (1048) and nothing is written."""
+        shard = cells[0].shard
+        rows = [_values(shard, f"@cs_b + {i}", c) for i, c in enumerate(cells, 1)]
+        results = self._run_write(cur, [
+            ("SET @cs_b = NULL", ()), ("START TRANSACTION", ()),
+            ("UPDATE cellstream_shards SET last_id = (@cs_b := last_id) + %s WHERE shard = %s AND fence IS NULL",
+             (len(cells), shard)),
+            (f"SELECT @cs_b, {_TIMESTAMP}", ()),
+            *self._inserts(rows)], [shard])
+        base, created = results[3].rows[0]
+        return [Cell(c.row_key, c.column, c.ref_key, c.body, base + i, shard, created) for i, c in enumerate(cells, 1)]
+
+    def _existing(self, cur: pymysql.cursors.Cursor, cells: Sequence[PendingCell]) -> dict[Coordinates, Cell]:
+        """The stored cells at these coordinates (at most 500 looked up a statement)."""
+        statements: list[Statement] = [
+            (f"SELECT {CELL_COLUMNS} FROM cells WHERE " + " OR ".join([_SAME_CELL] * len(chunk)),
+             [a for c in chunk for a in c.coordinates])
+            for chunk in (cells[i:i + 500] for i in range(0, len(cells), 500))]
+        found: dict[Coordinates, Cell] = {}
+        for packet in self._packets(statements):
+            for result in run_script(cur, packet):
+                for cell in map(_row_to_cell, result.rows or ()):
+                    found[(cell.row_key.bytes, cell.column, cell.ref_key)] = cell
+        return found
+
+    def _write_locked(self, cur: pymysql.cursors.Cursor, cells: Sequence[PendingCell],
+                      check_existing: bool) -> list[Cell]:
+        """Two round trips: lock the shards' rows (ascending) and read their counters and fences; then insert
+        every cell with its id, move the counters and COMMIT. With ``check_existing``, cells stored already
+        are compared (CellConflictError on another body) and not written again."""
+        shards = sorted({c.shard for c in cells})
+        # The rows are locked in index order; their counters come back as one string, which costs a
+        # fraction of a row per shard to fetch.
+        locked = run_script(cur, [
+            ("START TRANSACTION", ()),
+            ("SELECT COUNT(*), GROUP_CONCAT(last_id ORDER BY shard), GROUP_CONCAT(CONCAT(shard, ' ', fence))"
+             f" FROM cellstream_shards WHERE shard IN ({', '.join(map(str, shards))}) FOR UPDATE", ()),
+            (f"SELECT {_TIMESTAMP}", ())])
+        [[count, counters, fences]] = locked[1].rows or ()
+        if fences:
+            cur.execute("ROLLBACK")
+            shard, node = fences.split(",")[0].split(" ")
+            raise ShardMovedError(int(shard), node)
+        if count != len(shards):
+            cur.execute("ROLLBACK")
+            raise StorageError(f"storage node {self.name} does not hold all of shards {shards[:10]}...")
+        last = dict(zip(shards, map(int, counters.split(",")), strict=True))
+        [[created]] = locked[2].rows or ()
+        existing = self._existing(cur, cells) if check_existing else {}
+        fresh = split_existing(cells, existing) if check_existing else cells
+        rows, ids = [], {}
+        for cell in sorted(fresh, key=_shard_of_cell):  # ascending keys: appends to each shard's range
+            added_id = last[cell.shard] = last[cell.shard] + 1
+            rows.append(_values(cell.shard, str(added_id), cell))
+            ids[cell.row_key.bytes, cell.column, cell.ref_key] = added_id
+        written = sorted({cell.shard for cell in fresh})
+        statements = self._inserts(rows)
+        if written:
+            statements.append((("INSERT INTO cellstream_shards (shard, last_id) VALUES "
+                                + ", ".join(["(%s, %s)"] * len(written))
+                                + " ON DUPLICATE KEY UPDATE last_id = VALUES(last_id)",
+                                [a for s in written for a in (s, last[s])]), 40 * len(written) + 100))
+        self._run_write(cur, statements, written)
+        # Every cell carries the body given (equal to a stored one by same_json): nothing is decoded again.
+        out = []
+        for c in cells:
+            key = (c.row_key.bytes, c.column, c.ref_key)
+            new_id = ids.get(key)
+            out.append(existing[key]._replace(body=c.body) if new_id is None
+                       else Cell(c.row_key, c.column, c.ref_key, c.body, new_id, c.shard, created))
+        return out
+
+    def insert(self, cells: Sequence[PendingCell], retry: RetryPolicy | None = None) -> list[Cell]:
+        one_shard = len({c.shard for c in cells}) == 1
+
+        def run(cur: pymysql.cursors.Cursor) -> list[Cell]:
+            try:
+                try:
+                    if one_shard:
+                        return self._write_one_shard(cur, cells)
+                    return self._write_locked(cur, cells, check_existing=False)
+                except pymysql.err.IntegrityError as exc:
+                    if code(exc) not in (DUPLICATE, NULL_COLUMN):
+                        raise
+                    cur.execute("ROLLBACK")
+                # Some cells exist already, or the one-shard write found no counter: lock, look, write the rest.
+                return self._write_locked(cur, cells, check_existing=True)
+            except BaseException:
+                # Never leave a transaction open: it would hold shard locks (the pool also
+                # refuses to reuse a connection that is still inside one).
+                with suppress(pymysql.Error, OSError):
+                    cur.execute("ROLLBACK")
+                raise
+
+        return self._call("write", run, policy=retry)
+
+    # -- reads ----------------------------------------------------------------------
+    def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None:
+        rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE row_key = %s AND column_name = %s AND ref_key = %s",
+                          (row_key.bytes, column, ref_key))
+        return _row_to_cell(rows[0]) if rows else None
+
+    def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None:
+        rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE row_key = %s AND column_name = %s"
+                          " ORDER BY ref_key DESC LIMIT 1", (row_key.bytes, column))
+        return _row_to_cell(rows[0]) if rows else None
+
+    def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
+        rows = self._read(
+            f"SELECT {CELL_COLUMNS} FROM cells c WHERE row_key = %s AND ref_key = ("
+            " SELECT MAX(ref_key) FROM cells m WHERE m.row_key = c.row_key AND m.column_name = c.column_name)"
+            " ORDER BY column_name", (row_key.bytes,))
+        return [_row_to_cell(r) for r in rows]
+
+    def get_log(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Cell]:
+        where, extra = _after(columns)
+        rows = self._read(f"SELECT {LOG_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s",
+                          [shard, location, *extra, limit])
+        return decode_log(rows, _log_row_to_cell)
+
+    def get_logs(
+        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
+    ) -> dict[int, list[Cell] | CorruptCellError]:
+        if len(locations) < 2:
+            return super().get_logs(locations, limit, columns)
+        args: Sequence[object]
+        if columns:  # the cells of some columns are not dense: each shard's page needs its own LIMIT
+            where, extra = _after(columns)
+            sql = " UNION ALL ".join(
+                [f"(SELECT {LOG_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s)"] * len(locations))
+            args = [a for shard, location in locations for a in (shard, location, *extra, limit)]
+        else:
+            sql, args = _dense_pages(locations, limit)
+        by_shard: dict[int, list[tuple[Any, ...]]] = {shard: [] for shard, _ in locations}
+        for row in self._read(sql, args):
+            by_shard[row[0]].append(row)
+        out: dict[int, list[Cell] | CorruptCellError] = {}
+        for shard, page in by_shard.items():
+            page.sort(key=lambda row: row[1])  # neither form of the query promises an order
+            try:
+                out[shard] = decode_log(page, _log_row_to_cell)
+            except CorruptCellError as exc:
+                out[shard] = exc
+        return out
+
+    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
+        if not columns:  # dense ids: the cells after a location are the ids up to the head
+            return max(0, self.head(shard) - location)
+        where, extra = _after(columns)
+        rows = self._read(f"SELECT COUNT(*) FROM cells WHERE {where}", [shard, location, *extra])
+        return int(rows[0][0])
+
+    def counts_after(self, locations: Sequence[tuple[int, int]],
+                     columns: Sequence[str] | None = None) -> dict[int, int]:
+        if not columns:  # dense ids: the heads tell
+            heads = self.heads([shard for shard, _ in locations])
+            return {shard: max(0, heads.get(shard, 0) - location) for shard, location in locations}
+        where, extra = _after(columns)
+        out: dict[int, int] = {}
+        for start in range(0, len(locations), 500):  # a UNION of 500 counts a statement
+            group = locations[start:start + 500]
+            sql = " UNION ALL ".join([f"SELECT %s, COUNT(*) FROM cells WHERE {where}"] * len(group))
+            out.update((int(s), int(n)) for s, n in self._read(
+                sql, [a for shard, location in group for a in (shard, shard, location, *extra)]))
+        return out
+
+    def first_at(self, shard: int, when: dt.datetime) -> int | None:
+        rows = self._read("SELECT MIN(added_id) FROM cells WHERE shard = %s AND created_at >= %s",
+                          (shard, when.astimezone(dt.UTC).replace(tzinfo=None)))
+        return int(rows[0][0]) if rows and rows[0][0] is not None else None
+
+    def head(self, shard: int) -> int:
+        rows = self._read("SELECT last_id FROM cellstream_shards WHERE shard = %s", (shard,))
+        return int(rows[0][0]) if rows else 0
+
+    def heads(self, shards: Sequence[int]) -> dict[int, int]:
+        wanted = set(shards)
+        return {s: n for s, n in self.shard_counts().items() if s in wanted}  # dense ids: the count is the head
+
+    def shard_counts(self) -> dict[int, int]:
+        # One row, not 4096: pymysql builds each row in Python.
+        [[shards, last]] = self._read("SELECT GROUP_CONCAT(shard), GROUP_CONCAT(last_id) FROM cellstream_shards", ())
+        if shards is None:
+            return {}
+        return dict(zip(map(int, shards.split(",")), map(int, last.split(",")), strict=True))
+
+    # -- consumer offsets -----------------------------------------------------------
+    def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
+        wanted = set(shards)
+
+        # Literals, not placeholders: the driver's escaping of 4 values a shard was most of a claim's cost.
+        who = f"X'{consumer.encode().hex()}', {{}}, X'{owner.encode().hex()}', '{{{{}}}}'"
+        rows = [f"({who.format(int(shard))})" for shard in shards]
+
+        def run(cur: pymysql.cursors.Cursor) -> list[OffsetRecord]:
+            for start in range(0, len(rows), 5000):
+                cur.execute(_CLAIM.format(", ".join(rows[start:start + 5000])))
+            cur.execute(_OFFSETS, (consumer,))
+            return [offset_record(*row) for row in cur.fetchall() if row[0] in wanted]
+        return self._call("claim offsets", run)
+
+    def commit_offsets(self, consumer: str, owner: str, offsets: dict[int, tuple[int, str]]) -> set[int]:
+        """Two round trips whatever the number of shards: lock the rows ``owner`` still holds, then write
+        them all in one multi-row upsert (every row exists, so it only updates) and COMMIT."""
+        shards = sorted(offsets)
+        if not shards:
+            return set()
+        who, holder = f"X'{consumer.encode().hex()}'", f"X'{owner.encode().hex()}'"
+
+        def run(cur: pymysql.cursors.Cursor) -> set[int]:
+            try:
+                held_rows = run_script(cur, [
+                    ("START TRANSACTION", ()),
+                    (f"SELECT GROUP_CONCAT(shard) FROM cellstream_offsets WHERE consumer = %s AND owner = %s"
+                     f" AND shard IN ({', '.join(['%s'] * len(shards))}) FOR UPDATE", [consumer, owner, *shards])])
+                [[listed]] = held_rows[1].rows or ()  # one row, not one per shard: pymysql parses rows slowly
+                held = sorted(map(int, listed.split(","))) if listed else []
+                # Literals only (the docs as hex): no placeholder, so no escaping pass over thousands of rows.
+                rows = [f"({who}, {s}, {holder}, {offsets[s][0]}, X'{offsets[s][1].encode().hex()}')" for s in held]
+                statements: list[Statement | Weighed] = [
+                    ((_UPSERT_OFFSETS.format(", ".join(rows[i:i + 1000])), ()), sum(map(len, rows[i:i + 1000])) + 200)
+                    for i in range(0, len(rows), 1000)]
+                for packet in self._packets([*statements, ("COMMIT", ())]):
+                    run_script(cur, packet)
+                return set(shards).difference(held)
+            except BaseException:
+                with suppress(pymysql.Error, OSError):
+                    cur.execute("ROLLBACK")
+                raise
+        return self._call("commit offsets", run)
+
+    def read_offsets(self, consumer: str) -> list[OffsetRecord]:
+        def run(cur: pymysql.cursors.Cursor) -> list[OffsetRecord]:
+            cur.execute(_OFFSETS, (consumer,))
+            return [offset_record(*row) for row in cur.fetchall()]
+        return self._call("read offsets", run, read=True)
+
+    def run(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
+        """``fn`` on a connection to the primary, driver errors translated and retried (used by moves)."""
+        return self._call(what, fn)
+
+    supports_moves = True
+
+    def moves(self) -> dict[int, str]:
+        def run(cur: pymysql.cursors.Cursor) -> dict[int, str]:
+            try:
+                cur.execute("SELECT shard, moved_to FROM cellstream_shards WHERE moved_to IS NOT NULL")
+            except pymysql.err.ProgrammingError as exc:
+                if code(exc) == NO_TABLE:  # a replica that has not caught up with the node's creation
+                    return {}
+                raise
+            return {int(shard): str(node) for shard, node in cur.fetchall()}
+        # Read every map_refresh seconds: a node that does not answer at once keeps its last known moves.
+        return self._call("read moves", run, read=True, policy=self._quick_retry)
+
+    # -- buffered writes (logstore.backends.mysql.pending) -------------------------------------
+    supports_pending = True
+
+    def _quick(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
+        """Buffering is for when another node is down: this one answers at once or is skipped."""
+        return self._call(what, fn, policy=self._quick_retry)
+
+    def buffer(self, node: str, cells: Sequence[PendingCell]) -> None:
+        mysql_pending.buffer(self._quick, node, cells)
+
+    def pending(self, limit: int) -> list[PendingRecord]:
+        return mysql_pending.pending(self._quick, limit)
+
+    def drop_pending(self, ids: Sequence[int]) -> None:
+        mysql_pending.drop(self._quick, ids)
+
+    def fail_pending(self, pid: int, reason: str) -> None:
+        mysql_pending.fail(self._quick, pid, reason)
+
+    def pending_counts(self) -> dict[str, tuple[int, int]]:
+        return mysql_pending.counts(self._quick)
+
+    def close(self) -> None:
+        self._pool.close()
+        for pool in self._replicas:
+            pool.close()

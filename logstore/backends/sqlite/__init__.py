@@ -1,0 +1,1 @@
+"""The SQLite backend, the embedded default: the recorder and its index tables."""

@@ -1,0 +1,430 @@
+"""The embedded backend: a directory per storage node, with its cells in ``logstore.db``.
+
+All shards of the node share one ``cells`` table; ``added_id`` is its rowid.
+SQLite admits one writer at a time (``BEGIN IMMEDIATE``), so ids are allocated
+and committed in the same order: a reader paging ``added_id > location`` cannot
+miss a cell. Ids are unique across the node and strictly increasing within each
+shard (not dense per shard). WAL mode lets readers run beside the writer. The
+index tables live in ``indexes.db`` beside it, with their own write lock.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import sqlite3
+import threading
+import uuid
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from logstore.backends.sqlite.index_tables import SQLiteIndexRecorder
+from logstore.cell import Cell
+from logstore.config import SQLiteTarget, StoreOptions
+from logstore.errors import ConfigurationError, CorruptCellError, LogstoreError, StorageError, StorageUnavailableError
+from logstore.persistence import (
+    FORMAT_VERSION,
+    Coordinates,
+    NodeMeta,
+    NodeRecorder,
+    OffsetRecord,
+    PendingCell,
+    check_meta,
+    decode_log,
+    make_cell,
+    offset_record,
+    ordered_result,
+    split_existing,
+)
+from logstore.retry import RetryPolicy
+
+logger = logging.getLogger(__name__)
+DB_FILE = "logstore.db"
+INDEX_FILE = "indexes.db"
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
+_SQLITE_NEEDED = (3, 35)
+_T = TypeVar("_T")
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS cellstream_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS cellstream_shards (shard INTEGER PRIMARY KEY, cells INTEGER NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS cells (
+        added_id INTEGER PRIMARY KEY,
+        shard INTEGER NOT NULL,
+        row_key BLOB NOT NULL,
+        column_name TEXT NOT NULL,
+        ref_key INTEGER NOT NULL,
+        body BLOB NOT NULL,
+        created_at INTEGER NOT NULL,
+        UNIQUE (row_key, column_name, ref_key)
+    )""",
+    "CREATE INDEX IF NOT EXISTS cells_log ON cells (shard, added_id)",
+    "CREATE INDEX IF NOT EXISTS cells_created ON cells (shard, created_at)",
+    """CREATE TABLE IF NOT EXISTS cellstream_offsets (
+        consumer TEXT NOT NULL,
+        shard INTEGER NOT NULL,
+        owner TEXT NOT NULL,
+        location INTEGER,
+        doc TEXT NOT NULL DEFAULT '{}',
+        commits INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (consumer, shard)
+    )""",
+)
+_COLS = "added_id, shard, row_key, column_name, ref_key, body, created_at"
+_SELECT_CELL = f"SELECT {_COLS} FROM cells WHERE row_key = ? AND column_name = ? AND ref_key = ?"
+_SELECT_LATEST = (
+    f"SELECT {_COLS} FROM cells WHERE row_key = ? AND column_name = ? ORDER BY ref_key DESC LIMIT 1"
+)
+_SELECT_ROW = f"""SELECT {_COLS} FROM cells c WHERE row_key = ? AND ref_key = (
+    SELECT MAX(ref_key) FROM cells m WHERE m.row_key = c.row_key AND m.column_name = c.column_name)
+    ORDER BY column_name"""
+_SELECT_LOG = f"SELECT {_COLS} FROM cells WHERE shard = ? AND added_id > ? ORDER BY added_id LIMIT ?"
+_INSERT = (
+    "INSERT INTO cells (shard, row_key, column_name, ref_key, body, created_at) VALUES (?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT DO NOTHING"
+)
+_COUNT = "UPDATE cellstream_shards SET cells = cells + ? WHERE shard = ?"
+# Many shards a statement (see _chunks): a statement per shard cost 4096 shards more than their rows.
+_CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner) VALUES {}"
+          " ON CONFLICT (consumer, shard) DO UPDATE SET owner = excluded.owner")
+# The rows it returns are the shards still held; the others were fenced (or never claimed).
+_COMMIT = ("WITH v(shard, location, doc) AS (VALUES {}) UPDATE cellstream_offsets"
+           " SET location = v.location, doc = v.doc, commits = commits + 1 FROM v"
+           " WHERE consumer = ? AND owner = ? AND cellstream_offsets.shard = v.shard"
+           " RETURNING cellstream_offsets.shard")
+_OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = ? ORDER BY shard"
+
+_SHARDS_A_READ = 500  # shards a statement: at most 1,500 of SQLite's 32,766 variables
+
+
+def _chunks(items: Sequence[_T]) -> Iterator[Sequence[_T]]:
+    """``items`` (shards, or shard and location pairs) by _SHARDS_A_READ."""
+    return (items[i:i + _SHARDS_A_READ] for i in range(0, len(items), _SHARDS_A_READ))
+
+
+def _pages_sql(shards: int, columns: Sequence[str] | None) -> str:
+    """The pages of ``shards`` shards in one statement. A page is bounded by its ``limit``-th id, which a
+    correlated subquery finds in the (shard, added_id) index, so a long log is never read past its page."""
+    of = f" AND {{0}}.column_name IN ({', '.join('?' * len(columns))})" if columns else ""
+    return (f"WITH w(shard, loc) AS (VALUES {', '.join(['(?, ?)'] * shards)})"
+            f" SELECT {', '.join('c.' + c for c in _COLS.split(', '))} FROM w JOIN cells c"
+            f" ON c.shard = w.shard AND c.added_id > w.loc{of.format('c')} AND c.added_id <= COALESCE(("
+            f"SELECT m.added_id FROM cells m WHERE m.shard = w.shard AND m.added_id > w.loc{of.format('m')}"
+            " ORDER BY m.added_id LIMIT 1 OFFSET ?), 9223372036854775807)")
+
+
+class _ThreadConnection:
+    """A thread's connection; closed by a finalizer when the thread (and its local) is gone."""
+
+    __slots__ = ("__weakref__", "conn")
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        weakref.finalize(self, conn.close)
+
+
+def _micros(when: dt.datetime) -> int:
+    delta = when - _EPOCH
+    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def _row_to_cell(row: tuple[int, int, bytes, str, int, bytes, int]) -> Cell:
+    added_id, shard, row_key, column, ref_key, blob, created = row
+    return make_cell(shard, added_id, row_key, column, ref_key, blob, _EPOCH + dt.timedelta(microseconds=created))
+
+
+def _translate(exc: sqlite3.Error, what: str) -> LogstoreError:
+    if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+        return StorageUnavailableError(f"sqlite {what}: database is locked by another writer")
+    if "unable to open" in str(exc) or "not a database" in str(exc):
+        return ConfigurationError(f"sqlite {what}: {exc}")
+    return StorageError(f"sqlite {what}: {exc}")
+
+
+class _Database:
+    """One SQLite file: a connection per thread (WAL), read and write-transaction contexts."""
+
+    def __init__(self, path: Path, options: StoreOptions) -> None:
+        self.path = path
+        self._options = options
+        self._local = threading.local()
+        self._all: weakref.WeakSet[_ThreadConnection] = weakref.WeakSet()
+        self._all_lock = threading.Lock()
+
+    def conn(self) -> sqlite3.Connection:
+        holder: _ThreadConnection | None = getattr(self._local, "holder", None)
+        if holder is None:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT)
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute(f"PRAGMA synchronous={self._options.sqlite_synchronous}")
+            except BaseException:
+                conn.close()
+                raise
+            holder = _ThreadConnection(conn)
+            self._local.holder = holder
+            with self._all_lock:
+                self._all.add(holder)
+        return holder.conn
+
+    @contextmanager
+    def read(self) -> Iterator[sqlite3.Connection]:
+        try:
+            yield self.conn()
+        except sqlite3.Error as exc:
+            raise _translate(exc, "read") from exc
+
+    @contextmanager
+    def write(self, busy_timeout: float | None = None) -> Iterator[sqlite3.Connection]:
+        """A write transaction; ``busy_timeout`` seconds (default 30) to wait for another writer's lock."""
+        with _errors("write"):
+            conn = self.conn()
+            if busy_timeout is not None:
+                conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+            finally:
+                if busy_timeout is not None:
+                    conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT * 1000}")
+
+    def close(self) -> None:
+        with self._all_lock:
+            holders, self._all = list(self._all), weakref.WeakSet()
+        for holder in holders:
+            holder.conn.close()
+        self._local = threading.local()
+
+
+@contextmanager
+def _errors(what: str) -> Iterator[None]:
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise _translate(exc, what) from exc
+
+
+class SQLiteRecorder(NodeRecorder):
+    """A node's cells and offsets in ``logstore.db``; its index tables in ``indexes.db`` beside it, so
+    index writers never wait behind cell writers for SQLite's one write lock (and the reverse)."""
+
+    def __init__(self, name: str, target: SQLiteTarget, options: StoreOptions) -> None:
+        if sqlite3.sqlite_version_info < _SQLITE_NEEDED:  # RETURNING and UPDATE ... FROM
+            raise ConfigurationError(f"SQLite {'.'.join(map(str, _SQLITE_NEEDED))} or later is needed; this Python"
+                                     f" has {sqlite3.sqlite_version}")
+        self.name = name
+        self._db = _Database(target.directory / DB_FILE, options)
+        self._index_db = _Database(target.directory / INDEX_FILE, options)
+        self._conn = self._db.conn
+        self._write = self._db.write
+        self._errors = _errors
+        self.indexes = SQLiteIndexRecorder(name, self._index_db.write, self._index_db.read, options.retry)
+        try:
+            target.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigurationError(f"cannot create store directory {target.directory}: {exc.strerror}") from None
+
+    # -- metadata ---------------------------------------------------------
+    def read_meta(self) -> NodeMeta | None:
+        with self._errors("read metadata"):
+            try:
+                rows = dict(self._conn().execute("SELECT name, value FROM cellstream_meta").fetchall())
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):
+                    return None
+                raise
+        if not rows:
+            return None
+        if int(rows.get("format_version", 0)) != FORMAT_VERSION:
+            raise ConfigurationError(f"storage node {self.name} has unknown format {rows.get('format_version')}")
+        return NodeMeta(int(rows["shard_count"]), int(rows["first"]), int(rows["last"]))
+
+    def initialize(self, meta: NodeMeta) -> None:
+        with self._write() as conn:
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            found = dict(conn.execute("SELECT name, value FROM cellstream_meta").fetchall())
+            if not found:
+                conn.executemany(
+                    "INSERT INTO cellstream_meta (name, value) VALUES (?, ?)",
+                    [("format_version", str(FORMAT_VERSION)), ("shard_count", str(meta.shard_count)),
+                     ("first", str(meta.first)), ("last", str(meta.last))],
+                )
+                conn.executemany(
+                    "INSERT INTO cellstream_shards (shard, cells) VALUES (?, 0)",
+                    [(s,) for s in range(meta.first, meta.last + 1)],
+                )
+                logger.info("created storage node %s with shards %d-%d", self.name, meta.first, meta.last)
+        stored = self.read_meta()
+        assert stored is not None
+        check_meta(self.name, stored, meta)
+
+    # -- writes -----------------------------------------------------------
+    def insert(self, cells: Sequence[PendingCell], retry: RetryPolicy | None = None) -> list[Cell]:
+        stored: dict[Coordinates, Cell] = {}
+        with self._write() as conn:
+            # created_at is read under the write lock so it never decreases along added_id.
+            created = _micros(dt.datetime.now(dt.UTC))
+            counts: dict[int, int] = {}
+            fresh: list[PendingCell] = []
+            for cell in cells:
+                cur = conn.execute(
+                    _INSERT, (cell.shard, cell.row_key.bytes, cell.column, cell.ref_key, cell.blob, created)
+                )
+                if cur.rowcount == 1:
+                    assert cur.lastrowid is not None
+                    stored[cell.coordinates] = Cell(
+                        cell.row_key, cell.column, cell.ref_key, cell.body, cur.lastrowid, cell.shard,
+                        _EPOCH + dt.timedelta(microseconds=created),
+                    )
+                    counts[cell.shard] = counts.get(cell.shard, 0) + 1
+                    fresh.append(cell)
+                else:
+                    row = conn.execute(_SELECT_CELL, cell.coordinates).fetchone()
+                    existing = _row_to_cell(row)
+                    split_existing([cell], {cell.coordinates: existing})
+                    stored[cell.coordinates] = existing
+            conn.executemany(_COUNT, [(n, shard) for shard, n in counts.items()])
+            if self.before_commit is not None:
+                self.before_commit(sorted(counts))
+        return ordered_result(cells, stored)
+
+    # -- reads ------------------------------------------------------------
+    def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None:
+        with self._errors("read"):
+            row = self._conn().execute(_SELECT_CELL, (row_key.bytes, column, ref_key)).fetchone()
+        return None if row is None else _row_to_cell(row)
+
+    def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None:
+        with self._errors("read"):
+            row = self._conn().execute(_SELECT_LATEST, (row_key.bytes, column)).fetchone()
+        return None if row is None else _row_to_cell(row)
+
+    def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
+        with self._errors("read"):
+            rows = self._conn().execute(_SELECT_ROW, (row_key.bytes,)).fetchall()
+        return [_row_to_cell(r) for r in rows]
+
+    def get_log(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Cell]:
+        sql, args = _SELECT_LOG, (shard, location, limit)
+        if columns:
+            marks = ", ".join("?" * len(columns))
+            sql = sql.replace("ORDER BY", f"AND column_name IN ({marks}) ORDER BY")
+            args = (shard, location, *columns, limit)  # type: ignore[assignment]
+        with self._errors("read log"):
+            rows = self._conn().execute(sql, args).fetchall()
+        return decode_log(rows, _row_to_cell)
+
+    def get_logs(
+        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
+    ) -> dict[int, list[Cell] | CorruptCellError]:
+        """One statement per 500 shards: each statement releases and retakes the GIL, and a reader thread
+        retaking it behind a busy event loop waits a switch interval, so a query per shard cost a
+        4096-shard reader far more than the reading did."""
+        by_shard: dict[int, list[tuple[int, int, bytes, str, int, bytes, int]]] = {s: [] for s, _ in locations}
+        for group in _chunks(locations):
+            sql = _pages_sql(len(group), columns)
+            args: list[int | str] = [a for pair in group for a in pair]
+            args += [*(columns or ()), *(columns or ()), limit - 1]
+            with self._errors("read log"):
+                for row in self._conn().execute(sql, args).fetchall():
+                    by_shard[row[1]].append(row)
+        out: dict[int, list[Cell] | CorruptCellError] = {}
+        for shard, rows in by_shard.items():
+            rows.sort()  # by added_id; the join promises no order
+            try:
+                out[shard] = decode_log(rows, _row_to_cell)
+            except CorruptCellError as exc:
+                out[shard] = exc
+        return out
+
+    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
+        sql = "SELECT COUNT(*) FROM cells WHERE shard = ? AND added_id > ?"
+        if columns:
+            sql += f" AND column_name IN ({', '.join('?' * len(columns))})"
+        with self._errors("read log"):
+            row = self._conn().execute(sql, (shard, location, *(columns or ()))).fetchone()
+        return int(row[0])
+
+    def counts_after(self, locations: Sequence[tuple[int, int]],
+                     columns: Sequence[str] | None = None) -> dict[int, int]:
+        of = f" AND column_name IN ({', '.join('?' * len(columns))})" if columns else ""
+        out: dict[int, int] = {}
+        with self._errors("read log"):
+            conn = self._conn()
+            for group in _chunks(locations):
+                out.update(conn.execute(
+                    f"WITH w(shard, loc) AS (VALUES {', '.join(['(?, ?)'] * len(group))}) SELECT w.shard,"
+                    f" (SELECT COUNT(*) FROM cells WHERE shard = w.shard AND added_id > w.loc{of}) FROM w",
+                    [*(a for pair in group for a in pair), *(columns or ())]))
+        return out
+
+    def first_at(self, shard: int, when: dt.datetime) -> int | None:
+        with self._errors("read log"):
+            row = self._conn().execute(
+                "SELECT MIN(added_id) FROM cells WHERE shard = ? AND created_at >= ?", (shard, _micros(when))
+            ).fetchone()
+        return None if row[0] is None else int(row[0])
+
+    def head(self, shard: int) -> int:
+        with self._errors("read log"):
+            row = self._conn().execute("SELECT MAX(added_id) FROM cells WHERE shard = ?", (shard,)).fetchone()
+        return int(row[0] or 0)
+
+    def heads(self, shards: Sequence[int]) -> dict[int, int]:
+        # An index probe per shard, 500 shards a statement: a GROUP BY would scan the whole log index.
+        out: dict[int, int] = {}
+        with self._errors("read log"):
+            conn = self._conn()
+            for group in _chunks(shards):
+                out.update(conn.execute(
+                    f"WITH w(shard) AS (VALUES {', '.join(['(?)'] * len(group))}) SELECT w.shard,"
+                    " COALESCE((SELECT MAX(added_id) FROM cells WHERE shard = w.shard), 0) FROM w", group))
+        return out
+
+    def shard_counts(self) -> dict[int, int]:
+        # One row, not one per shard: sqlite3 lets go of the GIL at every row, and a reader thread
+        # retaking it behind a busy event loop waits up to a switch interval each time.
+        with self._errors("read"):
+            shards, cells = self._conn().execute(
+                "SELECT group_concat(shard), group_concat(cells) FROM cellstream_shards").fetchone()
+        if shards is None:
+            return {}
+        return dict(zip(map(int, shards.split(",")), map(int, cells.split(",")), strict=True))
+
+    # -- consumer offsets -------------------------------------------------
+    def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
+        wanted = set(shards)
+        with self._write() as conn:
+            for group in _chunks(shards):
+                conn.execute(_CLAIM.format(", ".join(["(?, ?, ?)"] * len(group))),
+                             [a for shard in group for a in (consumer, shard, owner)])
+            rows = conn.execute(_OFFSETS, (consumer,)).fetchall()
+        return [offset_record(*row) for row in rows if row[0] in wanted]
+
+    def commit_offsets(self, consumer: str, owner: str, offsets: dict[int, tuple[int, str]]) -> set[int]:
+        held: set[int] = set()
+        with self._write() as conn:
+            for group in _chunks(list(offsets)):
+                rows = conn.execute(_COMMIT.format(", ".join(["(?, ?, ?)"] * len(group))),
+                                    [*(a for s in group for a in (s, *offsets[s])), consumer, owner]).fetchall()
+                held.update(shard for (shard,) in rows)
+        return set(offsets).difference(held)
+
+    def read_offsets(self, consumer: str) -> list[OffsetRecord]:
+        with self._errors("read offsets"):
+            return [offset_record(*row) for row in self._conn().execute(_OFFSETS, (consumer,)).fetchall()]
+
+    def close(self) -> None:
+        self._db.close()
+        self._index_db.close()

@@ -1,0 +1,2 @@
+"""The worker node (``cellstream serve``): the store API over HTTP, its wire format and OpenAPI
+document (needs ``cellstream[server]``)."""

@@ -1,0 +1,165 @@
+"""The worker node's wire format, shared by the server (:mod:`logstore.node.server`) and the client
+(:mod:`logstore.backends.http`): cells and errors as JSON, the request bodies, and the OpenAPI document.
+
+A cell travels as :meth:`Cell.to_json` gives it. An error travels as
+``{"error": {"type", "message", "retriable", "field"?, "coordinates"?, "cells_before"?}}``
+with the HTTP status of its kind (:data:`STATUS`), so the client raises the same
+:class:`~logstore.errors.LogstoreError` a local store would.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from logstore.cell import Cell
+from logstore.errors import (
+    CellConflictError,
+    ConfigurationError,
+    CorruptCellError,
+    InvalidArgumentError,
+    InvalidCellError,
+    LogstoreError,
+    StorageError,
+    StorageUnavailableError,
+)
+
+MAX_LOCATION = (1 << 63) - 1
+UUID_PATTERN = r"^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
+COLUMN_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+CONSUMER_PATTERN = r"^[A-Za-z0-9_.:@-]{1,200}$"  # over HTTP; a local store takes any printable name
+
+# The status of each error kind; the first match in this order wins (subclasses first).
+STATUS: list[tuple[type[LogstoreError], int]] = [
+    (InvalidArgumentError, 400),
+    (CellConflictError, 409),
+    (StorageUnavailableError, 503),
+    (ConfigurationError, 500),
+    (CorruptCellError, 500),
+    (StorageError, 500),
+    (LogstoreError, 500),
+]
+
+
+# -- cells ------------------------------------------------------------------------------
+def cell_from_json(doc: dict[str, Any]) -> Cell:
+    return Cell(uuid.UUID(doc["row_key"]), doc["column"], int(doc["ref_key"]), doc["body"], int(doc["added_id"]),
+                int(doc["shard"]), dt.datetime.fromisoformat(doc["created_at"]))
+
+
+def dumps(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads(raw: bytes) -> Any:
+    """Strict JSON: NaN and Infinity are refused (a stored body must be JSON again when read)."""
+    return json.loads(raw, parse_constant=_no_constant)
+
+
+# -- errors -----------------------------------------------------------------------------
+def error_status(exc: LogstoreError) -> int:
+    return next(status for kind, status in STATUS if isinstance(exc, kind))
+
+
+def error_json(exc: LogstoreError) -> dict[str, Any]:
+    doc: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc), "retriable": exc.retriable}
+    if isinstance(exc, InvalidCellError):
+        doc["field"] = exc.field
+        doc["problem"] = exc.problem
+    if isinstance(exc, CellConflictError):
+        doc["coordinates"] = {"row_key": str(exc.row_key), "column": exc.column, "ref_key": exc.ref_key}
+    if isinstance(exc, CorruptCellError):
+        doc["problem"] = exc.problem
+        doc["coordinates"] = {"shard": exc.shard, "added_id": exc.added_id, "column": exc.column,
+                              "ref_key": exc.ref_key,
+                              "row_key": str(exc.row_key) if exc.row_key is not None else None,
+                              "created_at": exc.created_at.isoformat() if exc.created_at is not None else None}
+        doc["cells_before"] = [c.to_json() for c in exc.cells_before]
+    return {"error": doc}
+
+
+def bad_request(field: str, problem: str) -> dict[str, Any]:
+    """A request the server refuses before it reaches the store (the field is named as sent)."""
+    return {"error": {"type": "InvalidArgumentError", "message": f"{field}: {problem}", "retriable": False,
+                      "field": field, "problem": problem}}
+
+
+def error_from_json(status: int, doc: Any) -> LogstoreError:
+    """The LogstoreError a response carries (a local store would have raised the same)."""
+    error = doc.get("error") if isinstance(doc, dict) else None
+    if not isinstance(error, dict):
+        return StorageError(f"worker node answered HTTP {status} without an error document")
+    kind, message = str(error.get("type")), str(error.get("message"))
+    if kind == "InvalidCellError" and "field" in error:
+        return InvalidCellError(str(error["field"]), str(error.get("problem", message)))
+    if status == 400:
+        return InvalidArgumentError(message)
+    if kind == "CellConflictError":
+        where = error.get("coordinates") or {}
+        return CellConflictError(where.get("row_key"), str(where.get("column")), int(where.get("ref_key", -1)))
+    if kind == "CorruptCellError":
+        where = dict(error.get("coordinates") or {})
+        if where.get("row_key") is not None:
+            where["row_key"] = uuid.UUID(where["row_key"])
+        if where.get("created_at") is not None:
+            where["created_at"] = dt.datetime.fromisoformat(where["created_at"])
+        named = where if where.get("shard") is not None else None
+        corrupt = CorruptCellError(str(error.get("problem", message)), named)
+        corrupt.cells_before = [cell_from_json(c) for c in error.get("cells_before") or []]
+        return corrupt
+    if status == 503 or error.get("retriable"):
+        return StorageUnavailableError(f"worker node: {message}")
+    if status in (401, 403):
+        return ConfigurationError(f"worker node refused the request: {message}")
+    if kind == "ConfigurationError":
+        return ConfigurationError(f"worker node: {message}")
+    return StorageError(f"worker node answered HTTP {status}: {message}")
+
+
+# -- request bodies -----------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class CellIn(_Strict):
+    row_key: str = Field(pattern=UUID_PATTERN, description="the row's UUID")
+    column: str = Field(pattern=COLUMN_PATTERN)
+    ref_key: int = Field(ge=0, le=MAX_LOCATION)
+    body: dict[str, Any] = Field(description="a JSON object")
+
+
+class PutCells(_Strict):
+    cells: list[CellIn] = Field(min_length=1, max_length=10_000)
+
+
+class LogsQuery(_Strict):
+    locations: dict[str, int] = Field(min_length=1, description="shard (as a string) -> location to read after")
+    limit: int = Field(1000, ge=1, le=100_000)
+    columns: list[str] | None = None
+
+
+class ClaimOffsets(_Strict):
+    owner: str = Field(min_length=1, max_length=200)
+    shards: list[int] | None = None
+
+
+class OffsetIn(_Strict):
+    location: int = Field(ge=0, le=MAX_LOCATION)
+    doc: dict[str, Any] = Field(default_factory=dict)
+
+
+class CommitOffsets(_Strict):
+    owner: str = Field(min_length=1, max_length=200)
+    offsets: dict[str, OffsetIn] = Field(description="shard (as a string) -> position")
+
+
+BaseModelT = TypeVar("BaseModelT", bound=BaseModel)
+REQUESTS: list[type[BaseModel]] = [CellIn, PutCells, LogsQuery, ClaimOffsets, OffsetIn, CommitOffsets]
