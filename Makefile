@@ -11,8 +11,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# The demo shows every section: the lake needs the parquet extra, the worker node the server extra.
 $(VENV)/.base: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e '.[parquet,server]'
 	@touch $@
 
 $(VENV)/.test: pyproject.toml $(VENV)/.base
@@ -23,18 +24,18 @@ $(VENV)/.test: pyproject.toml $(VENV)/.base
 demo: $(VENV)/.base
 	$(BIN)/cellstream demo
 
-## lint: ruff and mypy
+## lint: ruff, mypy and the import-layer contract (cellstream -> connectors -> indexer -> tailer -> logstore)
 lint: $(VENV)/.test
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 ## test: install and start the real services, lint, run the whole suite, stop what was started
 test: $(VENV)/.test
 	@set -euo pipefail; \
 	trap 'scripts/services.sh down' EXIT; \
 	scripts/services.sh up; \
-	$(BIN)/ruff check .; \
-	$(BIN)/mypy; \
+	$(MAKE) --no-print-directory lint; \
 	$(BIN)/pytest
 
 ## bench: the benchmarks against the real services (figures go in the README)

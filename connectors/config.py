@@ -23,14 +23,74 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from connectors.errors import SinkConfigError
-from connectors.sinks.parquet import ParquetSinkConfig
-from connectors.sinks.postgres import PostgresSinkConfig
-from indexer.indexes.definitions import DefinitionError, load_yaml
+from indexer.errors import DefinitionError
+from indexer.indexes.definitions import load_yaml
 from logstore import InvalidCellError
 from logstore.cell import check_column
+
+_NAME = r"^[a-z_][a-z0-9_]{0,62}$"  # a PostgreSQL identifier cellstream creates
+PromotedType = Literal["text", "bigint", "double", "boolean", "timestamptz", "uuid", "jsonb"]
+
+
+class ParquetSinkConfig(BaseModel):
+    """Where the lake is and when a file is rotated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    root: Path
+    max_rows: int = Field(100_000, ge=1, description="rows in one file at most")
+    max_bytes: int = Field(64 << 20, ge=1024, description="about this many bytes of row data in one file")
+    max_seconds: float = Field(300.0, gt=0, description="a file is written at most this long after its first row")
+    compression: Literal["zstd", "snappy", "gzip", "none"] = "zstd"
+
+
+class Promoted(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    field: str = Field(min_length=1, description="the body field (nested ones as a.b)")
+    column: str | None = Field(None, pattern=_NAME, description="the table column; default: the field, a.b as a_b")
+    type: PromotedType
+
+    @property
+    def name(self) -> str:
+        return self.column or self.field.replace(".", "_").lower()
+
+
+class TableSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["history", "latest"]
+    table: str | None = Field(None, pattern=_NAME, description="default: cells_<column in lower case>")
+    promote: list[Promoted] = Field(default_factory=list)
+
+
+def table_name(column: str, spec: TableSpec) -> str:
+    """The PostgreSQL table a column loads into."""
+    return spec.table or f"cells_{column.lower()}"
+
+
+class PostgresSinkConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: SecretStr = Field(description="postgresql://user:password@host:port/database")
+    db_schema: str = Field("public", alias="schema", pattern=_NAME)
+    columns: dict[str, TableSpec] = Field(min_length=1, description="how each column is loaded")
+
+    @model_validator(mode="after")
+    def _tables(self) -> PostgresSinkConfig:
+        tables = [table_name(c, s) for c, s in self.columns.items()]
+        if len(set(tables)) != len(tables):
+            raise ValueError("columns: two columns load into the same table")
+        taken = {"row_key", "ref_key", "added_id", "shard", "created_at", "body"}
+        for column, spec in self.columns.items():
+            names = [p.name for p in spec.promote]
+            if len(set(names)) != len(names) or taken & set(names):
+                raise ValueError(f"columns: {column}: promoted column names repeat, or collide with "
+                                 f"{', '.join(sorted(taken))}")
+        return self
 
 
 class ParquetSinkSpec(ParquetSinkConfig):

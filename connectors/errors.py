@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from logstore.errors import CellstreamError
 
-class ConnectorError(Exception):
+
+class ConnectorError(CellstreamError):
     """Base of every error a connector raises."""
-
-    retriable = False
 
 
 class ConversionError(ConnectorError):

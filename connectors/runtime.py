@@ -19,10 +19,9 @@ from typing import Any
 
 from connectors.config import ConnectorConfig, ParquetSinkSpec
 from connectors.sinks.base import Position, Sink
-from connectors.sinks.parquet import ParquetSink
-from connectors.sinks.postgres import PostgresSink
 from indexer import App
 from logstore import Cell, Store
+from logstore.extras import require
 
 
 def position(cell: Cell) -> Position:
@@ -67,8 +66,15 @@ class SinkApplier:
 
 
 def build_sink(config: ConnectorConfig) -> Sink:
+    """The sink of ``config``; its driver is imported here, so a missing extra is one clear error."""
     if isinstance(config.sink, ParquetSinkSpec):
+        require("parquet", "a Parquet sink")
+        from connectors.sinks.parquet import ParquetSink
+
         return ParquetSink(config.sink)
+    require("postgres", "a PostgreSQL sink")
+    from connectors.sinks.postgres import PostgresSink
+
     return PostgresSink(config.sink)
 
 

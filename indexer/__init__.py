@@ -12,6 +12,9 @@ succeeded or were dead-lettered.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from indexer.errors import (
     ConfigurationError,
     DrainTimeoutError,
@@ -26,11 +29,14 @@ from indexer.errors import (
     SourceUnavailableError,
     TakenOverError,
 )
-from indexer.runtime.app import App
-from indexer.runtime.config import AppConfig
-from indexer.runtime.deadletters import DeadLetter
-from indexer.runtime.dlq import DeadLetterQueue, DLQFilter, ReplayResult
-from indexer.runtime.handlers import Counts, Trigger
+
+if TYPE_CHECKING:
+    from indexer.indexes.applier import Index
+    from indexer.runtime.app import App
+    from indexer.runtime.config import AppConfig
+    from indexer.runtime.deadletters import DeadLetter
+    from indexer.runtime.dlq import DeadLetterQueue, DLQFilter, ReplayResult
+    from indexer.runtime.handlers import Counts, Trigger
 
 __all__ = [
     "App",
@@ -45,6 +51,7 @@ __all__ = [
     "EntryStateError",
     "HandlerMissingError",
     "HandlerStalledError",
+    "Index",
     "IndexerError",
     "InvalidFilterError",
     "NonRetriableError",
@@ -54,3 +61,25 @@ __all__ = [
     "TakenOverError",
     "Trigger",
 ]
+
+# Imported on first use: `import indexer.errors` (the CLI's exit table) must not build the runtime.
+_LAZY = {
+    "App": "indexer.runtime.app",
+    "AppConfig": "indexer.runtime.config",
+    "Counts": "indexer.runtime.handlers",
+    "DLQFilter": "indexer.runtime.dlq",
+    "DeadLetter": "indexer.runtime.deadletters",
+    "DeadLetterQueue": "indexer.runtime.dlq",
+    "Index": "indexer.indexes.applier",
+    "ReplayResult": "indexer.runtime.dlq",
+    "Trigger": "indexer.runtime.handlers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'indexer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from logstore.errors import CellstreamError
 
-class IndexerError(Exception):
+
+class IndexerError(CellstreamError):
     """Root of every indexer error."""
-
-    retriable: bool = False
 
 
 class ConfigurationError(IndexerError):
@@ -81,3 +81,33 @@ class InvalidFilterError(IndexerError, ValueError):
 
 class HandlerMissingError(IndexerError):
     """A dead letter names a handler the app no longer has, so it cannot be replayed."""
+
+
+# -- secondary indexes -----------------------------------------------------------
+class DefinitionError(IndexerError, ValueError):
+    """An index definition file is invalid; ``line`` (1-based) and ``field`` say where."""
+
+    def __init__(self, source: str, line: int | None, field: str, message: str) -> None:
+        self.source, self.line, self.field = source, line, field
+        where = f"{source}:{line}" if line is not None else source
+        super().__init__(f"{where}: {field}: {message}" if field else f"{where}: {message}")
+
+
+class EntryFieldError(NonRetriableError):
+    """A cell's body cannot give an index entry: a declared field is missing or has the wrong type."""
+
+    def __init__(self, index: str, field: str, message: str) -> None:
+        self.index, self.field = index, field
+        super().__init__(f"index {index}: field {field}: {message}")
+
+
+class IndexNotFoundError(IndexerError):
+    """No index (or no such version of it) is in the catalog."""
+
+
+class IndexStateError(IndexerError):
+    """The version's state does not allow the operation (activating one that is not backfilled, ...)."""
+
+
+class InvalidQueryError(IndexerError, ValueError):
+    """A query names a field that is not a query key, gives a value of the wrong type, or a bad option."""

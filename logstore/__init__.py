@@ -7,51 +7,45 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from logstore.cell import Cell
-from logstore.config import (
-    DEFAULT_SHARDS,
-    MAX_SHARDS,
-    ClusterConfig,
-    HttpTarget,
-    MySQLTarget,
-    NodeTarget,
-    StoreOptions,
-    load_cluster_file,
-    parse_node_url,
-    single_node,
-)
 from logstore.errors import (
     CellConflictError,
+    CellstreamError,
     ConfigurationError,
     CorruptCellError,
     InvalidArgumentError,
     InvalidCellError,
     LogstoreError,
+    MissingExtraError,
     ShardMovedError,
     StorageError,
     StorageUnavailableError,
 )
-from logstore.persistence import NodeRecorder, OffsetRecord
-from logstore.store import ShardInfo, Store, node_meta
+from logstore.extras import require
+
+if TYPE_CHECKING:
+    from logstore.cell import Cell
+    from logstore.config import DEFAULT_SHARDS, ClusterConfig, MySQLTarget, NodeTarget, StoreOptions
+    from logstore.persistence import NodeRecorder, OffsetRecord
+    from logstore.store import ShardInfo, Store
 
 __all__ = [
     "DEFAULT_SHARDS",
     "Cell",
     "CellConflictError",
+    "CellstreamError",
     "ClusterConfig",
     "ConfigurationError",
     "CorruptCellError",
     "InvalidArgumentError",
     "InvalidCellError",
     "LogstoreError",
+    "MissingExtraError",
     "OffsetRecord",
     "ShardInfo",
     "ShardMovedError",
@@ -62,14 +56,38 @@ __all__ = [
     "open",
 ]
 
+# Imported on first use, so that `import logstore` (and the CLI's --help) stays cheap: pydantic models
+# are built when their module is imported.
+_LAZY = {
+    "Cell": "logstore.cell",
+    "DEFAULT_SHARDS": "logstore.config",
+    "ClusterConfig": "logstore.config",
+    "StoreOptions": "logstore.config",
+    "OffsetRecord": "logstore.persistence",
+    "ShardInfo": "logstore.store",
+    "Store": "logstore.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'logstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 def _recorder(name: str, target: NodeTarget, options: StoreOptions, token: str | None = None,
               replicas: Sequence[MySQLTarget] = ()) -> NodeRecorder:
+    from logstore.config import HttpTarget, MySQLTarget
+
     if isinstance(target, HttpTarget):
         from logstore.backends.http import HttpRecorder
 
         return HttpRecorder(name, target, options, token)
     if isinstance(target, MySQLTarget):
+        require("mysql", "a MySQL/MariaDB store")
         from logstore.backends.mysql.recorder import MySQLRecorder
 
         return MySQLRecorder(name, target, options, replicas)
@@ -89,6 +107,21 @@ def open(target: str | os.PathLike[str], shards: int | None = None, *,  # noqa: 
     (default 4096); opening an existing instance with another count raises
     ConfigurationError. ``options`` are the fields of :class:`StoreOptions`.
     """
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from logstore.config import (
+        DEFAULT_SHARDS,
+        MAX_SHARDS,
+        HttpTarget,
+        StoreOptions,
+        load_cluster_file,
+        parse_node_url,
+        single_node,
+    )
+    from logstore.store import Store, node_meta
+
     try:
         opts = StoreOptions(**options)
     except ValidationError as exc:

@@ -1,6 +1,7 @@
 """The logstore error hierarchy.
 
-Every error raised by logstore is a :class:`LogstoreError`. Callers decide on
+Every error raised by logstore is a :class:`LogstoreError`, itself a
+:class:`CellstreamError`, the root of every error of the project. Callers decide on
 retries with the ``retriable`` flag rather than by class: a retriable error means
 "the same call may succeed later, and repeating it is safe" (puts are idempotent).
 Driver errors (pymysql, sqlite3) are translated at one boundary per backend and
@@ -14,10 +15,18 @@ import uuid
 from typing import Any
 
 
-class LogstoreError(Exception):
-    """Root of every logstore error."""
+class CellstreamError(Exception):
+    """Root of every error cellstream raises, in every package (logstore, tailer, indexer, connectors, the CLI).
+
+    ``retriable`` is a class attribute: True means the same call may succeed later
+    and repeating it is safe. Each package's root subclasses this one.
+    """
 
     retriable: bool = False
+
+
+class LogstoreError(CellstreamError):
+    """Root of every logstore error."""
 
 
 class InvalidArgumentError(LogstoreError, ValueError):
@@ -55,6 +64,17 @@ class CellConflictError(LogstoreError):
 
 class ConfigurationError(LogstoreError):
     """The instance or its configuration does not match (shard count, cluster map, credentials)."""
+
+
+class MissingExtraError(ConfigurationError):
+    """An optional part was asked for but the package behind it is not installed; ``extra`` names the
+    cellstream extra that brings it (``pip install 'cellstream[EXTRA]'``)."""
+
+    def __init__(self, extra: str, module: str, what: str) -> None:
+        self.extra = extra
+        self.module = module
+        super().__init__(f"{what} needs cellstream[{extra}] ({module} is not installed): "
+                         f"pip install 'cellstream[{extra}]'")
 
 
 class StorageError(LogstoreError):

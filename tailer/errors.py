@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from logstore.errors import CellstreamError
 
-class TailerError(Exception):
+
+class TailerError(CellstreamError):
     """Root of every tailer error."""
-
-    retriable: bool = False
 
 
 class ConfigurationError(TailerError):

@@ -7,13 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kazoo.client import KazooClient
-from kazoo.exceptions import KazooException, NoNodeError
-from kazoo.handlers.threading import KazooTimeoutError
-
 from logstore import CorruptCellError, Store
+from logstore.extras import require
 from tailer.coordinators.local import read_offsets
-from tailer.coordinators.zookeeper import tailer_path, translate
 from tailer.errors import ConfigurationError
 
 
@@ -33,6 +29,13 @@ def _shard_rows(store: Store, offsets: dict[int, dict[str, Any]], owners: dict[i
 
 
 def zookeeper_status(store: Store, zookeeper: str, name: str, timeout: float = 10.0) -> dict[str, Any]:
+    require("zookeeper", "a ZooKeeper tailer's status")
+    from kazoo.client import KazooClient
+    from kazoo.exceptions import KazooException, NoNodeError
+    from kazoo.handlers.threading import KazooTimeoutError
+
+    from tailer.coordinators.zookeeper import tailer_path, translate
+
     hosts, root = tailer_path(zookeeper, name)
     client = KazooClient(hosts=hosts, timeout=timeout)
     try:

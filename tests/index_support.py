@@ -12,7 +12,8 @@ from typing import Any
 
 import logstore
 from indexer import App
-from indexer.indexes.definitions import EntryFieldError, IndexDefinition, load_indexes
+from indexer.errors import EntryFieldError
+from indexer.indexes.definitions import IndexDefinition, load_indexes
 from logstore.index_tables.persistence import IndexEntry
 
 SEED_YAML = """

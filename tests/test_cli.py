@@ -143,7 +143,8 @@ def test_demo_ignores_the_store_in_the_environment(sqlite_url: str, capsys: pyte
 
 
 def test_log_follow_prints_new_cells(sqlite_url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from cellstream.cli import main as cli
+    from cellstream.cli import cells, common
+    from cellstream.cli.main import build_parser
 
     store = logstore.open(sqlite_url, shards=1)
     first = store.put_cell(uuid.uuid4(), "BASE", 1, {"n": 1})
@@ -157,9 +158,9 @@ def test_log_follow_prints_new_cells(sqlite_url: str, capsys: pytest.CaptureFixt
         else:
             raise KeyboardInterrupt
 
-    args = cli.build_parser().parse_args(["log", "0", "--follow", "--json", "--store", sqlite_url])
+    args = build_parser().parse_args(["log", "0", "--follow", "--json", "--store", sqlite_url])
     with pytest.raises(KeyboardInterrupt):
-        cli.cmd_log(store, args, cli.Output(True, __import__("sys").stdout), sleep=sleep)
+        cells.cmd_log(store, args, common.Output(True, __import__("sys").stdout), sleep=sleep)
     out = capsys.readouterr().out
     assert [json.loads(line)["body"]["n"] for line in out.splitlines()] == [1, 2]
     assert json.loads(out.splitlines()[0])["added_id"] == first.added_id

@@ -12,7 +12,8 @@ import pytest
 
 import indexer.indexes.definitions
 from indexer import NonRetriableError
-from indexer.indexes.definitions import DefinitionError, EntryFieldError, load_indexes
+from indexer.errors import DefinitionError, EntryFieldError
+from indexer.indexes.definitions import load_indexes
 
 from .index_support import SEED_YAML
 

@@ -15,9 +15,10 @@ import pytest
 
 import logstore
 from indexer import App
-from indexer.indexes.applier import Index, IndexApplier, InvalidQueryError, lag
+from indexer.errors import IndexStateError, InvalidQueryError
+from indexer.indexes.applier import Index, IndexApplier, lag
 from indexer.indexes.backfill import backfill
-from indexer.indexes.catalog import IndexCatalog, IndexStateError
+from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.verify import verify
 
 from .app_worker import kill_mid_handler_then_drain

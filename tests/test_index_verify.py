@@ -17,9 +17,9 @@ import pytest
 import logstore
 from cellstream.cli.main import main
 from indexer import App
-from indexer.indexes.applier import InvalidQueryError
+from indexer.errors import IndexStateError, InvalidQueryError
 from indexer.indexes.backfill import backfill
-from indexer.indexes.catalog import IndexCatalog, IndexStateError
+from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.verify import verify
 from logstore.index_tables.persistence import EntryWrite
 

@@ -16,9 +16,10 @@ import pytest
 import logstore
 from cellstream.cli.main import main
 from indexer import App
+from indexer.errors import IndexStateError
 from indexer.indexes.applier import Index
 from indexer.indexes.backfill import BackfillProgress, backfill
-from indexer.indexes.catalog import IndexCatalog, IndexStateError
+from indexer.indexes.catalog import IndexCatalog
 
 from .index_support import SEED_YAML, V2_YAML, Background, actual, expected, seed, trip
 

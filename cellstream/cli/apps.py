@@ -22,17 +22,21 @@ import multiprocessing
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import indexer
-from cellstream.cli.exits import Exit, fail
-from connectors.errors import ConnectorError, SinkConfigError
-from indexer import App, DLQFilter
+from cellstream.cli.common import Output
+from cellstream.cli.exits import Exit
+from cellstream.errors import UsageError
+
+if TYPE_CHECKING:
+    from indexer import App
 
 
 def load_app(spec: str, per_shard_metrics: bool = False) -> App:
     """The App named by ``module:attribute`` (or ``path/to/file.py:attribute``); ``per_shard_metrics``
     turns the option on whatever the app's code says (``--per-shard-metrics``)."""
+    import indexer
+
     module_name, sep, attribute = spec.rpartition(":")
     if not sep or not module_name or not attribute:
         raise indexer.ConfigurationError(
@@ -53,14 +57,14 @@ def load_app(spec: str, per_shard_metrics: bool = False) -> App:
         except ModuleNotFoundError as exc:
             raise indexer.ConfigurationError(f"cannot import {module_name}: {exc}") from None
     app = getattr(module, attribute, None)
-    if not isinstance(app, App):
+    if not isinstance(app, indexer.App):
         raise indexer.ConfigurationError(f"{spec}: {attribute} is not an indexer.App")
     if per_shard_metrics:
         app.config = app.config.model_copy(update={"per_shard_metrics": True})
     return app
 
 
-def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("run", parents=[common], help="run a stream-processing app (MODULE:APP) until SIGTERM")
     p.add_argument("app", metavar="MODULE:APP")
     p.add_argument("--workers", type=int, default=1, help="processes (needs --zookeeper or Kafka mode when > 1)")
@@ -69,7 +73,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--per-shard-metrics", action="store_true",
                    help="direct mode: export the lag of every shard (default: totals and the most lagging shards)")
-    p.set_defaults(app_func=cmd_run)
+    p.set_defaults(run=cmd_run, with_store=False)
 
     p = sub.add_parser("dlq", help="triage an app's (or a connector's) dead letters")
     p.add_argument("--app", required=True, metavar="MODULE:APP|CONNECTOR.yaml")
@@ -87,7 +91,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     a = actions.add_parser("discard", parents=[common], help="close an open entry without processing it")
     a.add_argument("id")
     a.add_argument("--reason", required=True)
-    p.set_defaults(app_func=cmd_dlq)
+    p.set_defaults(run=cmd_dlq, with_store=False)
 
 
 def _filters(p: argparse.ArgumentParser) -> None:
@@ -99,33 +103,11 @@ def _filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--until", help="last failure before this ISO-8601 time")
 
 
-def run_app(args: argparse.Namespace, out: Any) -> int:
-    """Dispatch an app command and map its errors to exit codes (one line on stderr)."""
-    import logstore
+def cmd_run(args: argparse.Namespace, out: Output) -> int:
+    import indexer
 
-    try:
-        return int(args.app_func(args, out))
-    except indexer.EntryNotFoundError as exc:
-        return fail(exc, Exit.NOT_FOUND)
-    except indexer.InvalidFilterError as exc:
-        return fail(exc, Exit.USAGE)
-    except indexer.HandlerStalledError as exc:
-        return fail(exc, Exit.STALLED)
-    except (indexer.ConfigurationError, logstore.ConfigurationError) as exc:
-        return fail(exc, Exit.CONFIG)
-    except logstore.InvalidArgumentError as exc:
-        return fail(exc, Exit.USAGE)
-    except (indexer.IndexerError, logstore.LogstoreError) as exc:
-        return fail(exc, Exit.UNAVAILABLE if exc.retriable else Exit.FAILED)
-    except SinkConfigError as exc:  # a connector's file, through --app FILE.yaml
-        return fail(exc, Exit.USAGE)
-    except ConnectorError as exc:
-        return fail(exc, Exit.UNAVAILABLE if exc.retriable else Exit.FAILED)
-
-
-def cmd_run(args: argparse.Namespace, out: Any) -> int:
     if args.workers < 1:
-        return fail(indexer.ConfigurationError("--workers must be at least 1"), Exit.USAGE)
+        raise UsageError("--workers must be at least 1")
     app = load_app(args.app, args.per_shard_metrics)
     if args.workers > 1 and not (app.brokers or app.config.zookeeper):
         raise indexer.ConfigurationError(
@@ -171,6 +153,7 @@ def dlq_app(args: argparse.Namespace) -> App:
     """The app whose dead letters to triage: ``MODULE:APP``, or a connector's YAML file (with --store)."""
     if not args.app.endswith((".yaml", ".yml")):
         return load_app(args.app)
+    import indexer
     from connectors.config import load_connector
     from connectors.runtime import connector_app
 
@@ -179,7 +162,10 @@ def dlq_app(args: argparse.Namespace) -> App:
     return connector_app(load_connector(Path(args.app)), args.store)[0]
 
 
-def cmd_dlq(args: argparse.Namespace, out: Any) -> int:
+def cmd_dlq(args: argparse.Namespace, out: Output) -> int:
+    import indexer
+    from indexer import DLQFilter
+
     app = dlq_app(args)
     dlq = app.dlq
     if args.action in ("list", "stats"):

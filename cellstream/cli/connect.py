@@ -20,17 +20,18 @@ import contextlib
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import indexer
-import logstore
-from cellstream.cli.exits import Exit, fail
-from connectors.config import ConnectorConfig, load_connector
-from connectors.errors import ConnectorError, SinkConfigError, SinkUnavailableError
-from connectors.runtime import connector_app
+from cellstream.cli.common import Output
+from cellstream.cli.exits import Exit
+
+if TYPE_CHECKING:
+    import indexer
+    from connectors.config import ConnectorConfig
+    from logstore import Store
 
 
-def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("connect", help="load the cell stream into a warehouse (Parquet lake)")
     actions = p.add_subparsers(dest="action", required=True, parser_class=type(p))
     a = actions.add_parser("run", parents=[common], help="run a connector (sink.yaml)")
@@ -40,24 +41,17 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     a.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     a = actions.add_parser("status", parents=[common], help="each shard's committed position and lag")
     a.add_argument("file", type=Path)
-    p.set_defaults(store_func=run)
+    p.set_defaults(run=run)
 
 
-def run(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
-    try:
-        config = load_connector(args.file)
-        return int((_run if args.action == "run" else _status)(store, config, args, out))
-    except SinkConfigError as exc:
-        return fail(exc, Exit.USAGE)
-    except indexer.HandlerStalledError as exc:
-        return fail(exc, Exit.STALLED)
-    except (indexer.ConfigurationError, logstore.ConfigurationError) as exc:
-        return fail(exc, Exit.CONFIG)
-    except (ConnectorError, indexer.IndexerError, logstore.LogstoreError) as exc:
-        return fail(exc, Exit.UNAVAILABLE if exc.retriable else Exit.FAILED)
+def run(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from connectors.config import load_connector
+
+    config = load_connector(args.file)
+    return int((_run if args.action == "run" else _status)(store, config, args, out))
 
 
-def _behind(store: logstore.Store, config: ConnectorConfig) -> dict[int, tuple[int | None, int]]:
+def _behind(store: Store, config: ConnectorConfig) -> dict[int, tuple[int | None, int]]:
     """shard: (committed position or None, cells of the columns after it)."""
     offsets = store.read_offsets(f"app.{config.name}")
     out = {}
@@ -68,7 +62,10 @@ def _behind(store: logstore.Store, config: ConnectorConfig) -> dict[int, tuple[i
     return out
 
 
-def _run(store: logstore.Store, config: ConnectorConfig, args: argparse.Namespace, out: Any) -> int:
+def _run(store: Store, config: ConnectorConfig, args: argparse.Namespace, out: Output) -> int:
+    from connectors.errors import SinkUnavailableError
+    from connectors.runtime import connector_app
+
     app, applier = connector_app(config, store)
     try:
         if not args.drain:
@@ -113,7 +110,7 @@ def _run(store: logstore.Store, config: ConnectorConfig, args: argparse.Namespac
     return Exit.OK
 
 
-def _status(store: logstore.Store, config: ConnectorConfig, args: argparse.Namespace, out: Any) -> int:
+def _status(store: Store, config: ConnectorConfig, args: argparse.Namespace, out: Output) -> int:
     if config.brokers is not None:
         return _kafka_status(config, out)
     rows = []
@@ -129,6 +126,9 @@ def _status(store: logstore.Store, config: ConnectorConfig, args: argparse.Names
 
 
 def _kafka_positions(config: ConnectorConfig) -> list[tuple[str, int, int | None, int]]:
+    from logstore.extras import require
+
+    require("kafka", "a connector reading Kafka")
     from indexer.runtime.kafka import group_positions
 
     assert config.brokers is not None
@@ -140,7 +140,7 @@ def _kafka_lag(config: ConnectorConfig) -> int:
     return sum(end - (committed or 0) for _, _, committed, end in _kafka_positions(config))
 
 
-def _kafka_status(config: ConnectorConfig, out: Any) -> int:
+def _kafka_status(config: ConnectorConfig, out: Output) -> int:
     """Each partition of the connector's topics: what its consumer group committed, and how far behind it is."""
     found = _kafka_positions(config)
     for topic, partition, committed, end in found:

@@ -1,4 +1,8 @@
-"""The exit codes of every ``cellstream`` command: one table for all of them (also in the README)."""
+"""The exit codes of every ``cellstream`` command and the one table that maps an error to its code.
+
+Commands raise; :func:`cellstream.cli.main.main` reports the error in one line and exits with
+:func:`exit_code` of it. The table's modules are imported when an error is mapped, never at start-up.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,10 @@ from enum import IntEnum
 
 class Exit(IntEnum):
     OK = 0
-    NOT_FOUND = 1  # no such cell, index or version
+    NOT_FOUND = 1  # no such cell, dead letter, index or version
     USAGE = 2  # bad input or usage, told in one line
     CONFLICT = 3  # the cell exists with another body
-    CONFIG = 4  # a configuration problem: store, app, cluster or connector file
+    CONFIG = 4  # a configuration problem: store, app, cluster, index or connector file; a missing extra
     UNAVAILABLE = 5  # a server (storage, Kafka, ZooKeeper, a sink) unavailable: retry later
     FAILED = 6  # another storage, publishing or sink failure
     STALLED = 7  # a handler stalled: too many open dead letters
@@ -20,7 +24,40 @@ class Exit(IntEnum):
     INTERRUPTED = 130
 
 
-def fail(exc: BaseException, code: Exit) -> int:
-    """Report ``exc`` in one line on stderr; return ``code``."""
-    print(f"cellstream: error: {exc}", file=sys.stderr)
-    return code
+def exit_code(exc: BaseException) -> Exit:
+    """The exit code of an error: the first class of the table it is an instance of; any other
+    cellstream error is UNAVAILABLE when retriable, else FAILED."""
+    from cellstream.errors import UsageError
+    from connectors.errors import SinkConfigError
+    from indexer import errors as indexer
+    from logstore import errors as logstore
+    from tailer import errors as tailer
+
+    table: tuple[tuple[tuple[type[BaseException], ...], Exit], ...] = (
+        ((UsageError, logstore.InvalidArgumentError, indexer.InvalidFilterError, indexer.InvalidQueryError),
+         Exit.USAGE),
+        ((indexer.EntryNotFoundError, indexer.IndexNotFoundError), Exit.NOT_FOUND),
+        ((logstore.CellConflictError,), Exit.CONFLICT),
+        ((logstore.ConfigurationError, tailer.ConfigurationError, indexer.ConfigurationError,
+          indexer.DefinitionError, SinkConfigError), Exit.CONFIG),
+        ((indexer.HandlerStalledError,), Exit.STALLED),
+        ((indexer.IndexStateError,), Exit.STATE),
+        # Input files (--batch, --token-file): a path that cannot be read, or text that is not UTF-8.
+        ((OSError, UnicodeDecodeError), Exit.USAGE),
+    )
+    for kinds, code in table:
+        if isinstance(exc, kinds):
+            return code
+    if isinstance(exc, logstore.CellstreamError):
+        return Exit.UNAVAILABLE if exc.retriable else Exit.FAILED
+    raise exc
+
+
+def fail(exc: BaseException, code: Exit | None = None) -> int:
+    """Report ``exc`` in one line on stderr; return ``code`` (default: the table's code for it)."""
+    if isinstance(exc, UnicodeDecodeError):
+        message = f"input is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    else:
+        message = str(exc)
+    print(f"cellstream: error: {message}", file=sys.stderr)
+    return exit_code(exc) if code is None else code

@@ -21,18 +21,19 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import indexer
-import logstore
-from cellstream.cli.exits import Exit, fail
-from indexer.indexes.applier import Index, InvalidQueryError, lag
-from indexer.indexes.backfill import BackfillProgress, backfill
-from indexer.indexes.catalog import IndexCatalog, IndexNotFoundError, IndexStateError
-from indexer.indexes.verify import VerifyProgress, verify
+from cellstream.cli.common import Output
+from cellstream.cli.exits import Exit
+from indexer.errors import InvalidQueryError
+
+if TYPE_CHECKING:
+    from indexer.indexes.backfill import BackfillProgress
+    from indexer.indexes.verify import VerifyProgress
+    from logstore import Store
 
 
-def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("index", help="query, backfill, activate, drop and inspect secondary indexes")
     actions = p.add_subparsers(dest="action", required=True, parser_class=type(p))
     a = actions.add_parser("query", parents=[common], help="entries by key: NAME key=value ...")
@@ -60,7 +61,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     a.add_argument("--sample", type=_rate, default=1.0, metavar="RATE", help="the fraction of rows to check")
     a.add_argument("--repair", action="store_true", help="fix the mismatches found")
     a.add_argument("--show", type=int, default=20, metavar="N", help="mismatches to list (default 20)")
-    p.set_defaults(store_func=run)
+    p.set_defaults(run=run)
 
 
 def _rate(text: str) -> float:
@@ -73,20 +74,11 @@ def _rate(text: str) -> float:
     return value
 
 
-def run(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
-    try:
-        return int(_ACTIONS[args.action](store, args, out))
-    except IndexNotFoundError as exc:
-        return fail(exc, Exit.NOT_FOUND)
-    except (InvalidQueryError, logstore.InvalidArgumentError) as exc:
-        return fail(exc, Exit.USAGE)
-    except (IndexStateError, indexer.ConfigurationError, logstore.ConfigurationError) as exc:
-        return fail(exc, Exit.STATE)
-    except (indexer.IndexerError, logstore.LogstoreError) as exc:
-        return fail(exc, Exit.UNAVAILABLE if exc.retriable else Exit.FAILED)
+def run(store: Store, args: argparse.Namespace, out: Output) -> int:
+    return int(_ACTIONS[args.action](store, args, out))
 
 
-def _query(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+def _query(store: Store, args: argparse.Namespace, out: Output) -> int:
     fields: dict[str, Any] = {}
     for item in args.keys:
         key, sep, value = item.partition("=")
@@ -94,6 +86,8 @@ def _query(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
             raise InvalidQueryError(f"{item!r} is not KEY=VALUE")
         start, dots, end = value.partition("..")
         fields[key] = (start or None, end or None) if dots else value
+    from indexer.indexes.applier import Index
+
     index = Index(store, args.name, version=args.version)
     definition = index.definition
     typed = {k: _typed(definition.field(k).type if k in definition.keys else "str", v) for k, v in fields.items()}
@@ -125,7 +119,7 @@ def _typed(kind: str, value: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _progress(out: Any, unit: str) -> Iterator[Callable[[int, int, str], None]]:
+def _progress(out: Output, unit: str) -> Iterator[Callable[[int, int, str], None]]:
     """A progress bar on stderr (none with --json): yields show(done, total, postfix)."""
     from tqdm import tqdm
 
@@ -141,7 +135,9 @@ def _progress(out: Any, unit: str) -> Iterator[Callable[[int, int, str], None]]:
         bar.close()
 
 
-def _backfill(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+def _backfill(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from indexer.indexes.backfill import backfill
+
     with _progress(out, "cells") as show:
         def report(p: BackfillProgress) -> None:
             show(p.cells_done, p.cells, f"shards {p.shards_done}/{p.shards}")
@@ -153,19 +149,26 @@ def _backfill(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
     return Exit.OK
 
 
-def _activate(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+def _activate(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from indexer.indexes.catalog import IndexCatalog
+
     record = IndexCatalog(store).activate(args.name, args.version)
     out.emit({"index": args.name, "active": record.active}, f"index {args.name}: version {record.active} is active")
     return Exit.OK
 
 
-def _drop(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+def _drop(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from indexer.indexes.catalog import IndexCatalog
+
     IndexCatalog(store).drop(args.name, args.version)
     out.emit({"index": args.name, "dropped": args.version}, f"index {args.name}: version {args.version} dropped")
     return Exit.OK
 
 
-def _status(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+def _status(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from indexer.indexes.applier import lag
+    from indexer.indexes.catalog import IndexCatalog
+
     catalog = IndexCatalog(store)
     names = [args.name] if args.name else sorted({s.name for s in store.indexes.specs()})
     rows = []
@@ -190,7 +193,9 @@ def _status(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
     return Exit.OK
 
 
-def _verify(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+def _verify(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from indexer.indexes.verify import verify
+
     with _progress(out, "shards") as show:
         def report(p: VerifyProgress) -> None:
             show(p.steps_done, p.steps, f"rows {p.rows}")

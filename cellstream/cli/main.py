@@ -1,371 +1,57 @@
-"""The ``cellstream`` command.
+"""The ``cellstream`` command: builds the parser from every command module's ``register`` and runs
+the chosen command.
 
-Exit codes: one table for every command, :class:`cellstream.cli.exits.Exit` (also in the README).
+A command module registers its parsers with ``register(subparsers, common)`` and sets
+``run`` (and ``with_store=False`` when it opens no store itself) on each; it imports
+what it needs when it runs, so ``--help`` and ``--version`` load no driver. Errors
+are reported in one line and mapped to exit codes by one table,
+:func:`cellstream.cli.exits.exit_code` (also in the docs).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import logging
-import math
-import os
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn, TextIO
+from collections.abc import Sequence
 
-import logstore
 from cellstream import __version__
-from cellstream.cli import apps as app_cli
-from cellstream.cli import connect as connect_cli
-from cellstream.cli import indexes as index_cli
-from cellstream.cli import serve as serve_cli
-from cellstream.cli import tail as tail_cli
-from cellstream.cli.exits import Exit
-from logstore import Cell, Store
+from cellstream.cli import apps, cells, connect, demo, indexes, serve, tail
+from cellstream.cli.common import Output, Parser, common_options
+from cellstream.cli.exits import Exit, fail
+from cellstream.errors import UsageError
+from logstore.errors import CellstreamError
 
-logger = logging.getLogger(__name__)
-
-_EXITS: list[tuple[type[logstore.LogstoreError], int]] = [
-    (logstore.InvalidArgumentError, Exit.USAGE),
-    (logstore.CellConflictError, Exit.CONFLICT),
-    (logstore.ConfigurationError, Exit.CONFIG),
-    (logstore.StorageUnavailableError, Exit.UNAVAILABLE),
-    (logstore.StorageError, Exit.FAILED),
-]
+COMMANDS = (cells, tail, apps, indexes, connect, serve, demo)
 
 
-class UsageError(Exception):
-    """Bad command-line input: reported as one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message}")
-
-
-def _json_arg(text: str, what: str) -> Any:
-    def refuse(constant: str) -> Any:
-        raise UsageError(f"{what} is not valid JSON: {constant} is not a JSON number")
-    try:
-        return json.loads(text, parse_constant=refuse)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{what} is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise UsageError(f"{what} is nested too deeply") from None
-    except ValueError as exc:  # e.g. an integer literal beyond Python's digit limit
-        raise UsageError(f"{what} is not valid JSON: {exc}") from None
-
-
-def _poll_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"--poll {text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value <= 0:
-        raise UsageError(f"--poll must be a positive number of seconds, got {text}")
-    return value
-
-
-def _time_arg(text: str) -> dt.datetime:
-    try:
-        when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise UsageError(f"--since {text!r} is not an ISO-8601 time, e.g. 2026-01-31T12:00:00Z") from None
-    return when if when.tzinfo else when.replace(tzinfo=dt.UTC)
-
-
-class Output:
-    """Writes results as human lines or, with --json, as JSON (one document or JSON lines)."""
-
-    def __init__(self, as_json: bool, out: TextIO) -> None:
-        self.as_json = as_json
-        self.out = out
-
-    def emit(self, data: Any, human: str) -> None:
-        print(json.dumps(data, ensure_ascii=False) if self.as_json else human, file=self.out, flush=True)
-
-    def cell(self, cell: Cell) -> None:
-        self.emit(cell.to_json(), human_cell(cell))
-
-
-def human_cell(cell: Cell) -> str:
-    when = cell.created_at.isoformat(timespec="microseconds").replace("+00:00", "Z")
-    body = json.dumps(cell.body, ensure_ascii=False, separators=(",", ":"))
-    return f"shard={cell.shard} added_id={cell.added_id} {when} {cell.row_key} {cell.column}@{cell.ref_key} {body}"
-
-
-# -- commands -------------------------------------------------------------------
-def cmd_init(store: Store, args: argparse.Namespace, out: Output) -> int:
-    out.emit({"shards": store.shard_count, "nodes": store.nodes},
-             f"logstore ready: {store.shard_count} shards on {', '.join(store.nodes)}")
-    return Exit.OK
-
-
-def _batch_lines(stream: TextIO) -> Iterator[tuple[Any, Any, Any, Any]]:
-    for number, line in enumerate(stream, 1):
-        if not line.strip():
-            continue
-        item = _json_arg(line, f"line {number}")
-        if not isinstance(item, dict) or set(item) != {"row_key", "column", "ref_key", "body"}:
-            raise UsageError(f"line {number}: expected an object with row_key, column, ref_key and body")
-        yield item["row_key"], item["column"], item["ref_key"], item["body"]
-
-
-def cmd_put(store: Store, args: argparse.Namespace, out: Output) -> int:
-    if args.batch is not None:
-        with (sys.stdin if args.batch == "-" else open(args.batch, encoding="utf-8")) as stream:
-            cells = store.put_cells(list(_batch_lines(stream)))
-        for cell in cells:
-            out.cell(cell)
-        return Exit.OK
-    if args.row_key is None or args.column is None or args.ref_key is None or args.body is None:
-        raise UsageError("put needs ROW_KEY COLUMN REF_KEY BODY (BODY is JSON, - reads stdin), or --batch FILE")
-    try:
-        ref_key = int(args.ref_key)
-    except ValueError:
-        raise UsageError(f"REF_KEY {args.ref_key!r} is not an integer") from None
-    text = sys.stdin.read() if args.body == "-" else args.body
-    out.cell(store.put_cell(args.row_key, args.column, ref_key, _json_arg(text, "BODY")))
-    return Exit.OK
-
-
-def cmd_get(store: Store, args: argparse.Namespace, out: Output) -> int:
-    if args.ref is None:
-        cell = store.get_cell_latest(args.row_key, args.column)
-    else:
-        cell = store.get_cell(args.row_key, args.column, args.ref)
-    if cell is None:
-        where = f"{args.row_key} {args.column}" + ("" if args.ref is None else f"@{args.ref}")
-        out.emit(None, f"no cell {where}")
-        return Exit.NOT_FOUND
-    out.cell(cell)
-    return Exit.OK
-
-
-def cmd_row(store: Store, args: argparse.Namespace, out: Output) -> int:
-    row = store.get_row(args.row_key)
-    if out.as_json:
-        out.emit({column: cell.to_json() for column, cell in row.items()}, "")
-    elif not row:
-        out.emit(None, f"no cells for row {args.row_key}")
-    for cell in [] if out.as_json else row.values():
-        out.cell(cell)
-    return Exit.OK if row else Exit.NOT_FOUND
-
-
-def cmd_log(store: Store, args: argparse.Namespace, out: Output, sleep: Callable[[float], None] = time.sleep) -> int:
-    location = args.start
-    if args.since is not None:
-        location = store.location_at(args.shard, args.since)
-    printed = 0
-    while args.limit is None or printed < args.limit:
-        page_size = 1000 if args.limit is None else min(1000, args.limit - printed)
-        cells, location = store.get_cells_for_shard(args.shard, location, page_size, columns=args.columns)
-        for cell in cells:
-            out.cell(cell)
-        printed += len(cells)
-        if not cells:
-            if not args.follow:
-                break
-            sleep(args.poll)
-    if not out.as_json and not args.follow:
-        print(f"-- {printed} cells; next location {location}", file=sys.stderr)
-    return Exit.OK
-
-
-def cmd_shards(store: Store, args: argparse.Namespace, out: Output) -> int:
-    stats = store.shard_stats()
-    shown = stats if args.all else [s for s in stats if s.cells]
-    if out.as_json:
-        out.emit([s._asdict() for s in shown], "")
-        return Exit.OK
-    print(f"{'shard':>6} {'node':<12} {'cells':>10}", file=out.out)
-    for s in shown:
-        print(f"{s.shard:>6} {s.node:<12} {s.cells:>10}", file=out.out)
-    per_node: dict[str, int] = {}
-    for s in stats:
-        per_node[s.node] = per_node.get(s.node, 0) + s.cells
-    for node, total in per_node.items():
-        print(f"node {node}: {total} cells", file=out.out)
-    print(f"{len(stats)} shards, {sum(per_node.values())} cells", file=out.out)
-    return Exit.OK
-
-
-def cmd_shards_move(store: Store, args: argparse.Namespace, out: Output) -> int:
-    from tqdm import tqdm
-
-    from logstore.backends.mysql.moves import move_shards
-
-    bars: dict[int, Any] = {}
-
-    def progress(shard: int, copied: int) -> None:
-        bar = bars.get(shard)
-        if bar is None:
-            bar = bars[shard] = tqdm(desc=f"shard {shard}", unit="cells", file=sys.stderr, leave=False,
-                                     disable=out.as_json or None)
-        bar.update(copied - bar.n)
-
-    try:
-        reports = move_shards(store, args.shard, args.to, progress)
-    finally:
-        for bar in bars.values():
-            bar.close()
-    for r in reports:
-        out.emit(r._asdict(), f"shard {r.shard}: moved from {r.source} to {r.target}, {r.cells} cells up to added_id "
-                              f"{r.head}; writes fenced {r.fenced_seconds * 1000:.0f} ms; the source copy stays "
-                              f"until `cellstream shards drop-moved {r.shard}`")
-    return Exit.OK
-
-
-def cmd_shards_drop(store: Store, args: argparse.Namespace, out: Output) -> int:
-    from logstore.backends.mysql.moves import drop_moved
-
-    for shard, node in drop_moved(store, args.shard):
-        out.emit({"shard": shard, "dropped_from": node}, f"shard {shard}: the copy on node {node} is dropped")
-    return Exit.OK
-
-
-def cmd_pending(store: Store, args: argparse.Namespace, out: Output) -> int:
-    """Buffered writes per node; with --replay, write them home (until none waits, or --wait runs out)."""
-    if args.replay:
-        deadline = time.monotonic() + args.wait
-        while True:
-            report = store.replay_pending()
-            out.emit(report._asdict(), f"replayed {report.replayed}, failed {report.failed}, waiting "
-                                       f"{report.waiting}" + (f", unreachable: {', '.join(report.unreachable)}"
-                                                              if report.unreachable else ""))
-            if not (report.waiting or report.unreachable) or time.monotonic() >= deadline:
-                break
-            time.sleep(0.5)
-        if report.waiting or report.unreachable:
-            return Exit.UNAVAILABLE
-    stats = store.pending_stats()
-    out.emit({node: {"waiting": w, "failed": f} for node, (w, f) in stats.items()},
-             "\n".join(f"node {node}: {w} buffered cells waiting, {f} failed" for node, (w, f) in stats.items())
-             or "no buffered cells")
-    return Exit.OK
-
-
-def cmd_demo(args: argparse.Namespace, out: Output) -> int:
-    from cellstream.demo import run_demo
-
-    return run_demo(args.store, out.out)
-
-
-# -- parser and main ------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    common = _Parser(add_help=False)
-    common.add_argument("--store", default=os.environ.get("CELLSTREAM_STORE"),
-                        help="sqlite:///dir, mysql://user:pw@host:port/db, a cluster file or a worker node's "
-                        "http://host:port (env CELLSTREAM_STORE; a worker node's token: env CELLSTREAM_TOKEN)")
-    common.add_argument("--json", action="store_true", help="print JSON (JSON lines for streams)")
-    common.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
-
-    parser = _Parser(prog="cellstream", description="cellstream: log streaming over a sharded cell store")
+    common = common_options()
+    parser = Parser(prog="cellstream", description="cellstream: log streaming over a sharded cell store")
     parser.add_argument("--version", action="version", version=f"cellstream {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    p = sub.add_parser("init", parents=[common], help="create the instance (or check an existing one)")
-    p.add_argument("--shards", type=int, default=None, help="shard count, fixed at creation (default 4096)")
-    p.set_defaults(func=cmd_init)
-
-    p = sub.add_parser("put", parents=[common], help="write a cell (or --batch a JSON-lines file)")
-    p.add_argument("row_key", nargs="?")
-    p.add_argument("column", nargs="?")
-    p.add_argument("ref_key", nargs="?")
-    p.add_argument("body", nargs="?", help="JSON object; - reads it from stdin")
-    p.add_argument("--batch", metavar="FILE", help="JSON lines of {row_key, column, ref_key, body}; - for stdin")
-    p.set_defaults(func=cmd_put)
-
-    p = sub.add_parser("get", parents=[common], help="read a cell: the latest, or --ref REF")
-    p.add_argument("row_key")
-    p.add_argument("column")
-    p.add_argument("--ref", type=int, default=None)
-    p.set_defaults(func=cmd_get)
-
-    p = sub.add_parser("row", parents=[common], help="the latest cell of every column of a row")
-    p.add_argument("row_key")
-    p.set_defaults(func=cmd_row)
-
-    p = sub.add_parser("log", parents=[common], help="page through a shard's log")
-    p.add_argument("shard", type=int)
-    start = p.add_mutually_exclusive_group()
-    start.add_argument("--from", dest="start", type=int, default=0, metavar="LOCATION",
-                       help="print cells after this location (added_id)")
-    start.add_argument("--since", type=_time_arg, default=None, metavar="TIME",
-                       help="print cells created at or after this ISO-8601 time")
-    p.add_argument("--limit", type=int, default=None, help="stop after this many cells")
-    p.add_argument("--columns", type=lambda s: s.split(","), default=None, help="comma-separated columns")
-    p.add_argument("--follow", "-f", action="store_true", help="keep polling for new cells")
-    p.add_argument("--poll", type=_poll_arg, default=0.5, help="seconds between polls with --follow")
-    p.set_defaults(func=cmd_log)
-
-    p = sub.add_parser("shards", parents=[common], help="cells per shard and storage node; move shards")
-    p.add_argument("--all", action="store_true", help="list empty shards too")
-    p.set_defaults(func=cmd_shards)
-    actions = p.add_subparsers(dest="action", required=False, parser_class=_Parser)
-    a = actions.add_parser("move", parents=[common], help="move shards to another MySQL node, online")
-    a.add_argument("shard", type=int, nargs="+")
-    a.add_argument("--to", required=True, metavar="NODE", help="the storage node (its name in the cluster file)")
-    a.set_defaults(func=cmd_shards_move)
-    a = actions.add_parser("drop-moved", parents=[common], help="drop the source copies of moved shards")
-    a.add_argument("shard", type=int, nargs="+")
-    a.set_defaults(func=cmd_shards_drop)
-
-    p = sub.add_parser("pending", parents=[common], help="writes buffered while a primary was down")
-    p.add_argument("--replay", action="store_true", help="write them home now (a worker node does it every second)")
-    p.add_argument("--wait", type=float, default=0.0, help="with --replay: keep trying this many seconds")
-    p.set_defaults(func=cmd_pending)
-
-    tail_cli.add_parser(sub, common, UsageError)
-    app_cli.add_parsers(sub, common)
-    index_cli.add_parser(sub, common)
-    connect_cli.add_parser(sub, common)
-    serve_cli.add_parser(sub, common)
-
-    # The demo ignores CELLSTREAM_STORE: it writes demo data, so only an explicit --store is used.
-    p = sub.add_parser("demo", help="run the pipeline demo (a throwaway embedded store by default)")
-    p.add_argument("--store", default=None, help="run against this store instead (it receives demo cells)")
-    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
-    p.set_defaults(func=None, demo=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for command in COMMANDS:
+        command.register(sub, common)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    out_stream = sys.stdout
     try:
         args = build_parser().parse_args(argv)
         if args.verbose:
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        out = Output(args.json, out_stream)
-        if getattr(args, "demo", False):
-            return cmd_demo(args, out)
-        if getattr(args, "app_func", None) is not None:
-            return app_cli.run_app(args, out)
-        if not args.store:
-            raise UsageError("no store given: pass --store URL or set CELLSTREAM_STORE")
+        out = Output(args.json, sys.stdout)
         if getattr(args, "limit", None) is not None and args.limit < 1:
             raise UsageError("--limit must be at least 1")
+        if not getattr(args, "with_store", True):
+            return int(args.run(args, out))
+        if not args.store:
+            raise UsageError("no store given: pass --store URL or set CELLSTREAM_STORE")
+        import logstore
+
         with logstore.open(args.store, shards=getattr(args, "shards", None)) as store:
-            if getattr(args, "store_func", None) is not None:
-                return int(args.store_func(store, args, out))
-            code: int = args.func(store, args, out)
-            return code
-    except UsageError as exc:
-        print(f"cellstream: error: {exc}", file=sys.stderr)
-        return Exit.USAGE
-    except logstore.LogstoreError as exc:
-        print(f"cellstream: error: {exc}", file=sys.stderr)
-        return next((code for kind, code in _EXITS if isinstance(exc, kind)), Exit.FAILED)
-    except OSError as exc:
-        print(f"cellstream: error: {exc}", file=sys.stderr)
-        return Exit.USAGE
-    except UnicodeDecodeError as exc:
-        print(f"cellstream: error: input is not UTF-8 text ({exc.reason} at byte {exc.start})", file=sys.stderr)
-        return Exit.USAGE
+            return int(args.run(store, args, out))
+    except (CellstreamError, OSError, UnicodeDecodeError) as exc:
+        return fail(exc)
     except KeyboardInterrupt:
         return Exit.INTERRUPTED

@@ -21,27 +21,31 @@ import os
 import signal
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import logstore
-from cellstream.cli.exits import Exit, fail
-from logstore.node.server import ServerConfig, WorkerNode, check_bind
+from cellstream.cli.common import Output
+from cellstream.cli.exits import Exit
+from logstore.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from logstore import Store
+    from logstore.node.server import ServerConfig
 
 
-def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("serve", parents=[common], help="run a worker node: the logstore API over HTTP")
     p.add_argument("--bind", default="127.0.0.1:8080", metavar="HOST:PORT", help="where to listen")
     p.add_argument("--token-file", type=Path, default=None,
                    help="file holding the Bearer token every request must carry (default: env CELLSTREAM_TOKEN)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     p.add_argument("--threads", type=int, default=8, help="blocking store calls at once")
-    p.set_defaults(store_func=run)
+    p.set_defaults(run=run)
 
 
 def _bind(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
-        raise logstore.InvalidArgumentError(f"--bind {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8080")
+        raise InvalidArgumentError(f"--bind {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8080")
     return host.strip("[]"), int(port)
 
 
@@ -50,30 +54,28 @@ def _token(args: argparse.Namespace) -> str | None:
         try:
             token = args.token_file.read_text().strip()
         except OSError as exc:
-            raise logstore.InvalidArgumentError(f"--token-file {args.token_file}: {exc.strerror}") from None
+            raise InvalidArgumentError(f"--token-file {args.token_file}: {exc.strerror}") from None
         if not token:
-            raise logstore.InvalidArgumentError(f"--token-file {args.token_file} is empty")
+            raise InvalidArgumentError(f"--token-file {args.token_file} is empty")
         return str(token)
     return os.environ.get("CELLSTREAM_TOKEN") or None
 
 
-def run(store: logstore.Store, args: argparse.Namespace, out: Any) -> int:
+def run(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from logstore.extras import require
+
+    require("server", "cellstream serve")
+    from logstore.node.server import ServerConfig, check_bind
+
+    host, port = _bind(args.bind)
+    token = _token(args)
+    check_bind(host, token)
     try:
-        host, port = _bind(args.bind)
-        token = _token(args)
-        check_bind(host, token)
         config = ServerConfig(host=host, port=port, token=token, max_body_bytes=args.max_body_bytes,
                               threads=args.threads)
-    except logstore.InvalidArgumentError as exc:
-        return fail(exc, Exit.USAGE)
     except ValueError as exc:  # pydantic's, for --max-body-bytes or --threads
-        return fail(logstore.InvalidArgumentError(str(exc).splitlines()[-1].strip()), Exit.USAGE)
-    try:
-        return _run(_serve(store, config, out))
-    except logstore.ConfigurationError as exc:
-        return fail(exc, Exit.CONFIG)
-    except logstore.LogstoreError as exc:
-        return fail(exc, Exit.UNAVAILABLE if exc.retriable else Exit.CONFIG)
+        raise InvalidArgumentError(str(exc).splitlines()[-1].strip()) from None
+    return _run(_serve(store, config, out))
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:
@@ -85,7 +87,9 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(main)
 
 
-async def _serve(store: logstore.Store, config: ServerConfig, out: Any) -> int:
+async def _serve(store: Store, config: ServerConfig, out: Output) -> int:
+    from logstore.node.server import WorkerNode
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -17,23 +17,23 @@ import asyncio
 import logging
 import os
 import signal
-import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
+from cellstream.cli.common import Output, columns_arg
 from cellstream.cli.exits import Exit
-from logstore import Store
-from tailer.config import KafkaOptions, TailerConfig, parse_start
-from tailer.errors import ConfigurationError, TailerError
-from tailer.interfaces import Coordinator, Publisher
-from tailer.metrics import TailerMetrics
-from tailer.worker import Tailer
+from cellstream.errors import UsageError
+from logstore.extras import require
+
+if TYPE_CHECKING:
+    from logstore import Store
+    from tailer.config import TailerConfig
+    from tailer.interfaces import Coordinator, Publisher
+    from tailer.worker import Tailer
 
 logger = logging.getLogger(__name__)
 
 
-def add_parser(sub: Any, common: argparse.ArgumentParser, usage_error: type[Exception]) -> None:
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("tail", parents=[common], help="publish shard logs to Kafka (or `tail status NAME`)")
     p.add_argument("action", nargs="?", choices=["status"], help="status: show a tailer's workers and lag")
     p.add_argument("status_name", nargs="?", metavar="NAME", help="the tailer to show (with status)")
@@ -42,7 +42,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser, usage_error: type[Exce
     p.add_argument("--zookeeper", default=os.environ.get("CELLSTREAM_ZOOKEEPER"), help="host:port[/chroot]")
     p.add_argument("--out", metavar="DIR", help="standalone: write topics as files under DIR instead of Kafka")
     p.add_argument("--offsets", metavar="FILE", help="standalone: keep offsets in FILE instead of ZooKeeper")
-    p.add_argument("--columns", type=lambda s: tuple(s.split(",")), default=None, help="comma-separated")
+    p.add_argument("--columns", type=columns_arg, default=None, help="comma-separated")
     p.add_argument("--from", dest="start", default="beginning", help="beginning, now or an ISO-8601 time")
     p.add_argument("--prefix", default="cells", help="topic prefix (topics are PREFIX.COLUMN)")
     p.add_argument("--partitions", type=int, default=16, help="partitions per topic; shard s -> s mod P")
@@ -56,24 +56,22 @@ def add_parser(sub: Any, common: argparse.ArgumentParser, usage_error: type[Exce
     p.add_argument("--per-shard-metrics", action="store_true",
                    help="export lag series for every owned shard (default: totals and the most lagging shards)")
     p.add_argument("--all", action="store_true", help="status: list every shard, not only lagging ones")
-    p.set_defaults(func=lambda store, args, out: cmd_tail(store, args, out, usage_error))
+    p.set_defaults(run=cmd_tail)
 
 
-def cmd_tail(store: Store, args: argparse.Namespace, out: Any, usage_error: type[Exception]) -> int:
-    try:
-        if args.action == "status":
-            return _status(store, args, out, usage_error)
-        return _run(store, args, usage_error)
-    except TailerError as exc:
-        print(f"cellstream: error: {exc}", file=sys.stderr)
-        if isinstance(exc, ConfigurationError):
-            return Exit.CONFIG
-        return Exit.UNAVAILABLE if exc.retriable else Exit.FAILED
+def cmd_tail(store: Store, args: argparse.Namespace, out: Output) -> int:
+    if args.action == "status":
+        return _status(store, args, out)
+    return _run(store, args)
 
 
-def _config(args: argparse.Namespace, usage_error: type[Exception]) -> TailerConfig:
+def _config(args: argparse.Namespace) -> TailerConfig:
     if not args.name:
-        raise usage_error("tail needs --name NAME")
+        raise UsageError("tail needs --name NAME")
+    from pydantic import ValidationError
+
+    from tailer.config import TailerConfig, parse_start
+
     try:
         start = parse_start(args.start)
         return TailerConfig(
@@ -85,20 +83,20 @@ def _config(args: argparse.Namespace, usage_error: type[Exception]) -> TailerCon
     except ValidationError as exc:
         problem = exc.errors()[0]
         where = ".".join(str(part) for part in problem["loc"])
-        raise usage_error(f"--{where.replace('_', '-')}: {problem['msg'].removeprefix('Value error, ')}") from None
+        raise UsageError(f"--{where.replace('_', '-')}: {problem['msg'].removeprefix('Value error, ')}") from None
     except ValueError as exc:
-        raise usage_error(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
-def _parts(store: Store, args: argparse.Namespace, config: TailerConfig,
-           usage_error: type[Exception]) -> tuple[Coordinator, Publisher]:
+def _parts(store: Store, args: argparse.Namespace, config: TailerConfig) -> tuple[Coordinator, Publisher]:
     if bool(args.brokers) == bool(args.out):
-        raise usage_error("give exactly one of --brokers (Kafka) and --out DIR (standalone files)")
+        raise UsageError("give exactly one of --brokers (Kafka) and --out DIR (standalone files)")
     if bool(args.zookeeper) == bool(args.offsets):
-        raise usage_error("give exactly one of --zookeeper (shared workers) and --offsets FILE (standalone)")
+        raise UsageError("give exactly one of --zookeeper (shared workers) and --offsets FILE (standalone)")
     coordinator: Coordinator
     publisher: Publisher
     if args.zookeeper:
+        require("zookeeper", "a tailer coordinated through ZooKeeper")
         from tailer.coordinators.zookeeper import ZooKeeperCoordinator
         coordinator = ZooKeeperCoordinator(args.zookeeper, config.name, store.shard_count,
                                            session_timeout=config.session_timeout,
@@ -107,6 +105,8 @@ def _parts(store: Store, args: argparse.Namespace, config: TailerConfig,
         from tailer.coordinators.local import LocalCoordinator
         coordinator = LocalCoordinator(args.offsets, store.shard_count)
     if args.brokers:
+        require("kafka", "a tailer publishing to Kafka")
+        from tailer.config import KafkaOptions
         from tailer.publishers.kafka import KafkaPublisher
         publisher = KafkaPublisher(KafkaOptions(brokers=args.brokers, max_request_size=args.max_request_size))
     else:
@@ -115,11 +115,14 @@ def _parts(store: Store, args: argparse.Namespace, config: TailerConfig,
     return coordinator, publisher
 
 
-def _run(store: Store, args: argparse.Namespace, usage_error: type[Exception]) -> int:
-    config = _config(args, usage_error)
-    coordinator, publisher = _parts(store, args, config, usage_error)
+def _run(store: Store, args: argparse.Namespace) -> int:
+    config = _config(args)
+    coordinator, publisher = _parts(store, args, config)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tailer.metrics import TailerMetrics
+    from tailer.worker import Tailer
+
     metrics = TailerMetrics(config.name)
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
@@ -143,10 +146,10 @@ async def _serve(tailer: Tailer) -> int:
     return Exit.OK
 
 
-def _status(store: Store, args: argparse.Namespace, out: Any, usage_error: type[Exception]) -> int:
+def _status(store: Store, args: argparse.Namespace, out: Output) -> int:
     name = args.status_name or args.name
     if not name:
-        raise usage_error("tail status needs the tailer's NAME")
+        raise UsageError("tail status needs the tailer's NAME")
     from tailer import status
 
     if args.offsets:
@@ -154,7 +157,7 @@ def _status(store: Store, args: argparse.Namespace, out: Any, usage_error: type[
     elif args.zookeeper:
         report = status.zookeeper_status(store, args.zookeeper, name)
     else:
-        raise usage_error("tail status needs --zookeeper HOST:PORT or --offsets FILE")
+        raise UsageError("tail status needs --zookeeper HOST:PORT or --offsets FILE")
     shards = report["shards"]
     if out.as_json:
         out.emit(report, "")
@@ -173,4 +176,4 @@ def _status(store: Store, args: argparse.Namespace, out: Any, usage_error: type[
     return Exit.OK
 
 
-__all__ = ["add_parser"]
+__all__ = ["register"]

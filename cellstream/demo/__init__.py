@@ -17,10 +17,9 @@ from typing import TextIO
 
 import logstore
 from cellstream.demo.app import app_demo
-from cellstream.demo.connect import connect_demo
 from cellstream.demo.index import index_demo
 from cellstream.demo.tailer import tailer_demo
-from cellstream.demo.worker import worker_demo
+from logstore.extras import missing
 
 DEMO_SHARDS = 16
 CITIES = ["Aarhus", "Lisbon", "Oakland", "Sao Paulo", "Hyderabad"]
@@ -35,6 +34,14 @@ def run_demo(store_url: str | None, out: TextIO) -> int:
 
 def _say(out: TextIO, text: str = "") -> None:
     print(text, file=out, flush=True)
+
+
+def _has_extra(out: TextIO, extra: str, section: str) -> bool:
+    module = missing(extra)
+    if module is not None:
+        _say(out, f"\n== {section}: skipped, it needs cellstream[{extra}] ({module} is not installed): "
+                  f"pip install 'cellstream[{extra}]'")
+    return module is None
 
 
 def _demo(url: str, out: TextIO, shards: int | None) -> int:
@@ -108,7 +115,14 @@ def _demo(url: str, out: TextIO, shards: int | None) -> int:
         tailer_demo(store, out)
         app_demo(store, out, blocked="rider-3")
         index_demo(store, out, trips[1])
-        connect_demo(store, out)
-        worker_demo(store, out, trips[0])
+        # The lake and the worker node need extras; without one the section says so and the rest runs.
+        if _has_extra(out, "parquet", "10. a warehouse connector into a Parquet lake"):
+            from cellstream.demo.connect import connect_demo
+
+            connect_demo(store, out)
+        if _has_extra(out, "server", "11. a worker node: the logstore API over HTTP"):
+            from cellstream.demo.worker import worker_demo
+
+            worker_demo(store, out, trips[0])
     _say(out, "\ndemo finished")
     return 0

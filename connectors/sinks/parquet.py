@@ -42,8 +42,8 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
 
+from connectors.config import ParquetSinkConfig
 from connectors.errors import ConversionError, SinkConfigError, SinkUnavailableError
 from connectors.sinks.base import CELL_COLUMNS, Position, Sink, flatten, json_text, utc_date
 from logstore import Cell
@@ -55,18 +55,6 @@ _CELL_SCHEMA = [("row_key", pa.string()), ("column", pa.string()), ("ref_key", p
                 ("added_id", pa.int64()), ("shard", pa.int32()), ("created_at", pa.timestamp("us", tz="UTC"))]
 _NAME = re.compile(r"^p(\d+)-(\d+)-(\d+)\.parquet$")
 _SCHEMA_FILE = "_schema.json"
-
-
-class ParquetSinkConfig(BaseModel):
-    """Where the lake is and when a file is rotated."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    root: Path
-    max_rows: int = Field(100_000, ge=1, description="rows in one file at most")
-    max_bytes: int = Field(64 << 20, ge=1024, description="about this many bytes of row data in one file")
-    max_seconds: float = Field(300.0, gt=0, description="a file is written at most this long after its first row")
-    compression: Literal["zstd", "snappy", "gzip", "none"] = "zstd"
 
 
 # A body value's kind by its exact type (bodies come from JSON: no subclasses); anything else is json.

@@ -32,69 +32,22 @@ import logging
 import math
 import uuid
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from connectors.config import PostgresSinkConfig, Promoted, table_name
 from connectors.errors import ConnectorError, ConversionError, SinkUnavailableError
 from connectors.sinks.base import Position, Sink
 from logstore import Cell
 
 logger = logging.getLogger(__name__)
-PromotedType = Literal["text", "bigint", "double", "boolean", "timestamptz", "uuid", "jsonb"]
 _SQL_TYPES = {"text": "text", "bigint": "bigint", "double": "double precision", "boolean": "boolean",
               "timestamptz": "timestamptz", "uuid": "uuid", "jsonb": "jsonb"}
-_NAME = r"^[a-z_][a-z0-9_]{0,62}$"
 _BINARY_TYPES = {"text": "text", "bigint": "int8", "double": "float8", "boolean": "bool", "timestamptz": "timestamptz",
                  "uuid": "uuid", "jsonb": "jsonb"}
-
-
-class Promoted(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    field: str = Field(min_length=1, description="the body field (nested ones as a.b)")
-    column: str | None = Field(None, pattern=_NAME, description="the table column; default: the field, a.b as a_b")
-    type: PromotedType
-
-    @property
-    def name(self) -> str:
-        return self.column or self.field.replace(".", "_").lower()
-
-
-class TableSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    mode: Literal["history", "latest"]
-    table: str | None = Field(None, pattern=_NAME, description="default: cells_<column in lower case>")
-    promote: list[Promoted] = Field(default_factory=list)
-
-
-def _table(column: str, spec: TableSpec) -> str:
-    return spec.table or f"cells_{column.lower()}"
-
-
-class PostgresSinkConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    url: SecretStr = Field(description="postgresql://user:password@host:port/database")
-    db_schema: str = Field("public", alias="schema", pattern=_NAME)
-    columns: dict[str, TableSpec] = Field(min_length=1, description="how each column is loaded")
-
-    @model_validator(mode="after")
-    def _tables(self) -> PostgresSinkConfig:
-        tables = [_table(c, s) for c, s in self.columns.items()]
-        if len(set(tables)) != len(tables):
-            raise ValueError("columns: two columns load into the same table")
-        taken = {"row_key", "ref_key", "added_id", "shard", "created_at", "body"}
-        for column, spec in self.columns.items():
-            names = [p.name for p in spec.promote]
-            if len(set(names)) != len(names) or taken & set(names):
-                raise ValueError(f"columns: {column}: promoted column names repeat, or collide with "
-                                 f"{', '.join(sorted(taken))}")
-        return self
 
 
 def _value(promoted: Promoted, value: Any) -> Any:
@@ -157,7 +110,7 @@ class PostgresSink(Sink):
         with conn.transaction():
             conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
             for column, spec in self.config.columns.items():
-                table = sql.Identifier(self.config.db_schema, _table(column, spec))
+                table = sql.Identifier(self.config.db_schema, table_name(column, spec))
                 key = "row_key" if spec.mode == "latest" else "row_key, ref_key"
                 conn.execute(sql.SQL(
                     "CREATE TABLE IF NOT EXISTS {} (row_key uuid NOT NULL, ref_key bigint NOT NULL, added_id bigint "
@@ -201,7 +154,7 @@ class PostgresSink(Sink):
 
     def _load(self, conn: psycopg.Connection[Any], column: str, rows: list[tuple[Any, ...]]) -> None:
         spec = self.config.columns[column]
-        table = sql.Identifier(self.config.db_schema, _table(column, spec))
+        table = sql.Identifier(self.config.db_schema, table_name(column, spec))
         names = ["row_key", "ref_key", "added_id", "shard", "created_at", "body", *(p.name for p in spec.promote)]
         columns = sql.SQL(", ").join(sql.Identifier(n) for n in names)
         types = ["uuid", "int8", "int8", "int4", "timestamptz", "jsonb", *(_BINARY_TYPES[p.type] for p in spec.promote)]

@@ -22,19 +22,15 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from indexer.errors import IndexerError
-from indexer.indexes.catalog import IndexCatalog, IndexRecord, IndexStateError
-from indexer.indexes.definitions import EntryFieldError, IndexDefinition, convert
+from indexer.errors import EntryFieldError, IndexStateError, InvalidQueryError
+from indexer.indexes.catalog import IndexCatalog, IndexRecord
+from indexer.indexes.definitions import IndexDefinition, convert
 from logstore import Cell, CorruptCellError, InvalidArgumentError, LogstoreError, Store
 from logstore.index_tables.persistence import ApplyResult, Condition, IndexChange, IndexEntry, Stream
 from logstore.index_tables.store import MAX_QUERY_LIMIT
 
 logger = logging.getLogger(__name__)
 _REFRESH = 1.0  # seconds a query reuses the catalog record (which version is active)
-
-
-class InvalidQueryError(IndexerError, ValueError):
-    """A query names a field that is not a query key, gives a value of the wrong type, or a bad option."""
 
 
 def handler_name(definition: IndexDefinition) -> str:

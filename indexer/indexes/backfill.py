@@ -22,8 +22,9 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from indexer.errors import IndexStateError
 from indexer.indexes.applier import handler_name
-from indexer.indexes.catalog import IndexCatalog, IndexStateError
+from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.definitions import IndexDefinition
 from indexer.runtime.deadletters import DeadLetterStore
 from indexer.runtime.policy import Outcome, describe

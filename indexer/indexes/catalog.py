@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from indexer.errors import ConfigurationError, IndexerError
+from indexer.errors import ConfigurationError, IndexNotFoundError, IndexStateError
 from indexer.indexes.definitions import IndexDefinition
 from logstore import CellConflictError, Store
 
@@ -33,14 +33,6 @@ _NAMESPACE = uuid.UUID("0b6f6a9e-4f0e-4d0c-9a55-3c1f3e7a2b41")
 _WRITE_TRIES = 16
 State = Literal["building", "ready", "active", "retired", "dropped"]
 MAINTAINED: frozenset[str] = frozenset({"building", "ready", "active", "retired"})
-
-
-class IndexNotFoundError(IndexerError):
-    """No index (or no such version of it) is in the catalog."""
-
-
-class IndexStateError(IndexerError):
-    """The version's state does not allow the operation (activating one that is not backfilled, ...)."""
 
 
 class VersionRecord(BaseModel):

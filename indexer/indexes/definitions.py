@@ -35,28 +35,10 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from indexer.errors import IndexerError, NonRetriableError
+from indexer.errors import DefinitionError, EntryFieldError
 from logstore import InvalidCellError
 from logstore.cell import check_column
 from logstore.index_tables.persistence import MAX_KEY_CHARS, IndexColumn, IndexSpec
-
-
-class DefinitionError(IndexerError, ValueError):
-    """An index definition file is invalid; ``line`` (1-based) and ``field`` say where."""
-
-    def __init__(self, source: str, line: int | None, field: str, message: str) -> None:
-        self.source, self.line, self.field = source, line, field
-        where = f"{source}:{line}" if line is not None else source
-        super().__init__(f"{where}: {field}: {message}" if field else f"{where}: {message}")
-
-
-class EntryFieldError(NonRetriableError):
-    """A cell's body cannot give an index entry: a declared field is missing or has the wrong type."""
-
-    def __init__(self, index: str, field: str, message: str) -> None:
-        self.index, self.field = index, field
-        super().__init__(f"index {index}: field {field}: {message}")
-
 
 IndexField = IndexColumn  # one body field copied into the entries (name, type, key)
 

@@ -32,9 +32,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
-from indexer.indexes.applier import InvalidQueryError
-from indexer.indexes.catalog import IndexCatalog, IndexStateError
-from indexer.indexes.definitions import EntryFieldError, IndexDefinition
+from indexer.errors import EntryFieldError, IndexStateError, InvalidQueryError
+from indexer.indexes.catalog import IndexCatalog
+from indexer.indexes.definitions import IndexDefinition
 from logstore import Store
 from logstore.index_tables.persistence import Fix, IndexEntry, Locator, encode_row
 

@@ -40,6 +40,7 @@ from indexer.runtime.handlers import BatchApplier, Counts, Handler, Processor, T
 from indexer.runtime.metrics import AppMetrics
 from logstore import InvalidCellError, Store
 from logstore.cell import check_column
+from logstore.extras import require
 from tailer.metrics import TailerMetrics
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ class App:
     def _runner(self) -> Runner:
         processor = self.processor
         if self.brokers is not None:
+            require("kafka", "an app in Kafka mode")
             from indexer.runtime.kafka import KafkaRunner  # faust is imported only in Kafka mode
 
             return KafkaRunner(self.config, self.brokers, processor, self.metrics)

@@ -27,6 +27,7 @@ from typing import Any, Literal, NamedTuple
 from indexer.runtime.config import AppConfig
 from indexer.runtime.handlers import Processor, tailer_deadletter
 from logstore import Cell, Store
+from logstore.extras import require
 from tailer.config import TailerConfig
 from tailer.coordinators.store import StoreCoordinator
 from tailer.errors import PublishError
@@ -221,6 +222,7 @@ class DirectRunner:
         )
         self.coordinator: Coordinator
         if config.zookeeper:
+            require("zookeeper", "an app coordinated through ZooKeeper")
             from tailer.coordinators.zookeeper import ZooKeeperCoordinator
 
             self.coordinator = ZooKeeperCoordinator(config.zookeeper, consumer, store.shard_count,

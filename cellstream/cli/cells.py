@@ -1,0 +1,229 @@
+"""The store commands: ``init``, ``put``, ``get``, ``row``, ``log``, ``shards`` (``move``, ``drop-moved``)
+and ``pending``. Each runs on the store of ``--store``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TextIO
+
+from cellstream.cli.common import Output, Parser, json_arg, poll_arg, time_arg
+from cellstream.cli.exits import Exit
+from cellstream.errors import UsageError
+
+if TYPE_CHECKING:
+    from logstore import Store
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("init", parents=[common], help="create the instance (or check an existing one)")
+    p.add_argument("--shards", type=int, default=None, help="shard count, fixed at creation (default 4096)")
+    p.set_defaults(run=cmd_init)
+
+    p = sub.add_parser("put", parents=[common], help="write a cell (or --batch a JSON-lines file)")
+    p.add_argument("row_key", nargs="?")
+    p.add_argument("column", nargs="?")
+    p.add_argument("ref_key", nargs="?")
+    p.add_argument("body", nargs="?", help="JSON object; - reads it from stdin")
+    p.add_argument("--batch", metavar="FILE", help="JSON lines of {row_key, column, ref_key, body}; - for stdin")
+    p.set_defaults(run=cmd_put)
+
+    p = sub.add_parser("get", parents=[common], help="read a cell: the latest, or --ref REF")
+    p.add_argument("row_key")
+    p.add_argument("column")
+    p.add_argument("--ref", type=int, default=None)
+    p.set_defaults(run=cmd_get)
+
+    p = sub.add_parser("row", parents=[common], help="the latest cell of every column of a row")
+    p.add_argument("row_key")
+    p.set_defaults(run=cmd_row)
+
+    p = sub.add_parser("log", parents=[common], help="page through a shard's log")
+    p.add_argument("shard", type=int)
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--from", dest="start", type=int, default=0, metavar="LOCATION",
+                       help="print cells after this location (added_id)")
+    start.add_argument("--since", type=time_arg, default=None, metavar="TIME",
+                       help="print cells created at or after this ISO-8601 time")
+    p.add_argument("--limit", type=int, default=None, help="stop after this many cells")
+    p.add_argument("--columns", type=lambda s: s.split(","), default=None, help="comma-separated columns")
+    p.add_argument("--follow", "-f", action="store_true", help="keep polling for new cells")
+    p.add_argument("--poll", type=poll_arg, default=0.5, help="seconds between polls with --follow")
+    p.set_defaults(run=cmd_log)
+
+    p = sub.add_parser("shards", parents=[common], help="cells per shard and storage node; move shards")
+    p.add_argument("--all", action="store_true", help="list empty shards too")
+    p.set_defaults(run=cmd_shards)
+    actions = p.add_subparsers(dest="action", required=False, parser_class=Parser)
+    a = actions.add_parser("move", parents=[common], help="move shards to another MySQL node, online")
+    a.add_argument("shard", type=int, nargs="+")
+    a.add_argument("--to", required=True, metavar="NODE", help="the storage node (its name in the cluster file)")
+    a.set_defaults(run=cmd_shards_move)
+    a = actions.add_parser("drop-moved", parents=[common], help="drop the source copies of moved shards")
+    a.add_argument("shard", type=int, nargs="+")
+    a.set_defaults(run=cmd_shards_drop)
+
+    p = sub.add_parser("pending", parents=[common], help="writes buffered while a primary was down")
+    p.add_argument("--replay", action="store_true", help="write them home now (a worker node does it every second)")
+    p.add_argument("--wait", type=float, default=0.0, help="with --replay: keep trying this many seconds")
+    p.set_defaults(run=cmd_pending)
+
+
+# -- commands -------------------------------------------------------------------
+def cmd_init(store: Store, args: argparse.Namespace, out: Output) -> int:
+    out.emit({"shards": store.shard_count, "nodes": store.nodes},
+             f"logstore ready: {store.shard_count} shards on {', '.join(store.nodes)}")
+    return Exit.OK
+
+
+def _batch_lines(stream: TextIO) -> Iterator[tuple[Any, Any, Any, Any]]:
+    for number, line in enumerate(stream, 1):
+        if not line.strip():
+            continue
+        item = json_arg(line, f"line {number}")
+        if not isinstance(item, dict) or set(item) != {"row_key", "column", "ref_key", "body"}:
+            raise UsageError(f"line {number}: expected an object with row_key, column, ref_key and body")
+        yield item["row_key"], item["column"], item["ref_key"], item["body"]
+
+
+def cmd_put(store: Store, args: argparse.Namespace, out: Output) -> int:
+    if args.batch is not None:
+        with (sys.stdin if args.batch == "-" else open(args.batch, encoding="utf-8")) as stream:
+            cells = store.put_cells(list(_batch_lines(stream)))
+        for cell in cells:
+            out.cell(cell)
+        return Exit.OK
+    if args.row_key is None or args.column is None or args.ref_key is None or args.body is None:
+        raise UsageError("put needs ROW_KEY COLUMN REF_KEY BODY (BODY is JSON, - reads stdin), or --batch FILE")
+    try:
+        ref_key = int(args.ref_key)
+    except ValueError:
+        raise UsageError(f"REF_KEY {args.ref_key!r} is not an integer") from None
+    text = sys.stdin.read() if args.body == "-" else args.body
+    out.cell(store.put_cell(args.row_key, args.column, ref_key, json_arg(text, "BODY")))
+    return Exit.OK
+
+
+def cmd_get(store: Store, args: argparse.Namespace, out: Output) -> int:
+    if args.ref is None:
+        cell = store.get_cell_latest(args.row_key, args.column)
+    else:
+        cell = store.get_cell(args.row_key, args.column, args.ref)
+    if cell is None:
+        where = f"{args.row_key} {args.column}" + ("" if args.ref is None else f"@{args.ref}")
+        out.emit(None, f"no cell {where}")
+        return Exit.NOT_FOUND
+    out.cell(cell)
+    return Exit.OK
+
+
+def cmd_row(store: Store, args: argparse.Namespace, out: Output) -> int:
+    row = store.get_row(args.row_key)
+    if out.as_json:
+        out.emit({column: cell.to_json() for column, cell in row.items()}, "")
+    elif not row:
+        out.emit(None, f"no cells for row {args.row_key}")
+    for cell in [] if out.as_json else row.values():
+        out.cell(cell)
+    return Exit.OK if row else Exit.NOT_FOUND
+
+
+def cmd_log(store: Store, args: argparse.Namespace, out: Output, sleep: Callable[[float], None] = time.sleep) -> int:
+    location = args.start
+    if args.since is not None:
+        location = store.location_at(args.shard, args.since)
+    printed = 0
+    while args.limit is None or printed < args.limit:
+        page_size = 1000 if args.limit is None else min(1000, args.limit - printed)
+        cells, location = store.get_cells_for_shard(args.shard, location, page_size, columns=args.columns)
+        for cell in cells:
+            out.cell(cell)
+        printed += len(cells)
+        if not cells:
+            if not args.follow:
+                break
+            sleep(args.poll)
+    if not out.as_json and not args.follow:
+        print(f"-- {printed} cells; next location {location}", file=sys.stderr)
+    return Exit.OK
+
+
+def cmd_shards(store: Store, args: argparse.Namespace, out: Output) -> int:
+    stats = store.shard_stats()
+    shown = stats if args.all else [s for s in stats if s.cells]
+    if out.as_json:
+        out.emit([s._asdict() for s in shown], "")
+        return Exit.OK
+    print(f"{'shard':>6} {'node':<12} {'cells':>10}", file=out.out)
+    for s in shown:
+        print(f"{s.shard:>6} {s.node:<12} {s.cells:>10}", file=out.out)
+    per_node: dict[str, int] = {}
+    for s in stats:
+        per_node[s.node] = per_node.get(s.node, 0) + s.cells
+    for node, total in per_node.items():
+        print(f"node {node}: {total} cells", file=out.out)
+    print(f"{len(stats)} shards, {sum(per_node.values())} cells", file=out.out)
+    return Exit.OK
+
+
+def cmd_shards_move(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from tqdm import tqdm
+
+    from logstore.extras import require
+
+    require("mysql", "moving shards")
+    from logstore.backends.mysql.moves import move_shards
+
+    bars: dict[int, Any] = {}
+
+    def progress(shard: int, copied: int) -> None:
+        bar = bars.get(shard)
+        if bar is None:
+            bar = bars[shard] = tqdm(desc=f"shard {shard}", unit="cells", file=sys.stderr, leave=False,
+                                     disable=out.as_json or None)
+        bar.update(copied - bar.n)
+
+    try:
+        reports = move_shards(store, args.shard, args.to, progress)
+    finally:
+        for bar in bars.values():
+            bar.close()
+    for r in reports:
+        out.emit(r._asdict(), f"shard {r.shard}: moved from {r.source} to {r.target}, {r.cells} cells up to added_id "
+                              f"{r.head}; writes fenced {r.fenced_seconds * 1000:.0f} ms; the source copy stays "
+                              f"until `cellstream shards drop-moved {r.shard}`")
+    return Exit.OK
+
+
+def cmd_shards_drop(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from logstore.extras import require
+
+    require("mysql", "dropping moved shards")
+    from logstore.backends.mysql.moves import drop_moved
+
+    for shard, node in drop_moved(store, args.shard):
+        out.emit({"shard": shard, "dropped_from": node}, f"shard {shard}: the copy on node {node} is dropped")
+    return Exit.OK
+
+
+def cmd_pending(store: Store, args: argparse.Namespace, out: Output) -> int:
+    """Buffered writes per node; with --replay, write them home (until none waits, or --wait runs out)."""
+    if args.replay:
+        deadline = time.monotonic() + args.wait
+        while True:
+            report = store.replay_pending()
+            out.emit(report._asdict(), f"replayed {report.replayed}, failed {report.failed}, waiting "
+                                       f"{report.waiting}" + (f", unreachable: {', '.join(report.unreachable)}"
+                                                              if report.unreachable else ""))
+            if not (report.waiting or report.unreachable) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if report.waiting or report.unreachable:
+            return Exit.UNAVAILABLE
+    stats = store.pending_stats()
+    out.emit({node: {"waiting": w, "failed": f} for node, (w, f) in stats.items()},
+             "\n".join(f"node {node}: {w} buffered cells waiting, {f} failed" for node, (w, f) in stats.items())
+             or "no buffered cells")
+    return Exit.OK

@@ -1,0 +1,94 @@
+"""What every command module shares: the parser class, the common options, output, argument types.
+
+Nothing here imports logstore, the runtime or a driver: ``cellstream --help`` and
+``--version`` build every parser, and must stay fast (a command imports what it
+needs when it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
+
+from cellstream.errors import UsageError
+
+if TYPE_CHECKING:
+    from logstore import Cell
+
+
+class Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are a :class:`UsageError` (one line, exit 2), not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def common_options() -> Parser:
+    """The options every command takes: --store, --json, --verbose."""
+    common = Parser(add_help=False)
+    common.add_argument("--store", default=os.environ.get("CELLSTREAM_STORE"),
+                        help="sqlite:///dir, mysql://user:pw@host:port/db, a cluster file or a worker node's "
+                        "http://host:port (env CELLSTREAM_STORE; a worker node's token: env CELLSTREAM_TOKEN)")
+    common.add_argument("--json", action="store_true", help="print JSON (JSON lines for streams)")
+    common.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
+    return common
+
+
+class Output:
+    """Writes results as human lines or, with --json, as JSON (one document or JSON lines)."""
+
+    def __init__(self, as_json: bool, out: TextIO) -> None:
+        self.as_json = as_json
+        self.out = out
+
+    def emit(self, data: Any, human: str) -> None:
+        print(json.dumps(data, ensure_ascii=False) if self.as_json else human, file=self.out, flush=True)
+
+    def cell(self, cell: Cell) -> None:
+        self.emit(cell.to_json(), human_cell(cell))
+
+
+def human_cell(cell: Cell) -> str:
+    when = cell.created_at.isoformat(timespec="microseconds").replace("+00:00", "Z")
+    body = json.dumps(cell.body, ensure_ascii=False, separators=(",", ":"))
+    return f"shard={cell.shard} added_id={cell.added_id} {when} {cell.row_key} {cell.column}@{cell.ref_key} {body}"
+
+
+def json_arg(text: str, what: str) -> Any:
+    """``text`` parsed as JSON, or a UsageError naming ``what`` (NaN and Infinity are not JSON)."""
+    def refuse(constant: str) -> Any:
+        raise UsageError(f"{what} is not valid JSON: {constant} is not a JSON number")
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"{what} is nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer literal beyond Python's digit limit
+        raise UsageError(f"{what} is not valid JSON: {exc}") from None
+
+
+def poll_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"--poll {text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"--poll must be a positive number of seconds, got {text}")
+    return value
+
+
+def time_arg(text: str) -> dt.datetime:
+    try:
+        when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise UsageError(f"--since {text!r} is not an ISO-8601 time, e.g. 2026-01-31T12:00:00Z") from None
+    return when if when.tzinfo else when.replace(tzinfo=dt.UTC)
+
+
+def columns_arg(text: str) -> tuple[str, ...]:
+    return tuple(text.split(","))
