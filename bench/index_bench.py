@@ -65,7 +65,9 @@ from indexer.indexes.backfill import backfill
 from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.definitions import IndexDefinition, load_indexes
 from indexer.indexes.verify import verify
-from logstore import Cell, mysql_index, sqlite_index
+from logstore import Cell
+from logstore.backends.mysql import index_tables as mysql_index
+from logstore.backends.sqlite import index_tables as sqlite_index
 from logstore.backends.sqlite.recorder import INDEX_FILE
 from logstore.config import MySQLTarget, SQLiteTarget, parse_node_url
 from logstore.index_tables.persistence import ApplyResult, IndexChange, IndexSpec, Stream

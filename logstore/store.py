@@ -32,6 +32,7 @@ from logstore.errors import (
     StorageError,
     StorageUnavailableError,
 )
+from logstore.index_tables.persistence import IndexRecorder
 from logstore.index_tables.store import IndexStore
 from logstore.persistence import Coordinates, NodeMeta, NodeRecorder, OffsetRecord, PendingCell, PendingRecord
 
@@ -96,19 +97,23 @@ class Store:
     def nodes(self) -> list[str]:
         return [n.name for n in self._cluster.nodes]
 
+    def node_recorder(self, name: str) -> NodeRecorder | None:
+        """The recorder of storage node ``name`` (None when the cluster has no such node): for
+        backend-level operations such as shard moves."""
+        return self._recorders.get(name)
+
     @property
     def indexes(self) -> IndexStore:
         """The secondary index tables on the store's nodes (:mod:`logstore.index_tables.store`)."""
         if self._indexes is None:
-            self._indexes = IndexStore(self, lambda shard: self._recorder(shard).indexes,
-                                       [r.indexes for r in self._recorders.values()])
+            self._indexes = IndexStore(_IndexRouter(self))
         return self._indexes
 
     def shard_of(self, row_key: uuid.UUID | str) -> int:
         return shard_of(coerce_row_key(row_key), self._cluster.shards)
 
     def node_of(self, shard: int) -> str:
-        return self._node_of[self._check_shard(shard)].name
+        return self._node_of[self.check_shard(shard)].name
 
     def _recorder(self, shard: int) -> NodeRecorder:
         if self._closed:
@@ -143,7 +148,8 @@ class Store:
                     node_of[shard] = self._by_name[target]
             self._node_of[:] = node_of
 
-    def _check_shard(self, shard: object) -> int:
+    def check_shard(self, shard: object) -> int:
+        """``shard`` when it is a shard of this store; InvalidArgumentError naming it otherwise."""
         if type(shard) is not int or not 0 <= shard < self._cluster.shards:
             raise InvalidArgumentError(f"shard must be an integer in [0, {self._cluster.shards}), got {shard!r}")
         return shard
@@ -391,7 +397,7 @@ class Store:
         return out
 
     def _check_page(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[str] | None:
-        self._check_shard(shard)
+        self.check_shard(shard)
         if type(location) is not int or not 0 <= location < 1 << 63:
             raise InvalidArgumentError(f"location must be an integer in [0, 2^63), got {location!r}")
         if type(limit) is not int or not 1 <= limit <= MAX_PAGE:
@@ -405,7 +411,7 @@ class Store:
 
         ``when`` must be timezone-aware. If no cell is that recent, the shard's head.
         """
-        self._check_shard(shard)
+        self.check_shard(shard)
         if not isinstance(when, dt.datetime) or when.tzinfo is None or when.utcoffset() is None:
             raise InvalidArgumentError("location_at needs a timezone-aware datetime")
         try:
@@ -439,12 +445,12 @@ class Store:
 
     def head(self, shard: int) -> int:
         """The highest added_id of the shard (0 when empty): the location of the log's end."""
-        return self._recorder(self._check_shard(shard)).head(shard)
+        return self._recorder(self.check_shard(shard)).head(shard)
 
     def heads(self, shards: Iterable[int] | None = None) -> dict[int, int]:
         """The head of each of ``shards`` (default: all), one read per storage node where the backend can:
         a reader's lag over many shards without a read per shard."""
-        wanted = range(self.shard_count) if shards is None else sorted({self._check_shard(s) for s in shards})
+        wanted = range(self.shard_count) if shards is None else sorted({self.check_shard(s) for s in shards})
         out: dict[int, int] = {}
         for node, group in self._by_node(wanted).items():
             out.update(self._recorders[node].heads(group))
@@ -474,7 +480,7 @@ class Store:
 
         Commits by the previous holder are refused from then on (see commit_offsets).
         """
-        wanted = range(self.shard_count) if shards is None else sorted({self._check_shard(s) for s in shards})
+        wanted = range(self.shard_count) if shards is None else sorted({self.check_shard(s) for s in shards})
         self._check_consumer(consumer, owner)
         out: dict[int, OffsetRecord] = {}
         for node, group in self._by_node(wanted).items():
@@ -489,7 +495,7 @@ class Store:
         self._check_consumer(consumer, owner)
         rows: dict[int, tuple[int, str]] = {}
         for shard, (location, doc) in offsets.items():
-            self._check_shard(shard)
+            self.check_shard(shard)
             if type(location) is not int or not 0 <= location < 1 << 63:
                 raise InvalidArgumentError(f"location must be an integer in [0, 2^63), got {location!r}")
             rows[shard] = (location, json.dumps(doc, separators=(",", ":"), default=str))
@@ -543,3 +549,21 @@ class Store:
 
 def node_meta(cluster: ClusterConfig, node: NodeConfig) -> NodeMeta:
     return NodeMeta(cluster.shards, node.first, node.last)
+
+
+class _IndexRouter:
+    """The store as the index tables see it (:class:`logstore.index_tables.store.ShardRouter`)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.shard_count = store.shard_count
+        self.recorders: Sequence[IndexRecorder] = [r.indexes for r in store._recorders.values()]
+
+    def check_shard(self, shard: object) -> int:
+        return self._store.check_shard(shard)
+
+    def shard_of(self, row_key: uuid.UUID | str) -> int:
+        return self._store.shard_of(row_key)
+
+    def recorder_of(self, shard: int) -> IndexRecorder:
+        return self._store._recorder(shard).indexes

@@ -12,7 +12,7 @@ import concurrent.futures
 import heapq
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from logstore.errors import InvalidArgumentError
 from logstore.index_tables.persistence import (
@@ -34,23 +34,34 @@ from logstore.index_tables.persistence import (
     shard_of_value,
 )
 
-if TYPE_CHECKING:
-    from logstore.store import Store
-
 MAX_QUERY_LIMIT = 100_000
+
+
+class ShardRouter(Protocol):
+    """What the index tables need of a store: its shards, and the index recorder of each."""
+
+    shard_count: int
+    recorders: Sequence[IndexRecorder]  # one per node
+
+    def check_shard(self, shard: object) -> int:
+        """``shard`` when it is a shard of the store; InvalidArgumentError otherwise."""
+
+    def shard_of(self, row_key: uuid.UUID | str) -> int:
+        """The shard of a row."""
+
+    def recorder_of(self, shard: int) -> IndexRecorder:
+        """The index recorder of the node holding ``shard`` now."""
 
 
 class IndexStore:
     """Index tables on every node of a store: creation, apply, queries, positions."""
 
-    def __init__(self, store: Store, recorder_of: Callable[[int], IndexRecorder],
-                 recorders: Sequence[IndexRecorder]) -> None:
-        self._store = store
-        self._recorder_of = recorder_of
-        self._recorders = list(recorders)
+    def __init__(self, router: ShardRouter) -> None:
+        self._store = router
+        self._recorder_of = router.recorder_of
 
-    def _all(self) -> list[IndexRecorder]:
-        return self._recorders
+    def _all(self) -> Sequence[IndexRecorder]:
+        return self._store.recorders
 
     def _by_node(self, shards: Iterable[int]) -> dict[int, tuple[IndexRecorder, list[int]]]:
         out: dict[int, tuple[IndexRecorder, list[int]]] = {}
@@ -96,7 +107,7 @@ class IndexStore:
             raise InvalidArgumentError(f"stream must be 'live', 'backfill' or None, got {stream!r}")
         positions = new_positions(changes)
         for shard, location in (through or {}).items():
-            self._store._check_shard(shard)
+            self._store.check_shard(shard)
             positions[shard] = max(location, positions.get(shard, 0))
         kind = spec.field(spec.shard_field).type
         shards = self._store.shard_count
@@ -104,7 +115,7 @@ class IndexStore:
         for index, change in enumerate(changes):
             if not isinstance(change, IndexChange):
                 raise InvalidArgumentError(f"change #{index} is a {type(change).__name__}, not an IndexChange")
-            self._store._check_shard(change.shard)
+            self._store.check_shard(change.shard)
             if type(change.added_id) is not int or change.added_id < 1 or type(change.ref_key) is not int:
                 raise InvalidArgumentError(f"change #{index}: added_id and ref_key must be integers")
             targets[id(change)] = (
@@ -134,7 +145,7 @@ class IndexStore:
                     raise InvalidArgumentError(f"fix #{index}: the entry of row {fix.row_key} belongs in shard "
                                                f"{self.entry_shard(spec, fix.values[spec.shard_field])}")
             for shard in fix.clear:
-                self._store._check_shard(shard)
+                self._store.check_shard(shard)
         fixed = 0
         for recorder, group in self._by_node(sorted({f.shard for f in fixes})).values():
             wanted = set(group)
@@ -201,7 +212,7 @@ class IndexStore:
 
     def scan(self, spec: IndexSpec, shard: int, after: uuid.UUID | None = None, limit: int = 1000) -> list[IndexEntry]:
         """The entries stored in ``shard``, in row_key order after ``after``."""
-        self._store._check_shard(shard)
+        self._store.check_shard(shard)
         return self._recorder_of(shard).scan(spec, shard, after, limit)
 
     def locators(self, spec: IndexSpec, row_keys: Sequence[uuid.UUID]) -> dict[uuid.UUID, Locator]:

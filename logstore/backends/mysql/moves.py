@@ -50,7 +50,7 @@ class MoveReport(NamedTuple):
 
 
 def _node(store: Store, name: str) -> MySQLRecorder:
-    recorder = store._recorders.get(name)
+    recorder = store.node_recorder(name)
     if recorder is None:
         raise InvalidArgumentError(f"no storage node {name!r} in the cluster map (nodes: {', '.join(store.nodes)})")
     if not isinstance(recorder, MySQLRecorder):
@@ -121,7 +121,7 @@ def move_shards(store: Store, shards: list[int], target_name: str,
     target = _node(store, target_name)
     reports = []
     for shard in shards:
-        store._check_shard(shard)
+        store.check_shard(shard)
         store.refresh_map()
         source_name = store.node_of(shard)
         if source_name == target_name:
@@ -182,9 +182,10 @@ def drop_moved(store: Store, shards: list[int]) -> list[tuple[int, str]]:
     store.refresh_map()
     dropped = []
     for shard in shards:
-        store._check_shard(shard)
-        holder = next((name for name, r in sorted(store._recorders.items())
-                       if isinstance(r, MySQLRecorder) and shard in r.moves() and store.node_of(shard) != name), None)
+        store.check_shard(shard)
+        holder = next((name for name in sorted(store.nodes)
+                       if isinstance(r := store.node_recorder(name), MySQLRecorder) and shard in r.moves()
+                       and store.node_of(shard) != name), None)
         if holder is None:
             raise InvalidArgumentError(f"shard {shard} was not moved: there is no source copy to drop")
         source = _node(store, holder)
