@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint unit bench services-up services-down clean
+.PHONY: demo test lint docs unit bench services-up services-down clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "cellstream needs Python >= 3.11"'
@@ -30,12 +30,16 @@ lint: $(VENV)/.test
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+## docs: build the docs site (mkdocs-material) into .site/; a broken link or anchor fails it
+docs: $(VENV)/.test
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d .site
+
 ## test: install and start the real services, lint, run the whole suite, stop what was started
 test: $(VENV)/.test
 	@set -euo pipefail; \
 	trap 'scripts/services.sh down' EXIT; \
 	scripts/services.sh up; \
-	$(MAKE) --no-print-directory lint; \
+	$(MAKE) --no-print-directory lint docs; \
 	$(BIN)/pytest
 
 ## bench: the benchmarks against the real services (figures go in the README)
@@ -59,4 +63,4 @@ services-down:
 	scripts/services.sh down
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache *.egg-info
