@@ -13,6 +13,7 @@ import pytest
 
 import logstore
 from cellstream.cli.main import main
+from logstore.retry import RetryPolicy
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -121,6 +122,9 @@ def test_conflict_and_missing_store_exit_codes(sqlite_url: str, capsys: pytest.C
     monkeypatch.delenv("CELLSTREAM_STORE", raising=False)
     code, _, err = run(capsys, "shards")
     assert code == 2 and err.strip() == "cellstream: error: no store given: pass --store URL or set CELLSTREAM_STORE"
+    real_open = logstore.open  # nothing listens on port 1: give up after 1 s of retries, not the default 15 s
+    monkeypatch.setattr(logstore, "open", lambda target, shards=None, **options: real_open(
+        target, shards, retry=RetryPolicy(initial=0.05, maximum=0.2, deadline=1.0), **options))
     code, _, err = run(capsys, "shards", "--store", "mysql://u:Secret-pw-42@127.0.0.1:1/db")
     assert code == 5 and "Secret-pw-42" not in err
 

@@ -23,6 +23,7 @@ from cellstream.cli.main import main
 from connectors.config import load_connector
 from connectors.runtime import connector_app
 from indexer.runtime.deadletters import DeadLetterStore
+from tests.harness import REPO
 
 SHARDS = 8
 CONFIG = """
@@ -143,7 +144,7 @@ def test_sigkill_mid_load_then_a_restart_leave_the_source_exactly(sqlite_url: st
     config = write_config(tmp_path, interval=0.05, rows=40)  # many small files, checkpoints all the time
     with logstore.open(sqlite_url, shards=SHARDS) as store:
         trips(store, 10_000)
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
         worker = subprocess.Popen([sys.executable, "-m", "cellstream", "connect", "run", str(config), "--store",
                                    sqlite_url], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         cells = source(store, "BASE") + source(store, "FARE")
@@ -196,7 +197,8 @@ def test_a_bad_file_is_one_clear_line(sqlite_url: str, tmp_path: Path, capsys: p
 
 def test_a_kafka_source_loads_the_tailers_topics_and_commits_through_the_checkpoint(
         sqlite_url: str, tmp_path: Path, topic_prefix: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from .test_app_kafka import KAFKA, publish
+    from tests.harness.kafka_support import publish
+    from tests.harness.shared_servers import KAFKA
 
     path = tmp_path / "sink.yaml"
     path.write_text(CONFIG.format(interval=0.2, rows=100_000).replace("name: lake", f"name: {topic_prefix}-lake")

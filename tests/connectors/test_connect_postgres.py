@@ -20,6 +20,7 @@ from cellstream.cli.main import main
 from connectors.config import load_connector
 from connectors.runtime import connector_app
 from indexer.runtime.deadletters import DeadLetterStore
+from tests.harness import REPO
 
 SHARDS = 8
 CONFIG = """
@@ -127,7 +128,7 @@ def test_sigkill_mid_load_then_a_restart_leave_the_source_exactly(
         store.put_cells([(r, "BASE", 1, trip(i)) for i, r in enumerate(rows)])
         store.put_cells([(r, "STATUS", 1, {"done": False}) for r in rows])
         store.put_cells([(r, "BASE", 2, trip(i + 1)) for i, r in enumerate(rows[::3])])
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
         worker = subprocess.Popen([sys.executable, "-m", "cellstream", "connect", "run", str(path), "--store",
                                    sqlite_url], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -159,7 +160,8 @@ def test_the_password_is_never_printed(sqlite_url: str, tmp_path: Path, capsys: 
 
 def test_from_the_tailers_kafka_topics(sqlite_url: str, postgres_database: str, tmp_path: Path,
                                        topic_prefix: str) -> None:
-    from .test_app_kafka import KAFKA, publish
+    from tests.harness.kafka_support import publish
+    from tests.harness.shared_servers import KAFKA
 
     path = config_file(tmp_path, postgres_database)
     path.write_text(path.read_text().replace("name: warehouse", f"name: {topic_prefix}-wh")

@@ -19,15 +19,7 @@ import pytest
 
 import logstore
 from logstore import CellConflictError, ConfigurationError, InvalidArgumentError, InvalidCellError
-
-
-def keys_in_shard(store: logstore.Store, shard: int, n: int) -> list[uuid.UUID]:
-    out: list[uuid.UUID] = []
-    while len(out) < n:
-        key = uuid.uuid4()
-        if store.shard_of(key) == shard:
-            out.append(key)
-    return out
+from tests.harness.stores import keys_in_shard
 
 
 def _read_all(store: logstore.Store, shard: int) -> list[logstore.Cell]:

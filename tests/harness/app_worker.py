@@ -1,4 +1,4 @@
-"""A stream-processing app process for the fault tests: ``python tests/app_worker.py CONFIG_JSON``.
+"""A stream-processing app process for the fault tests: ``python tests/harness/app_worker.py CONFIG_JSON``.
 
 Its handler appends ``worker shard added_id row_key`` to the log file for each cell
 of column BASE (one line, flushed, before returning), and on a cell whose body has

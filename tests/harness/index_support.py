@@ -34,14 +34,6 @@ V2_YAML = (SEED_YAML + SEED_YAML.split("indexes:\n", 1)[1].replace("version: 1",
 T0 = dt.datetime(2026, 11, 21, 8, 0, tzinfo=dt.UTC)
 
 
-def two_nodes(path: Path, urls: list[str], shards: int) -> Path:
-    """A cluster file of two nodes splitting ``shards`` in halves."""
-    half = shards // 2
-    path.write_text(f'shards = {shards}\n[[nodes]]\nname = "a"\nurl = "{urls[0]}"\nshards = "0-{half - 1}"\n'
-                    f'[[nodes]]\nname = "b"\nurl = "{urls[1]}"\nshards = "{half}-{shards - 1}"\n')
-    return path
-
-
 def seed(version: int = 1) -> IndexDefinition:
     return next(d for d in load_indexes(V2_YAML) if d.version == version)
 

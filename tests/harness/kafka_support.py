@@ -1,4 +1,5 @@
-"""Reading topics as an outside consumer would: with kcat (which nobody here wrote) and aiokafka."""
+"""Kafka for the tests: reading topics as an outside consumer would, with kcat (which nobody here wrote) and
+aiokafka; deleting a test's topics; publishing a store's cells with the tailer."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ from typing import Any, NamedTuple
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+
+import logstore
+from tailer.config import KafkaOptions, TailerConfig
+from tailer.coordinators.store import StoreCoordinator
+from tailer.publishers.kafka import KafkaPublisher
+from tailer.worker import Tailer
+from tests.harness.shared_servers import KAFKA
 
 
 class Msg(NamedTuple):
@@ -132,3 +140,24 @@ async def aiokafka_read(brokers: str, topic: str, partitions: int, expect: int, 
         return out
     finally:
         await consumer.stop()
+
+
+def publish(store: logstore.Store, prefix: str, partitions: int = 4, timeout: float = 60,
+            brokers: str = KAFKA) -> None:
+    """Run the tailer until every cell now in the store is on Kafka (topics <prefix>.<column>)."""
+    async def run() -> None:
+        config = TailerConfig(name=f"{prefix}-tailer", topic_prefix=prefix, partitions=partitions,
+                              commit_interval=0.2)
+        publisher = KafkaPublisher(KafkaOptions(brokers=brokers))
+        tailer = Tailer(store, config, StoreCoordinator(store, config.name), publisher)
+        await tailer.start()
+        since = time.monotonic()
+        try:
+            deadline = since + timeout
+            while not tailer.caught_up(since):
+                assert tailer.error is None, tailer.error
+                assert time.monotonic() < deadline, "the tailer did not publish everything in time"
+                await asyncio.sleep(0.05)
+        finally:
+            await tailer.stop()
+    asyncio.run(run())

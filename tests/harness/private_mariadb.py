@@ -22,7 +22,7 @@ from typing import Self
 
 import pymysql
 
-from .services import HOST, free_port, signal_group
+from tests.harness.services import HOST, free_port, signal_group
 
 START_TIMEOUT = 60.0
 

@@ -31,7 +31,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.harness import REPO
+
 LIB_DIR = REPO / ".services" / "kafka" / "lib"
 HOST = "127.0.0.1"
 START_TIMEOUT = 60.0

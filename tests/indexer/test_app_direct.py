@@ -31,8 +31,7 @@ from indexer import (
     TakenOverError,
 )
 from logstore.retry import RetryPolicy
-
-from .app_worker import kill_mid_handler_then_drain
+from tests.harness.app_worker import kill_mid_handler_then_drain
 
 SHARDS = 8
 FAST = RetryPolicy(initial=0.001, maximum=0.005, deadline=None)

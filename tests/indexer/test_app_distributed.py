@@ -18,10 +18,10 @@ import pytest
 import logstore
 from indexer import App
 from logstore.retry import RetryPolicy
+from tests.harness import app_worker
 
 SHARDS = 8
-WORKER = Path(__file__).with_name("app_worker.py")
-pytestmark = pytest.mark.mysql
+WORKER = Path(app_worker.__file__)  # run as a file, in processes of their own
 
 
 @pytest.fixture

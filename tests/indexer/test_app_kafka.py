@@ -28,18 +28,13 @@ from aiokafka.admin import AIOKafkaAdminClient
 import logstore
 from indexer import App, ConfigurationError, HandlerStalledError, SourceUnavailableError
 from logstore.retry import RetryPolicy
-from tailer.config import KafkaOptions, TailerConfig
-from tailer.coordinators.store import StoreCoordinator
 from tailer.messages import coordinates, encode_deadletter
-from tailer.publishers.kafka import KafkaPublisher
-from tailer.worker import Tailer
-
-from .app_worker import kill_mid_handler_then_drain
-from .conftest import KAFKA
-from .kafka_support import kcat_read
+from tests.harness.app_worker import kill_mid_handler_then_drain
+from tests.harness.kafka_support import kcat_read, publish
+from tests.harness.shared_servers import KAFKA
 
 SHARDS = 8
-P = 4
+P = 4  # the partitions publish() makes
 FAST = RetryPolicy(initial=0.001, maximum=0.005, deadline=None)
 
 
@@ -47,25 +42,6 @@ FAST = RetryPolicy(initial=0.001, maximum=0.005, deadline=None)
 def store(sqlite_url: str) -> Any:
     with logstore.open(sqlite_url, shards=SHARDS) as store:
         yield store
-
-
-def publish(store: logstore.Store, prefix: str, timeout: float = 60) -> None:
-    """Run the tailer until every cell now in the store is on Kafka (topics <prefix>.<column>)."""
-    async def run() -> None:
-        config = TailerConfig(name=f"{prefix}-tailer", topic_prefix=prefix, partitions=P, commit_interval=0.2)
-        publisher = KafkaPublisher(KafkaOptions(brokers=KAFKA))
-        tailer = Tailer(store, config, StoreCoordinator(store, config.name), publisher)
-        await tailer.start()
-        since = time.monotonic()
-        try:
-            deadline = since + timeout
-            while not tailer.caught_up(since):
-                assert tailer.error is None, tailer.error
-                assert time.monotonic() < deadline, "the tailer did not publish everything in time"
-                await asyncio.sleep(0.05)
-        finally:
-            await tailer.stop()
-    asyncio.run(run())
 
 
 def write(store: logstore.Store, n: int, column: str = "BASE", **extra: Any) -> list[logstore.Cell]:
@@ -366,7 +342,7 @@ def test_an_index_kept_in_kafka_mode_equals_the_brute_force_index(store: logstor
                                                                   tmp_path: Path) -> None:
     """The index applies each partition's consecutive cells as one batch; a partition holds several shards,
     whose positions are recorded each; redelivery after a restart is skipped by those positions."""
-    from .index_support import SEED_YAML, actual, expected, seed, trip
+    from tests.harness.index_support import SEED_YAML, actual, expected, seed, trip
 
     yaml_file = tmp_path / "indexes.yaml"
     yaml_file.write_text(SEED_YAML)

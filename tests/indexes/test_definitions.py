@@ -14,8 +14,7 @@ import indexer.indexes.definitions
 from indexer import NonRetriableError
 from indexer.errors import DefinitionError, EntryFieldError
 from indexer.indexes.definitions import load_indexes
-
-from .index_support import SEED_YAML
+from tests.harness.index_support import SEED_YAML
 
 SEED = SEED_YAML.lstrip("\n") + "      - {name: status, type: str}\n      - {name: extras, type: json}\n"
 

@@ -1,13 +1,13 @@
 """Secondary indexes kept by an app (direct mode): semantics, the randomized property, restart mid-batch.
 
-Every test compares the index with a brute-force scan of the latest cells (tests/index_support.py)."""
+Every test compares the index with a brute-force scan of the latest cells (tests/harness/index_support.py)."""
 
 from __future__ import annotations
 
 import json
 import random
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,8 @@ from indexer.indexes.applier import Index, IndexApplier, lag
 from indexer.indexes.backfill import backfill
 from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.verify import verify
-
-from .app_worker import kill_mid_handler_then_drain
-from .index_support import SEED_YAML, T0, actual, expected, row_keys, seed, trip
+from tests.harness.app_worker import kill_mid_handler_then_drain
+from tests.harness.index_support import SEED_YAML, T0, actual, expected, row_keys, seed, trip
 
 SHARDS = 8
 
@@ -107,12 +106,13 @@ def test_queries_refuse_what_they_cannot_answer(store: logstore.Store, yaml_file
 
 @pytest.mark.parametrize("backend", ["sqlite", "mysql"])
 def test_randomized_interleavings_converge_to_the_brute_force_index(
-        backend: str, sqlite_url: str, mysql_database_factory: Callable[[], str], yaml_file: Path) -> None:
+        backend: str, sqlite_url: str, yaml_file: Path, request: pytest.FixtureRequest) -> None:
     """Writes, updates, older versions written late, duplicates, bad cells; drains at random moments,
     redeliveries of old cells in shuffled batches, and offsets reset as after a crash before their commit."""
     seed_value = random.randrange(1 << 30)
     rnd = random.Random(seed_value)
-    url = sqlite_url if backend == "sqlite" else mysql_database_factory()
+    # MariaDB only for the mysql param, which marks the test (tests/conftest.py): the sqlite one needs no server.
+    url = sqlite_url if backend == "sqlite" else request.getfixturevalue("mysql_database_factory")()
     definition = seed()
     with logstore.open(url, shards=SHARDS) as store:
         drivers, cities = [uuid.uuid4() for _ in range(4)], [uuid.uuid4() for _ in range(3)]

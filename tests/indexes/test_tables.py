@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 
 import logstore
-
-from .index_contract import SHARDS, IndexContract
-from .index_support import two_nodes
+from tests.contracts.index_contract import SHARDS, IndexContract
+from tests.harness.stores import two_nodes
 
 
 class TestSQLiteIndexes(IndexContract):

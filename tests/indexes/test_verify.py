@@ -22,8 +22,8 @@ from indexer.indexes.backfill import backfill
 from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.verify import verify
 from logstore.index_tables.persistence import EntryWrite
-
-from .index_support import SEED_YAML, Background, actual, expected, seed, trip, two_nodes
+from tests.harness.index_support import SEED_YAML, Background, actual, expected, seed, trip
+from tests.harness.stores import two_nodes
 
 SHARDS = 8
 NAME = "driver_partner_index"

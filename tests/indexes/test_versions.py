@@ -20,8 +20,7 @@ from indexer.errors import IndexStateError
 from indexer.indexes.applier import Index
 from indexer.indexes.backfill import BackfillProgress, backfill
 from indexer.indexes.catalog import IndexCatalog
-
-from .index_support import SEED_YAML, V2_YAML, Background, actual, expected, seed, trip
+from tests.harness.index_support import SEED_YAML, V2_YAML, Background, actual, expected, seed, trip
 
 SHARDS = 8
 NAME = "driver_partner_index"

@@ -21,9 +21,8 @@ from tailer.config import TailerConfig
 from tailer.coordinators.local import LocalCoordinator
 from tailer.publishers.directory import DirectoryPublisher, read_topic
 from tailer.worker import Tailer
-
-from .index_support import two_nodes
-from .private_mariadb import PrivateMariaDB
+from tests.harness.private_mariadb import PrivateMariaDB
+from tests.harness.stores import two_nodes
 
 SHARDS = 4096  # the default
 
@@ -142,8 +141,7 @@ def test_a_buffered_cell_that_conflicts_at_home_is_kept_failed_not_dropped(mysql
 def test_a_worker_node_buffers_and_its_replayer_writes_home(mysql_database: str, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     from cellstream.cli.main import main
-
-    from .worker_support import NodeThread
+    from tests.harness.worker_support import NodeThread
 
     with PrivateMariaDB(tmp_path / "node-a") as db:
         cluster = cluster_file(tmp_path, db.url("cells"), mysql_database)

@@ -15,9 +15,8 @@ from pymysql.constants import SERVER_STATUS
 
 import logstore
 from logstore.config import parse_node_url
-
-from .conftest import mysql_admin
-from .logstore_contract import StoreContract, assert_no_skip, store_recorders
+from tests.contracts.logstore_contract import StoreContract, assert_no_skip, store_recorders
+from tests.harness.shared_servers import mysql_admin
 
 
 def _connect(url: str) -> pymysql.connections.Connection:

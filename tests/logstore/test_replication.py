@@ -16,9 +16,8 @@ import pytest
 import logstore
 from logstore.backends.mysql.recorder import MySQLRecorder
 from logstore.retry import RetryPolicy
-
-from .conftest import MYSQL_REPLICA, mysql_admin
-from .faults import TcpProxy
+from tests.harness.faults import TcpProxy
+from tests.harness.shared_servers import MYSQL_REPLICA, mysql_admin
 
 SHARDS = 4
 QUICK = RetryPolicy(initial=0.05, maximum=0.2, deadline=1.5)

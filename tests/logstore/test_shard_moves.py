@@ -19,8 +19,7 @@ import pytest
 
 import logstore
 from cellstream.cli.main import main
-
-from .index_support import two_nodes
+from tests.harness.stores import two_nodes
 
 SHARDS = 4096  # the default: moves, fences and maps at the shard count users get
 ON_B = SHARDS - 1  # a shard node b holds from the start

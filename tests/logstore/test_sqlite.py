@@ -7,12 +7,8 @@ import pytest
 
 import logstore
 from logstore.backends.sqlite.recorder import DB_FILE
-
-from .logstore_contract import StoreContract
-
-
-def _db(url: str) -> Path:
-    return Path(url[len("sqlite:///"):]) / DB_FILE
+from tests.contracts.logstore_contract import StoreContract
+from tests.harness.stores import sqlite_file
 
 
 class TestSQLiteStore(StoreContract):
@@ -21,11 +17,11 @@ class TestSQLiteStore(StoreContract):
         return sqlite_url
 
     def corrupt_body(self, url: str, cell: logstore.Cell) -> None:
-        with sqlite3.connect(_db(url)) as conn:
+        with sqlite3.connect(sqlite_file(url)) as conn:
             conn.execute("UPDATE cells SET body = x'7f00' WHERE added_id = ?", (cell.added_id,))
 
     def shard_storage(self, url: str) -> set[int]:
-        with sqlite3.connect(_db(url)) as conn:
+        with sqlite3.connect(sqlite_file(url)) as conn:
             return {s for (s,) in conn.execute("SELECT DISTINCT shard FROM cells")}
 
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 import sqlite3
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 import logstore
-from logstore.backends.sqlite.recorder import DB_FILE
-
-from .logstore_contract import StoreContract
-from .worker_support import worker_node
+from tests.contracts.logstore_contract import StoreContract
+from tests.harness.stores import sqlite_file
+from tests.harness.worker_support import worker_node
 
 
 class TestHttpStore(StoreContract):
@@ -24,15 +22,12 @@ class TestHttpStore(StoreContract):
         with worker_node(sqlite_url, self.shards) as node:
             yield node.url
 
-    def _db(self) -> Path:
-        return Path(self.backing[len("sqlite:///"):]) / DB_FILE
-
     def corrupt_body(self, url: str, cell: logstore.Cell) -> None:
-        with sqlite3.connect(self._db()) as conn:
+        with sqlite3.connect(sqlite_file(self.backing)) as conn:
             conn.execute("UPDATE cells SET body = x'7f00' WHERE added_id = ?", (cell.added_id,))
 
     def shard_storage(self, url: str) -> set[int]:
-        with sqlite3.connect(self._db()) as conn:
+        with sqlite3.connect(sqlite_file(self.backing)) as conn:
             return {s for (s,) in conn.execute("SELECT DISTINCT shard FROM cells")}
 
     def test_default_is_4096_shards_and_creation_is_lazy(self, url: str) -> None:

@@ -14,8 +14,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis import checks
 
 from logstore.node import openapi
-
-from .worker_support import worker_node
+from tests.harness.worker_support import worker_node
 
 TOKEN = "schemathesis-token"
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,

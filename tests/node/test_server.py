@@ -21,9 +21,8 @@ import pytest
 import logstore
 from logstore.node.server import ServerConfig, WorkerNode
 from logstore.retry import RetryPolicy
-
-from .faults import TcpProxy
-from .worker_support import NodeThread, worker_node
+from tests.harness.faults import TcpProxy
+from tests.harness.worker_support import NodeThread, worker_node
 
 SHARDS = 8
 TOKEN = "s3cret-token-for-tests"

@@ -1,4 +1,5 @@
-"""The private-server harness (tests/services.py) and the shared servers of scripts/services.sh."""
+"""The private-server harness (tests/harness/services.py): ZooKeeper and Kafka that keep their data across
+kills and restarts, on the ports they were given."""
 
 from __future__ import annotations
 
@@ -12,10 +13,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from kazoo.client import KazooClient
 
-from tests.services import PrivateKafka, PrivateZooKeeper, kafka_brokers, zk_four_letter
-
-SHARED_ZOOKEEPER = "127.0.0.1:2181"
-SHARED_KAFKA = "127.0.0.1:9092"
+from tests.harness.services import PrivateKafka, PrivateZooKeeper, kafka_brokers, zk_four_letter
 
 
 def kcat() -> str:
@@ -111,26 +109,3 @@ def test_private_kafka_keeps_messages_across_kill_and_restart(tmp_path: Path) ->
         assert consume_all(kafka.bootstrap, "harness", 2) == ["hello", "world"]
     assert not kafka.running
     kafka.stop()
-
-
-def test_shared_services_answer() -> None:
-    """The servers scripts/services.sh starts (or reuses) for the suite."""
-    answer = zk_four_letter(SHARED_ZOOKEEPER, "ruok")
-    if answer != "imok":  # a ZooKeeper with the default 4lw whitelist still answers srvr
-        answer = zk_four_letter(SHARED_ZOOKEEPER, "srvr")
-        assert answer.startswith("Zookeeper version:"), (
-            f"ZooKeeper does not answer on {SHARED_ZOOKEEPER}; run the suite with `make test`"
-        )
-    assert kafka_brokers(SHARED_KAFKA), f"Kafka does not answer on {SHARED_KAFKA}; run the suite with `make test`"
-
-
-def test_a_fresh_postgres_database_is_empty_and_writable(postgres_database: str) -> None:
-    """The PostgreSQL of scripts/services.sh: each test gets its own database, with JSONB and COPY."""
-    import psycopg
-
-    with psycopg.connect(postgres_database, autocommit=True) as conn:
-        assert conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'").fetchone() == (0,)
-        conn.execute("CREATE TABLE t (k int PRIMARY KEY, body jsonb)")
-        with conn.cursor() as cur, cur.copy("COPY t (k, body) FROM STDIN") as copy:
-            copy.write_row((1, '{"a": [1, 2]}'))
-        assert conn.execute("SELECT body -> 'a' ->> 1 FROM t").fetchone() == ("2",)

@@ -26,10 +26,9 @@ from tailer.config import KafkaOptions, TailerConfig
 from tailer.coordinators.zookeeper import ZooKeeperCoordinator, tailer_path
 from tailer.publishers.kafka import KafkaPublisher
 from tailer.worker import Tailer
-
-from .conftest import KAFKA
-from .kafka_support import assert_shard_order, cell_ids, kcat_read, wait_for
-from .services import PrivateKafka, PrivateZooKeeper, free_port
+from tests.harness.kafka_support import assert_shard_order, cell_ids, kcat_read, wait_for
+from tests.harness.services import PrivateKafka, PrivateZooKeeper, free_port
+from tests.harness.shared_servers import KAFKA
 
 SHARDS = 12
 P = 4

@@ -22,9 +22,8 @@ from tailer.errors import FencedError
 from tailer.interfaces import Offset
 from tailer.publishers.kafka import KafkaPublisher
 from tailer.worker import Tailer
-
-from .conftest import KAFKA
-from .kafka_support import Msg, aiokafka_read, assert_shard_order, cell_ids, kcat_read, wait_for
+from tests.harness.kafka_support import Msg, aiokafka_read, assert_shard_order, cell_ids, kcat_read, wait_for
+from tests.harness.shared_servers import KAFKA
 
 SHARDS = 16
 P = 4

@@ -1,6 +1,6 @@
 """Per-shard order when a delivery fails while more of the shard is on its way, with a scripted publisher.
 
-The real-broker version is tests/test_tailer_faults.py (a Kafka broker restart); this one replays, step by
+The real-broker version is tests/tailer/test_faults.py (a Kafka broker restart); this one replays, step by
 step, the interleaving that broke it: a failure that restarts the producer settles (fails) another shard's
 in-flight batch after _collect has passed that shard, and that shard's next page is already read.
 """

@@ -25,8 +25,7 @@ from tailer.coordinators.local import LocalCoordinator
 from tailer.interfaces import Publisher
 from tailer.publishers.directory import DirectoryPublisher, read_topic
 from tailer.worker import Tailer
-
-from .logstore_contract import keys_in_shard
+from tests.harness.stores import keys_in_shard
 
 
 class HeldPublisher(Publisher):

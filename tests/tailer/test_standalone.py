@@ -1,6 +1,6 @@
 """The tailer in standalone mode (offsets in a file, topics as files): the embedded default, no servers.
 
-The same worker runs in Kafka mode (tests/test_tailer_kafka.py); these tests pin
+The same worker runs in Kafka mode (tests/tailer/test_kafka.py); these tests pin
 what does not depend on Kafka: message shape, order, resume, dead letters.
 """
 
@@ -26,8 +26,7 @@ from tailer.config import TailerConfig
 from tailer.coordinators.local import LocalCoordinator, read_offsets
 from tailer.publishers.directory import DirectoryPublisher, read_topic
 from tailer.worker import Tailer
-
-from .test_logstore_sqlite import _db
+from tests.harness.stores import sqlite_file
 
 SHARDS = 8
 
@@ -147,7 +146,7 @@ def test_an_undecodable_cell_is_dead_lettered_by_name_and_the_shard_goes_on(
 
     key = uuid.uuid4()
     cells = [store.put_cell(key, "BASE", ref, {"ref": ref}) for ref in range(1, 6)]
-    with sqlite3.connect(_db(sqlite_url)) as conn:
+    with sqlite3.connect(sqlite_file(sqlite_url)) as conn:
         conn.execute("UPDATE cells SET body = x'7f00' WHERE added_id = ?", (cells[2].added_id,))
     root = tmp_path / "topics"
     asyncio.run(run_until(make(store, tmp_path), lambda: len(topic_cells(root, "cells.BASE")) >= 4
