@@ -34,6 +34,10 @@ lint: $(VENV)/.test
 docs: $(VENV)/.test
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d .site
 
+## unit: the tests that need no server (none started): SQLite, the CLI, the worker node, the standalone tailer
+unit: $(VENV)/.test
+	$(BIN)/pytest -m "not mysql and not postgres and not kafka and not zookeeper"
+
 ## test: install and start the real services, lint, run the whole suite, stop what was started
 test: $(VENV)/.test
 	@set -euo pipefail; \

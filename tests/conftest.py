@@ -1,45 +1,86 @@
 """Fixtures: a fresh SQLite directory, MariaDB database, PostgreSQL database, ZooKeeper chroot or
-Kafka topic prefix per test.
+Kafka topic prefix per test; and the service markers, put on every test from what it uses.
 
-The servers are the real ones `make test` starts (scripts/services.sh). A missing
-server fails the tests that need it; nothing here skips or mocks it.
+The servers are the real ones `make test` starts (scripts/services.sh; their addresses are in
+tests/harness/shared_servers.py). A missing server fails the tests that need it, with CI=true or not;
+nothing here skips or mocks it. `make unit` deselects the tests marked with a service instead.
+
+A test is marked ``mysql``, ``postgres``, ``kafka`` or ``zookeeper`` (pyproject.toml declares them) when
+  - it uses a fixture of SERVICE_FIXTURES, directly or through other fixtures;
+  - one of its parameters is a service's name: a fixture or test parametrized over backends
+    (``params=["sqlite", "mysql"]``) gets the service fixture with ``request.getfixturevalue`` for that
+    param only, so the sqlite case stays unmarked;
+  - its module starts a private server of the harness (PRIVATE_SERVERS: tests/harness/services.py,
+    tests/harness/private_mariadb.py), which needs what `make test` installs.
+A service fixture requested without its marker (getfixturevalue without the param naming it) fails the test,
+so no test can reach a server while `make unit` selects it.
 """
 
 from __future__ import annotations
 
-import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
 
-import pymysql
 import pytest
 
-MYSQL_SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
-# The replica of MYSQL_SERVER that scripts/services.sh starts; it applies the csr_* databases.
-MYSQL_REPLICA = os.environ.get("CELLSTREAM_TEST_MYSQL_REPLICA", "mysql://cellstream:cellstream@127.0.0.1:3307")
+from tests.harness.private_mariadb import PrivateMariaDB
+from tests.harness.services import PrivateKafka, PrivateZooKeeper
+from tests.harness.shared_servers import (
+    KAFKA,
+    MYSQL_REPLICA,
+    MYSQL_SERVER,
+    POSTGRES_SERVER,
+    ZOOKEEPER,
+    mysql_admin,
+    postgres_admin,
+)
+
+SERVICES = ("mysql", "postgres", "kafka", "zookeeper")
+SERVICE_FIXTURES = {
+    "mysql_database": "mysql",
+    "replicated_database": "mysql",
+    "mysql_database_factory": "mysql",
+    "postgres_database": "postgres",
+    "zk_chroot": "zookeeper",
+    "topic_prefix": "kafka",
+}
+PRIVATE_SERVERS: dict[type, str] = {PrivateMariaDB: "mysql", PrivateKafka: "kafka", PrivateZooKeeper: "zookeeper"}
 
 
-def mysql_admin(server: str = MYSQL_SERVER) -> pymysql.connections.Connection:
-    parts = urlsplit(server)
-    try:
-        return pymysql.connect(
-            host=parts.hostname, port=parts.port or 3306, user=parts.username,
-            password=parts.password or "", autocommit=True, connect_timeout=5,
-        )
-    except pymysql.err.OperationalError as exc:
-        pytest.fail(
-            f"MariaDB is not reachable at {parts.hostname}:{parts.port} ({exc.args[1]}); "
-            "run the suite with `make test`, which installs and starts it",
-            pytrace=False,
-        )
+def services_of(item: pytest.Item) -> set[str]:
+    """The services a collected test needs, by its fixtures, its parameters and its module."""
+    needs = {SERVICE_FIXTURES[name] for name in getattr(item, "fixturenames", ()) if name in SERVICE_FIXTURES}
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        needs |= {value for value in callspec.params.values() if isinstance(value, str) and value in SERVICES}
+    module = getattr(item, "module", None)
+    if module is not None:
+        started = {id(value) for value in vars(module).values()}
+        needs |= {service for server, service in PRIVATE_SERVERS.items() if id(server) in started}
+    return needs
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for service in sorted(services_of(item)):
+            if item.get_closest_marker(service) is None:
+                item.add_marker(service)
+
+
+def _needs(request: pytest.FixtureRequest, service: str) -> None:
+    """Fail a test that reaches ``service`` without its marker (it would run, and fail, under `make unit`)."""
+    if request.node.get_closest_marker(service) is None:
+        pytest.fail(f"{request.node.nodeid} uses {request.fixturename}, which needs {service}, but is not marked "
+                    f"{service}: request it as an argument, or with getfixturevalue only under a param named "
+                    f"{service!r} (see tests/conftest.py)", pytrace=False)
+
+
+# -- MariaDB (the logstore's server backend) -------------------------------------------
 @pytest.fixture
-def mysql_database() -> Iterator[str]:
+def mysql_database(request: pytest.FixtureRequest) -> Iterator[str]:
     """The URL of a new, empty database; dropped after the test."""
+    _needs(request, "mysql")
     name = f"cst_{uuid.uuid4().hex[:12]}"
     admin = mysql_admin()
     try:
@@ -51,8 +92,9 @@ def mysql_database() -> Iterator[str]:
 
 
 @pytest.fixture
-def replicated_database() -> Iterator[tuple[str, str]]:
+def replicated_database(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     """(primary URL, replica URL) of a new, empty database that MariaDB replicates; dropped after the test."""
+    _needs(request, "mysql")
     name = f"csr_{uuid.uuid4().hex[:12]}"
     admin = mysql_admin()
     mysql_admin(MYSQL_REPLICA).close()  # fail now, naming the replica, when it is not there
@@ -65,8 +107,10 @@ def replicated_database() -> Iterator[tuple[str, str]]:
 
 
 @pytest.fixture
-def mysql_database_factory() -> Iterator[object]:
+def mysql_database_factory(request: pytest.FixtureRequest) -> Iterator[Callable[[], str]]:
     """Make several fresh databases (a cluster's nodes); all dropped after the test."""
+    _needs(request, "mysql")
+    mysql_admin().close()  # fail now, naming the server, when it is not there
     names: list[str] = []
 
     def make() -> str:
@@ -75,30 +119,19 @@ def mysql_database_factory() -> Iterator[object]:
         return f"{MYSQL_SERVER.rstrip('/')}/{name}"
 
     yield make
-    admin = mysql_admin()
-    with admin.cursor() as cur:
-        for name in names:
-            cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
-    admin.close()
+    if names:
+        admin = mysql_admin()
+        with admin.cursor() as cur:
+            for name in names:
+                cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+        admin.close()
 
 
 # -- PostgreSQL (the warehouse the connectors load) -----------------------------------
-POSTGRES_SERVER = os.environ.get("CELLSTREAM_TEST_POSTGRES", "postgresql://cellstream:cellstream@127.0.0.1:5432")
-
-
-def postgres_admin() -> Any:
-    import psycopg
-
-    try:
-        return psycopg.connect(f"{POSTGRES_SERVER.rstrip('/')}/postgres", autocommit=True, connect_timeout=5)
-    except psycopg.OperationalError as exc:
-        pytest.fail(f"PostgreSQL is not reachable at {POSTGRES_SERVER.split('@')[-1]} ({exc}); run the suite "
-                    "with `make test`, which installs and starts it", pytrace=False)
-
-
 @pytest.fixture
-def postgres_database() -> Iterator[str]:
+def postgres_database(request: pytest.FixtureRequest) -> Iterator[str]:
     """The URL of a new, empty PostgreSQL database; dropped after the test."""
+    _needs(request, "postgres")
     name = f"cst_{uuid.uuid4().hex[:12]}"
     with postgres_admin() as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
@@ -109,22 +142,20 @@ def postgres_database() -> Iterator[str]:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+# -- SQLite (the embedded default: no server) ------------------------------------------
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'store'}"
 
 
 # -- Kafka and ZooKeeper (the shared servers of scripts/services.sh) ------------------
-KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
-ZOOKEEPER = os.environ.get("CELLSTREAM_TEST_ZOOKEEPER", "127.0.0.1:2181")
-
-
 @pytest.fixture
-def zk_chroot() -> Iterator[str]:
+def zk_chroot(request: pytest.FixtureRequest) -> Iterator[str]:
     """A ZooKeeper connect string with a fresh chroot (``host:port/cst-<hex>``); removed after the test."""
     from kazoo.client import KazooClient
     from kazoo.handlers.threading import KazooTimeoutError
 
+    _needs(request, "zookeeper")
     chroot = f"/cst-{uuid.uuid4().hex[:12]}"
     client = KazooClient(hosts=ZOOKEEPER, timeout=10)
     try:
@@ -141,10 +172,11 @@ def zk_chroot() -> Iterator[str]:
 
 
 @pytest.fixture
-def topic_prefix() -> Iterator[str]:
+def topic_prefix(request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh topic prefix on the shared Kafka; its topics are deleted after the test."""
-    from .kafka_support import delete_topics, require_kafka
+    from tests.harness.kafka_support import delete_topics, require_kafka
 
+    _needs(request, "kafka")
     require_kafka(KAFKA)
     prefix = f"t{uuid.uuid4().hex[:10]}"
     yield prefix

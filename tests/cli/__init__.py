@@ -1,0 +1,1 @@
+"""The `cellstream` command through main(argv): output, exit codes, the demo, `run` and `dlq`."""

@@ -1,0 +1,1 @@
+"""Connectors: the Parquet sink, `cellstream connect` into the lake and into PostgreSQL."""

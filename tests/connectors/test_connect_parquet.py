@@ -1,0 +1,218 @@
+"""`cellstream connect` with the Parquet lake, from the logstore (direct mode): a load and its resumption,
+flush-before-commit while cells arrive, SIGKILL mid-load then a restart, a poison cell to the DLQ,
+and a bad file. The lake is read back with DuckDB."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+
+import logstore
+from cellstream.cli.main import main
+from connectors.config import load_connector
+from connectors.runtime import connector_app
+from indexer.runtime.deadletters import DeadLetterStore
+from tests.harness import REPO
+
+SHARDS = 8
+CONFIG = """
+name: lake
+columns: [BASE, FARE]
+checkpoint_interval: {interval}
+sink:
+  type: parquet
+  root: lake
+  max_rows: {rows}
+"""
+
+
+def write_config(tmp_path: Path, interval: float = 0.1, rows: int = 100_000) -> Path:
+    path = tmp_path / "sink.yaml"
+    path.write_text(CONFIG.format(interval=interval, rows=rows))
+    return path
+
+
+def lake(root: Path, column: str) -> list[tuple[int, int, str]]:
+    """(shard, added_id, row_key) of every row of the column's lake, sorted; [] when there is none yet."""
+    if not list((root / column).glob("date=*/*.parquet")):
+        return []
+    with duckdb.connect() as con:
+        return sorted(con.execute(
+            f"SELECT shard, added_id, row_key FROM read_parquet('{root}/{column}/date=*/*.parquet', "
+            "hive_partitioning=true, union_by_name=true)").fetchall())
+
+
+def source(store: logstore.Store, column: str) -> list[tuple[int, int, str]]:
+    out = []
+    for shard in range(SHARDS):
+        location = 0
+        while cells := store.get_cells_for_shard(shard, location, 1000, columns=[column])[0]:
+            out.extend((c.shard, c.added_id, str(c.row_key)) for c in cells)
+            location = cells[-1].added_id
+    return sorted(out)
+
+
+def trips(store: logstore.Store, n: int) -> None:
+    store.put_cells([(uuid.uuid4(), column, 1, {"n": i, "city": f"c{i % 5}", "fare": {"total": i * 1.5}})
+                     for i in range(n) for column in ("BASE", "FARE", "OTHER")])
+
+
+def test_a_load_then_a_resumed_one_give_the_source_exactly(sqlite_url: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(tmp_path)
+    with logstore.open(sqlite_url, shards=SHARDS) as store:
+        trips(store, 200)
+
+        def connect(*argv: str) -> tuple[int, list[dict[str, Any]]]:
+            code = main(["connect", *argv, str(config), "--store", sqlite_url, "--json"])
+            text = capsys.readouterr().out.strip()
+            return code, [json.loads(line) for line in text.splitlines()] if text else []
+
+        code, [first] = connect("run", "--drain")
+        assert code == 0 and first["processed"] == 400 and first["dead_lettered"] == 0
+        for column in ("BASE", "FARE"):
+            assert lake(tmp_path / "lake", column) == source(store, column)
+        assert not (tmp_path / "lake" / "OTHER").exists()
+        code, status = connect("status")
+        assert code == 0 and all(row["lag_cells"] == 0 for row in status) and status
+        trips(store, 50)
+        code, lagging = connect("status")
+        assert sum(row["lag_cells"] for row in lagging) == 100
+        code, [second] = connect("run", "--drain")
+        assert code == 0 and second["processed"] == 100
+        for column in ("BASE", "FARE"):
+            assert lake(tmp_path / "lake", column) == source(store, column)
+        with duckdb.connect() as con:
+            [(fare,)] = con.execute(f"SELECT max(\"fare.total\") FROM read_parquet('{tmp_path}/lake/FARE/date=*/"
+                                    "*.parquet', hive_partitioning=true, union_by_name=true)").fetchall()
+        assert fare == 199 * 1.5
+
+
+def test_committed_positions_never_pass_what_the_lake_holds(sqlite_url: str, tmp_path: Path) -> None:
+    """Flush-before-commit: read the committed positions, then the lake; every cell up to a committed
+    position is there, while cells keep arriving and checkpoints keep happening."""
+    config = load_connector(write_config(tmp_path, interval=0.05))
+    with logstore.open(sqlite_url, shards=SHARDS) as store:
+        app, _ = connector_app(config, store)
+        stop = threading.Event()
+
+        def serve() -> None:
+            import asyncio
+
+            async def until() -> None:
+                event = asyncio.Event()
+                task = asyncio.create_task(app.run_async(event))
+                while not stop.is_set():
+                    await asyncio.sleep(0.02)
+                event.set()
+                await task
+            asyncio.run(until())
+        thread = threading.Thread(target=serve)
+        thread.start()
+        checks = 0
+        try:
+            for _ in range(40):
+                trips(store, 20)
+                committed = {s: r.location for s, r in store.read_offsets("app.lake").items() if r.location}
+                held = {(s, a) for column in ("BASE", "FARE") for s, a, _ in lake(tmp_path / "lake", column)}
+                due = [(s, a) for column in ("BASE", "FARE") for s, a, _ in source(store, column)
+                       if a <= committed.get(s, 0)]
+                assert set(due) <= held, "a committed position passed cells the lake does not hold"
+                checks += len(due)
+                time.sleep(0.02)
+        finally:
+            stop.set()
+            thread.join(60)
+            app.close()
+        assert checks > 0, "nothing was committed: the test did not test"
+        for column in ("BASE", "FARE"):  # the stop checkpointed what it had
+            assert lake(tmp_path / "lake", column) == source(store, column)
+
+
+def test_sigkill_mid_load_then_a_restart_leave_the_source_exactly(sqlite_url: str, tmp_path: Path) -> None:
+    config = write_config(tmp_path, interval=0.05, rows=40)  # many small files, checkpoints all the time
+    with logstore.open(sqlite_url, shards=SHARDS) as store:
+        trips(store, 10_000)
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        worker = subprocess.Popen([sys.executable, "-m", "cellstream", "connect", "run", str(config), "--store",
+                                   sqlite_url], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cells = source(store, "BASE") + source(store, "FARE")
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # until the lake holds committed rows and rows flushed but not committed yet
+                assert worker.poll() is None and time.monotonic() < deadline, "that moment never came"
+                committed = {s: r.location or 0 for s, r in store.read_offsets("app.lake").items()}
+                due = sum(1 for s, a, _ in cells if a <= committed.get(s, 0))
+                try:
+                    held = len(lake(tmp_path / "lake", "BASE")) + len(lake(tmp_path / "lake", "FARE"))
+                except duckdb.Error:  # a file renamed away while DuckDB listed them
+                    continue
+                if 0 < due < held:
+                    break
+        finally:
+            worker.send_signal(signal.SIGKILL)
+            worker.wait(30)
+        loaded = len(lake(tmp_path / "lake", "BASE")) + len(lake(tmp_path / "lake", "FARE"))
+        assert 0 < loaded < len(cells), (loaded, len(cells))  # killed mid-load
+        assert main(["connect", "run", str(config), "--drain", "--store", sqlite_url, "--json"]) == 0
+        for column in ("BASE", "FARE"):
+            assert lake(tmp_path / "lake", column) == source(store, column)
+
+
+def test_a_poison_cell_goes_to_the_dead_letter_queue(sqlite_url: str, tmp_path: Path) -> None:
+    config = load_connector(write_config(tmp_path))
+    with logstore.open(sqlite_url, shards=SHARDS) as store:
+        trips(store, 10)
+        bad = store.put_cell(uuid.uuid4(), "BASE", 1, {"row_key": "mine", "n": 1})
+        app, _ = connector_app(config, store)
+        with app:
+            counts = app.drain(timeout=60)
+        assert counts.dead_lettered == 1 and counts.processed == 20
+        [entry] = DeadLetterStore(store, "lake").entries()
+        assert entry.cell["row_key"] == str(bad.row_key) and "collides with the cell's own column" in entry.message
+        assert entry.handler == "sink:parquet:BASE" and entry.body == bad.body
+        assert str(bad.row_key) not in {k for _, _, k in lake(tmp_path / "lake", "BASE")}
+        assert len(lake(tmp_path / "lake", "BASE")) == 10
+
+
+def test_a_bad_file_is_one_clear_line(sqlite_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "sink.yaml"
+    path.write_text("name: lake\ncolumns: [BASE]\nsink:\n  type: parquet\n  root: lake\n  max_rows: 0\n")
+    assert main(["connect", "run", str(path), "--drain", "--store", sqlite_url]) == 4  # a configuration file
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cellstream: error: ") and "\n" not in err
+    assert "sink.yaml:6: sink.max_rows: Input should be greater than or equal to 1" in err
+
+
+def test_a_kafka_source_loads_the_tailers_topics_and_commits_through_the_checkpoint(
+        sqlite_url: str, tmp_path: Path, topic_prefix: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.harness.kafka_support import publish
+    from tests.harness.shared_servers import KAFKA
+
+    path = tmp_path / "sink.yaml"
+    path.write_text(CONFIG.format(interval=0.2, rows=100_000).replace("name: lake", f"name: {topic_prefix}-lake")
+                    + f"brokers: {KAFKA}\ntopic_prefix: {topic_prefix}\n")
+    with logstore.open(sqlite_url, shards=SHARDS) as store:
+        trips(store, 100)
+        publish(store, topic_prefix)
+        for expected in (200, 0):  # the second run starts from the offsets the first committed
+            code = main(["connect", "run", str(path), "--drain", "--store", sqlite_url, "--json"])
+            printed = capsys.readouterr().out
+            assert code == 0 and json.loads(printed.splitlines()[-1])["processed"] == expected, printed
+            for column in ("BASE", "FARE"):
+                assert lake(tmp_path / "lake", column) == source(store, column)
+        assert main(["connect", "status", str(path), "--store", sqlite_url, "--json"]) == 0
+        status = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert {row["topic"] for row in status} == {f"{topic_prefix}.BASE", f"{topic_prefix}.FARE"}
+        assert all(row["lag_messages"] == 0 and row["committed"] is not None for row in status)

@@ -1,0 +1,1 @@
+"""The test cases every backend runs, written once: subclasses provide the store."""

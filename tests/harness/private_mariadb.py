@@ -1,0 +1,127 @@
+"""A private MariaDB server for tests that kill it: the shared one of scripts/services.sh must never be stopped.
+
+    with PrivateMariaDB(tmp_path / "db") as db:   # logstore.open(db.url("cells"))
+        db.kill()                                 # SIGKILL: a crash, the data dir keeps what was committed
+        db.start()                                # same port, same data
+
+It uses the mariadbd that `make test` installs, on a free 127.0.0.1 port chosen once, with its data dir,
+socket and error log in the work dir, and the user cellstream/cellstream with every privilege.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import pymysql
+
+from tests.harness.services import HOST, free_port, signal_group
+
+START_TIMEOUT = 60.0
+
+
+def _binary(*names: str) -> str:
+    for name in names:
+        found = shutil.which(name) or next((str(p) for p in (Path("/usr/sbin") / name, Path("/usr/bin") / name)
+                                            if p.exists()), None)
+        if found:
+            return found
+    raise RuntimeError(f"{names[0]} is not installed; run `scripts/services.sh up` (which `make test` does)")
+
+
+class PrivateMariaDB:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir.absolute()
+        self.data = self.workdir / "data"
+        self.socket = Path(f"/tmp/cs-mariadb-{os.getpid()}-{id(self) % 100000}.sock")
+        self.port = free_port()
+        self.log_path = self.workdir / "error.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def url(self, database: str) -> str:
+        return f"mysql://cellstream:cellstream@{HOST}:{self.port}/{database}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _user(self) -> list[str]:
+        return ["--user=root"] if os.geteuid() == 0 else []
+
+    def _initialize(self) -> None:
+        if (self.data / "mysql").is_dir():
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run([_binary("mariadb-install-db", "mysql_install_db"), "--no-defaults",
+                               f"--datadir={self.data}", "--auth-root-authentication-method=normal",
+                               "--skip-test-db", "--skip-name-resolve", *self._user()],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"mariadb-install-db failed:\n{done.stdout}\n{done.stderr}")
+
+    def start(self) -> None:
+        """Start (no-op when running) and wait until cellstream can log in over TCP."""
+        if self.running:
+            return
+        fresh = not (self.data / "mysql").is_dir()
+        self._initialize()
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                [_binary("mariadbd", "mysqld"), "--no-defaults", f"--datadir={self.data}", f"--port={self.port}",
+                 f"--bind-address={HOST}", f"--socket={self.socket}", f"--log-error={self.log_path}",
+                 "--skip-name-resolve", "--innodb-buffer-pool-size=64M", "--max-connections=200", *self._user()],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"mariadbd exited during startup:\n{self._tail()}")
+            if self.socket.exists():
+                with contextlib.suppress(pymysql.Error):
+                    if fresh:
+                        self._grant()
+                    pymysql.connect(host=HOST, port=self.port, user="cellstream", password="cellstream",
+                                    connect_timeout=2).close()
+                    return
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"mariadbd not ready after {START_TIMEOUT:.0f}s:\n{self._tail()}")
+
+    def _grant(self) -> None:
+        root = pymysql.connect(unix_socket=str(self.socket), user="root", autocommit=True, connect_timeout=2)
+        try:
+            with root.cursor() as cur:
+                cur.execute("CREATE USER IF NOT EXISTS 'cellstream'@'%' IDENTIFIED BY 'cellstream'")
+                cur.execute("GRANT ALL PRIVILEGES ON *.* TO 'cellstream'@'%'")
+        finally:
+            root.close()
+
+    def _tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+        return "(no log)"
+
+    def _signal(self, sig: signal.Signals, timeout: float) -> None:
+        proc, self._proc = self._proc, None
+        signal_group(proc, sig, timeout)
+
+    def kill(self) -> None:
+        """Crash it (SIGKILL); safe when not running."""
+        self._signal(signal.SIGKILL, 10)
+
+    def stop(self) -> None:
+        self._signal(signal.SIGTERM, 60)
+        self.socket.unlink(missing_ok=True)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

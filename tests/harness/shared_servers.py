@@ -1,0 +1,48 @@
+"""The shared servers of `scripts/services.sh up` (which `make test` runs): their addresses, overridable by
+environment variables, and admin connections that fail the test, naming the server, when it is not there.
+
+Tests get their own database, chroot or topic prefix on them through the fixtures of tests/conftest.py; a test
+that stops, kills or restarts a server starts a private one instead (services.py, private_mariadb.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import urlsplit
+
+import pymysql
+import pytest
+
+MYSQL_SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
+# The replica of MYSQL_SERVER that scripts/services.sh starts; it applies the csr_* databases.
+MYSQL_REPLICA = os.environ.get("CELLSTREAM_TEST_MYSQL_REPLICA", "mysql://cellstream:cellstream@127.0.0.1:3307")
+# The warehouse the connectors load.
+POSTGRES_SERVER = os.environ.get("CELLSTREAM_TEST_POSTGRES", "postgresql://cellstream:cellstream@127.0.0.1:5432")
+KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
+ZOOKEEPER = os.environ.get("CELLSTREAM_TEST_ZOOKEEPER", "127.0.0.1:2181")
+
+
+def mysql_admin(server: str = MYSQL_SERVER) -> pymysql.connections.Connection:
+    parts = urlsplit(server)
+    try:
+        return pymysql.connect(
+            host=parts.hostname, port=parts.port or 3306, user=parts.username,
+            password=parts.password or "", autocommit=True, connect_timeout=5,
+        )
+    except pymysql.err.OperationalError as exc:
+        pytest.fail(
+            f"MariaDB is not reachable at {parts.hostname}:{parts.port} ({exc.args[1]}); "
+            "run the suite with `make test`, which installs and starts it",
+            pytrace=False,
+        )
+
+
+def postgres_admin() -> Any:
+    import psycopg
+
+    try:
+        return psycopg.connect(f"{POSTGRES_SERVER.rstrip('/')}/postgres", autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        pytest.fail(f"PostgreSQL is not reachable at {POSTGRES_SERVER.split('@')[-1]} ({exc}); run the suite "
+                    "with `make test`, which installs and starts it", pytrace=False)

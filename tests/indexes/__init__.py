@@ -1,0 +1,1 @@
+"""Secondary indexes: definitions, index tables, the runtime, versions, verify, the group commit."""

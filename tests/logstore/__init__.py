@@ -1,0 +1,1 @@
+"""The logstore: cells, retries, the SQLite and MariaDB backends, replication, buffered writes, shard moves."""

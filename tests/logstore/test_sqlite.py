@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+import logstore
+from logstore.backends.sqlite.recorder import DB_FILE
+from tests.contracts.logstore_contract import StoreContract
+from tests.harness.stores import sqlite_file
+
+
+class TestSQLiteStore(StoreContract):
+    @pytest.fixture
+    def url(self, sqlite_url: str) -> str:
+        return sqlite_url
+
+    def corrupt_body(self, url: str, cell: logstore.Cell) -> None:
+        with sqlite3.connect(sqlite_file(url)) as conn:
+            conn.execute("UPDATE cells SET body = x'7f00' WHERE added_id = ?", (cell.added_id,))
+
+    def shard_storage(self, url: str) -> set[int]:
+        with sqlite3.connect(sqlite_file(url)) as conn:
+            return {s for (s,) in conn.execute("SELECT DISTINCT shard FROM cells")}
+
+
+def test_a_file_that_is_not_a_database_is_a_configuration_error(tmp_path: Path) -> None:
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / DB_FILE).write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(logstore.ConfigurationError, match="not a database"):
+        logstore.open(f"sqlite:///{tmp_path / 'bad'}")
+
+
+def test_threads_that_exit_release_their_connections(sqlite_url: str) -> None:
+    import gc
+    import threading
+
+    with logstore.open(sqlite_url, shards=2) as store:
+        recorder = next(iter(store._recorders.values()))
+        for _ in range(40):
+            t = threading.Thread(target=store.head, args=(0,))
+            t.start()
+            t.join()
+        gc.collect()
+        assert len(recorder._db._all) <= 2
+
+
+def test_sqlite_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with logstore.open("sqlite:///rel/dir", shards=2):
+        pass
+    assert (tmp_path / "rel" / "dir" / DB_FILE).exists()
+    with logstore.open(f"sqlite:///{tmp_path}/abs", shards=2):
+        pass
+    assert (tmp_path / "abs" / DB_FILE).exists()
+    with pytest.raises(logstore.InvalidArgumentError, match="needs a directory"):
+        logstore.open("sqlite:///")
+    with pytest.raises(logstore.InvalidArgumentError, match="unsupported store URL scheme 'redis'"):
+        logstore.open("redis://localhost")

@@ -1,0 +1,1 @@
+"""The worker node (logstore.node, `cellstream serve`): the logstore contract over HTTP, the server, OpenAPI."""

@@ -1,0 +1,42 @@
+"""The logstore contract through a worker node: ``logstore.open("http://...")`` must behave as the store
+behind it does (same cells, same typed errors), so apps switch between them by URL."""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+import logstore
+from tests.contracts.logstore_contract import StoreContract
+from tests.harness.stores import sqlite_file
+from tests.harness.worker_support import worker_node
+
+
+class TestHttpStore(StoreContract):
+    @pytest.fixture
+    def url(self, sqlite_url: str) -> Iterator[str]:
+        self.backing = sqlite_url
+        with worker_node(sqlite_url, self.shards) as node:
+            yield node.url
+
+    def corrupt_body(self, url: str, cell: logstore.Cell) -> None:
+        with sqlite3.connect(sqlite_file(self.backing)) as conn:
+            conn.execute("UPDATE cells SET body = x'7f00' WHERE added_id = ?", (cell.added_id,))
+
+    def shard_storage(self, url: str) -> set[int]:
+        with sqlite3.connect(sqlite_file(self.backing)) as conn:
+            return {s for (s,) in conn.execute("SELECT DISTINCT shard FROM cells")}
+
+    def test_default_is_4096_shards_and_creation_is_lazy(self, url: str) -> None:
+        # The node's store exists already: opened without a count, a client takes the node's.
+        with logstore.open(url) as store:
+            assert store.shard_count == self.shards
+            assert store.get_cell(uuid.uuid4(), "BASE", 1) is None
+
+    def test_tailing_reader_never_skips_when_commits_are_delayed_out_of_order(self, url: str) -> None:
+        # The contract opens a fresh instance: here, a node in front of one.
+        with worker_node(self.backing.rstrip("/") + "-fresh", self.shards) as node:
+            super().test_tailing_reader_never_skips_when_commits_are_delayed_out_of_order(node.url)

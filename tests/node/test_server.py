@@ -1,0 +1,224 @@
+"""The worker node itself: auth, limits, every bad input a 4xx JSON error naming the field (never a 500),
+a storage node lost behind it (503, readiness), metrics, and ``cellstream serve`` as a process."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+import logstore
+from logstore.node.server import ServerConfig, WorkerNode
+from logstore.retry import RetryPolicy
+from tests.harness.faults import TcpProxy
+from tests.harness.worker_support import NodeThread, worker_node
+
+SHARDS = 8
+TOKEN = "s3cret-token-for-tests"
+
+
+def call(url: str, method: str, path: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, Any, http.client.HTTPResponse]:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=30)
+    try:
+        conn.request(method, path, body, headers or {})
+        response = conn.getresponse()
+        raw = response.read()
+        return response.status, json.loads(raw) if raw else None, response
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def node(sqlite_url: str) -> Iterator[NodeThread]:
+    with worker_node(sqlite_url, SHARDS, max_body_bytes=64 * 1024) as running:
+        yield running
+
+
+ROW = str(uuid.uuid4())
+BAD_INPUT = [
+    ("PUT", "/v1/rows/not-a-uuid/BASE/1", b'{"a":1}', 400, "row_key"),
+    ("PUT", f"/v1/rows/{ROW}/9bad/1", b'{"a":1}', 400, "column"),
+    ("PUT", f"/v1/rows/{ROW}/_offsets/1", b'{"a":1}', 400, "column"),
+    ("PUT", f"/v1/rows/{ROW}/BASE/-1", b'{"a":1}', 400, "ref_key"),
+    ("PUT", f"/v1/rows/{ROW}/BASE/1.5", b'{"a":1}', 400, "ref_key"),
+    ("PUT", f"/v1/rows/{ROW}/BASE/99999999999999999999", b'{"a":1}', 400, "ref_key"),
+    ("PUT", f"/v1/rows/{ROW}/BASE/1", b'[1, 2]', 400, "body"),
+    ("PUT", f"/v1/rows/{ROW}/BASE/1", b'{"a": NaN}', 400, "body"),
+    ("PUT", f"/v1/rows/{ROW}/BASE/1", b'{"a": ', 400, "body"),
+    ("PUT", f"/v1/rows/{ROW}/BASE/1", b'', 400, "body"),
+    ("PUT", f"/v1/rows/{ROW}/BASE/1", b'{"a": 1e999999}', 400, "body.a"),
+    ("PUT", f"/v1/rows/{ROW}/BASE/1", b'{"n": 36893488147419103232}', 400, "body.n"),
+    ("PUT", f"/v1/rows/{ROW}/BASE/1", b'{"a":' * 2000 + b'1' + b'}' * 2000, 400, "body"),
+    ("POST", "/v1/cells", b'{"cells": []}', 400, "cells"),
+    ("POST", "/v1/cells", b'{"cells": [{"row_key": "x", "column": "BASE", "ref_key": 1, "body": {}}]}', 400,
+     "cells.0.row_key"),
+    ("POST", "/v1/cells", f'{{"cells": [{{"row_key": "{ROW}", "column": "BASE", "ref_key": true, "body": {{}}}}]}}'
+     .encode(), 400, "cells.0.ref_key"),
+    ("POST", "/v1/cells", f'{{"cells": [{{"row_key": "{ROW}", "column": "BASE", "ref_key": 1, "body": {{}}, '
+     f'"extra": 1}}]}}'.encode(), 400, "cells.0.extra"),
+    ("GET", "/v1/shards/8/log", None, 400, None),
+    ("GET", "/v1/shards/x/log", None, 400, "shard"),
+    ("GET", "/v1/shards/0/log?limit=0", None, 400, None),
+    ("GET", "/v1/shards/0/log?after=-1", None, 400, None),
+    ("GET", "/v1/shards/0/log?columns=9x", None, 400, "column"),
+    ("GET", "/v1/shards/0/log?limt=5", None, 400, "limt"),
+    ("GET", f"/v1/rows/{ROW}/BASE?ref=1", None, 400, "ref"),
+    ("GET", "/v1/shards/0/location?at=yesterday", None, 400, "at"),
+    ("GET", "/v1/shards/0/location?at=2026-11-22T10:00:00", None, 400, None),
+    ("POST", "/v1/logs", b'{"locations": {"zero": 0}}', 400, "locations.zero"),
+    ("POST", "/v1/offsets/app/commit", b'{"owner": "me", "offsets": {"0": {"location": -5}}}', 400,
+     "offsets.0.location"),
+    ("GET", f"/v1/rows/{ROW}/BASE/1", None, 404, None),
+    ("GET", "/v2/anything", None, 404, None),
+    ("DELETE", f"/v1/rows/{ROW}/BASE/1", None, 405, None),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status", "field"), BAD_INPUT,
+                         ids=[f"{m} {p[:40]} {(b or b'')[:20]!r}" for m, p, b, _, _ in BAD_INPUT])
+def test_bad_input_is_a_4xx_json_error_naming_the_field(node: NodeThread, method: str, path: str,
+                                                        body: bytes | None, status: int, field: str | None) -> None:
+    got, doc, response = call(node.url, method, path, body, {"Content-Type": "application/json"})
+    assert got == status, doc
+    assert response.getheader("Content-Type", "").startswith("application/json")
+    assert set(doc["error"]) >= {"type", "message", "retriable"} and doc["error"]["retriable"] is False
+    assert "Traceback" not in json.dumps(doc)
+    if field is not None:
+        assert doc["error"]["field"] == field, doc
+    with logstore.open(node.url) as store:  # nothing of a refused write was stored
+        assert store.get_row(ROW) == {}
+
+
+def test_a_body_over_the_limit_is_refused_with_413(node: NodeThread) -> None:
+    big = json.dumps({"cells": [{"row_key": ROW, "column": "BASE", "ref_key": 1, "body": {"x": "y" * 70_000}}]})
+    status, doc, _ = call(node.url, "POST", "/v1/cells", big.encode(), {"Content-Type": "application/json"})
+    assert status == 413 and doc["error"]["type"] == "HTTPError"
+    with logstore.open(node.url) as store:
+        assert store.get_row(ROW) == {}
+
+
+def test_with_a_token_every_request_needs_it(sqlite_url: str) -> None:
+    with worker_node(sqlite_url, SHARDS, token=TOKEN) as node:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
+            status, doc, response = call(node.url, "GET", "/v1/info", headers=headers)
+            assert status == 401 and doc["error"]["type"] == "HTTPError"
+            assert response.getheader("WWW-Authenticate", "").startswith("Bearer")
+        assert call(node.url, "GET", "/healthz")[0] == 200  # probes stay open
+        assert call(node.url, "GET", "/readyz")[0] == 200
+        assert call(node.url, "GET", "/v1/info", headers={"Authorization": f"Bearer {TOKEN}"})[0] == 200
+        with pytest.raises(logstore.ConfigurationError, match="refused"):
+            logstore.open(node.url)
+        with logstore.open(node.url, token=TOKEN) as store:
+            cell = store.put_cell(ROW, "BASE", 1, {"ok": True})
+            assert store.get_cell_latest(ROW, "BASE") == cell
+
+
+def test_without_a_token_it_binds_only_to_loopback(sqlite_url: str) -> None:
+    with logstore.open(sqlite_url, shards=SHARDS) as store:
+        with pytest.raises(logstore.ConfigurationError, match="loopback"):
+            WorkerNode(store, ServerConfig(host="0.0.0.0", port=0))
+        WorkerNode(store, ServerConfig(host="0.0.0.0", port=0, token=TOKEN))  # with one it may
+
+
+def test_secondary_indexes_are_not_served_over_http(node: NodeThread) -> None:
+    with logstore.open(node.url) as store, pytest.raises(logstore.ConfigurationError, match="not served over HTTP"):
+        store.indexes  # noqa: B018
+
+
+def test_a_lost_storage_node_is_503_retriable_and_not_ready(mysql_database: str) -> None:
+    parts = urlsplit(mysql_database)
+    with TcpProxy(parts.hostname or "", parts.port or 3306) as proxy:
+        behind = mysql_database.replace(f":{parts.port}/", f":{proxy.port}/")
+        quick = RetryPolicy(initial=0.05, maximum=0.2, deadline=1.0)
+        with logstore.open(behind, shards=SHARDS, retry=quick, connect_timeout=1.0, read_timeout=2.0) as store:
+            node = NodeThread(store).start()
+            try:
+                with logstore.open(node.url) as client:
+                    client.put_cell(ROW, "BASE", 1, {"before": True})
+                    proxy.cut()
+                    with pytest.raises(logstore.StorageUnavailableError) as caught:
+                        client.put_cell(ROW, "BASE", 2, {"during": True})
+                    assert caught.value.retriable
+                    status, doc, response = call(node.url, "GET", f"/v1/rows/{ROW}/BASE")
+                    assert status == 503 and doc["error"]["retriable"] is True
+                    assert response.getheader("Retry-After") == "1"
+                    status, doc, _ = call(node.url, "GET", "/readyz")
+                    assert status == 503 and doc["ready"] is False and doc["nodes"]["node0"] != "ok"
+                    proxy.restore()
+                    deadline = time.monotonic() + 30
+                    while call(node.url, "GET", "/readyz")[0] != 200:
+                        assert time.monotonic() < deadline, "the node never became ready again"
+                        time.sleep(0.2)
+                    assert client.put_cell(ROW, "BASE", 2, {"during": True}).ref_key == 2
+            finally:
+                node.stop()
+
+
+def test_metrics_count_requests_by_route_and_status(node: NodeThread) -> None:
+    with logstore.open(node.url) as store:
+        store.put_cells([(uuid.uuid4(), "BASE", 1, {"n": n}) for n in range(3)])
+        store.get_cell_latest(ROW, "BASE")
+    call(node.url, "GET", "/v1/shards/x/log")
+    parts = urlsplit(node.url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    assert 'cellstream_worker_requests_total{method="POST",route="/v1/cells",status="200"} 1.0' in text
+    assert 'route="/v1/rows/{row_key}/{column}",status="404"} 1.0' in text
+    assert 'route="/v1/shards/{shard}/log",status="400"} 1.0' in text
+    assert "cellstream_worker_cells_written_total 3.0" in text
+    assert 'cellstream_worker_request_seconds_bucket{le="0.005",route="/v1/cells"}' in text
+
+
+def serve(store: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "cellstream", "serve", "--store", store, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def test_cellstream_serve_runs_until_sigterm(sqlite_url: str, tmp_path: Path) -> None:
+    with logstore.open(sqlite_url, shards=SHARDS):
+        pass
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    process = serve(sqlite_url, "--bind", "127.0.0.1:0", "--token-file", str(token_file), "--json")
+    try:
+        assert process.stdout is not None
+        started = json.loads(process.stdout.readline())
+        assert started["token_required"] is True
+        with logstore.open(started["url"], token=TOKEN) as client:
+            assert client.shard_count == SHARDS
+            client.put_cell(ROW, "BASE", 1, {"via": "cli"})
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert TOKEN not in (process.stderr.read() if process.stderr else "")
+    finally:
+        process.kill()
+    with logstore.open(sqlite_url) as store:
+        assert store.get_cell(ROW, "BASE", 1) is not None
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--bind", "0.0.0.0:0"], "without a token the worker node listens only on loopback"),
+    (["--bind", "nowhere"], "expected HOST:PORT"),
+    (["--token-file", "/nonexistent/token"], "--token-file"),
+])
+def test_cellstream_serve_refuses_with_one_line(sqlite_url: str, args: list[str], message: str) -> None:
+    process = serve(sqlite_url, *args, env={"CELLSTREAM_TOKEN": ""})
+    _out, err = process.communicate(timeout=60)
+    assert process.returncode == 2, err
+    assert err.count("\n") == 1 and message in err

@@ -1,0 +1,1 @@
+"""The tailer: assignment, order, shards, standalone mode, Kafka and ZooKeeper, faults."""

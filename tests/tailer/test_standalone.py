@@ -1,0 +1,256 @@
+"""The tailer in standalone mode (offsets in a file, topics as files): the embedded default, no servers.
+
+The same worker runs in Kafka mode (tests/tailer/test_kafka.py); these tests pin
+what does not depend on Kafka: message shape, order, resume, dead letters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import logstore
+from cellstream.cli.main import main
+from tailer.config import TailerConfig
+from tailer.coordinators.local import LocalCoordinator, read_offsets
+from tailer.publishers.directory import DirectoryPublisher, read_topic
+from tailer.worker import Tailer
+from tests.harness.stores import sqlite_file
+
+SHARDS = 8
+
+
+def put_many(store: logstore.Store, n: int, column: str = "BASE") -> list[logstore.Cell]:
+    return store.put_cells([(uuid.uuid4(), column, 1, {"i": i, "pad": "x" * (i % 50)}) for i in range(n)])
+
+
+def topic_cells(root: Path, topic: str) -> list[tuple[int, dict[str, Any]]]:
+    return list(read_topic(root, topic))
+
+
+async def run_until(tailer: Tailer, done: Any, timeout: float = 30.0) -> None:
+    async with tailer:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, "the tailer did not publish in time"
+            await asyncio.sleep(0.02)
+
+
+def make(store: logstore.Store, tmp_path: Path, **options: Any) -> Tailer:
+    max_bytes = options.pop("max_bytes", 100_000)
+    config = TailerConfig(name="t", partitions=options.pop("partitions", 4), **options)
+    return Tailer(store, config, LocalCoordinator(tmp_path / "offsets.json", store.shard_count),
+                  DirectoryPublisher(tmp_path / "topics", max_message_bytes=max_bytes))
+
+
+def assert_per_shard_order(messages: list[tuple[int, dict[str, Any]]], partitions: int) -> dict[int, list[int]]:
+    by_shard: dict[int, list[int]] = {}
+    for partition, record in messages:
+        value = record["value"]
+        assert partition == value["shard"] % partitions
+        by_shard.setdefault(value["shard"], []).append(value["added_id"])
+    for ids in by_shard.values():
+        assert ids == sorted(ids)
+    return by_shard
+
+
+@pytest.fixture
+def store(sqlite_url: str) -> Any:
+    with logstore.open(sqlite_url, shards=SHARDS) as s:
+        yield s
+
+
+def test_every_cell_is_published_once_in_shard_order_with_the_documented_message(
+    store: logstore.Store, tmp_path: Path
+) -> None:
+    cells = put_many(store, 500)
+    root = tmp_path / "topics"
+    asyncio.run(run_until(make(store, tmp_path), lambda: len(topic_cells(root, "cells.BASE")) >= 500))
+    messages = topic_cells(root, "cells.BASE")
+    by_shard = assert_per_shard_order(messages, 4)
+    assert sorted(i for ids in by_shard.values() for i in ids) == sorted(c.added_id for c in cells)
+    first = next(c for c in cells if c.added_id == messages[0][1]["value"]["added_id"])
+    record = messages[0][1]
+    assert record["key"] == str(first.row_key)
+    assert record["headers"] == {"shard": str(first.shard), "added_id": str(first.added_id), "column": "BASE",
+                                 "ref_key": "1", "created_at": first.created_at.isoformat(),
+                                 "content-type": "application/json"}
+    assert record["value"] == first.to_json()
+    offsets = read_offsets(tmp_path / "offsets.json")
+    for shard in range(SHARDS):
+        assert offsets.get(str(shard), {}).get("location", 0) == store.head(shard)
+
+
+def test_a_restart_resumes_from_the_committed_offsets_without_loss_or_repeats(
+    store: logstore.Store, tmp_path: Path
+) -> None:
+    root = tmp_path / "topics"
+    put_many(store, 200)
+    asyncio.run(run_until(make(store, tmp_path), lambda: len(topic_cells(root, "cells.BASE")) >= 200))
+    put_many(store, 300)
+    asyncio.run(run_until(make(store, tmp_path), lambda: len(topic_cells(root, "cells.BASE")) >= 500))
+    time.sleep(0.2)
+    by_shard = assert_per_shard_order(topic_cells(root, "cells.BASE"), 4)
+    ids = [i for v in by_shard.values() for i in v]
+    assert len(ids) == len(set(ids)) == 500
+
+
+def test_columns_and_start_now_select_what_is_published(store: logstore.Store, tmp_path: Path) -> None:
+    root = tmp_path / "topics"
+    put_many(store, 50, "BASE")
+    tailer = make(store, tmp_path, columns=("FARE",), start_from="now")
+
+    async def scenario() -> None:
+        async with tailer:
+            while len(tailer.owned) < SHARDS:
+                await asyncio.sleep(0.01)
+            fares = put_many(store, 40, "FARE")
+            put_many(store, 40, "BASE")
+            deadline = time.monotonic() + 20
+            while len(topic_cells(root, "cells.FARE")) < len(fares):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+    asyncio.run(scenario())
+    assert len(topic_cells(root, "cells.FARE")) == 40
+    assert not (root / "cells.BASE").exists()
+
+
+def test_start_from_a_time_skips_only_older_cells(store: logstore.Store, tmp_path: Path) -> None:
+    root = tmp_path / "topics"
+    put_many(store, 30)
+    time.sleep(0.01)
+    since = dt.datetime.now(dt.UTC)
+    newer = put_many(store, 30)
+    asyncio.run(run_until(make(store, tmp_path, start_from=since),
+                          lambda: len(topic_cells(root, "cells.BASE")) >= 30))
+    time.sleep(0.2)
+    got = sorted(r["value"]["added_id"] for _, r in topic_cells(root, "cells.BASE"))
+    assert got == sorted(c.added_id for c in newer)
+
+
+def test_an_undecodable_cell_is_dead_lettered_by_name_and_the_shard_goes_on(
+    store: logstore.Store, sqlite_url: str, tmp_path: Path
+) -> None:
+    import sqlite3
+
+    key = uuid.uuid4()
+    cells = [store.put_cell(key, "BASE", ref, {"ref": ref}) for ref in range(1, 6)]
+    with sqlite3.connect(sqlite_file(sqlite_url)) as conn:
+        conn.execute("UPDATE cells SET body = x'7f00' WHERE added_id = ?", (cells[2].added_id,))
+    root = tmp_path / "topics"
+    asyncio.run(run_until(make(store, tmp_path), lambda: len(topic_cells(root, "cells.BASE")) >= 4
+                          and len(topic_cells(root, "cells-deadletter")) >= 1))
+    assert [r["value"]["ref_key"] for _, r in topic_cells(root, "cells.BASE")] == [1, 2, 4, 5]
+    [(partition, dead)] = topic_cells(root, "cells-deadletter")
+    assert partition == cells[2].shard % 4
+    assert dead["value"]["cell"]["added_id"] == cells[2].added_id
+    assert dead["value"]["cell"]["row_key"] == str(key) and dead["value"]["cell"]["ref_key"] == 3
+    assert dead["value"]["stage"] == "decode" and dead["value"]["error"]["type"] == "CorruptCellError"
+    assert dead["headers"]["error"] == "CorruptCellError"
+    offset = read_offsets(tmp_path / "offsets.json")[str(cells[0].shard)]
+    assert offset["location"] == cells[-1].added_id and offset["deadlettered"] == 1
+    assert offset["last_error"]["added_id"] == cells[2].added_id
+
+
+def test_a_message_over_the_size_limit_is_dead_lettered_and_the_rest_published(
+    store: logstore.Store, tmp_path: Path
+) -> None:
+    key = uuid.uuid4()
+    small = store.put_cell(key, "BASE", 1, {"n": 1})
+    big = store.put_cell(key, "BASE", 2, {"blob": os.urandom(60_000).hex()})
+    after = store.put_cell(key, "BASE", 3, {"n": 3})
+    root = tmp_path / "topics"
+    tailer = make(store, tmp_path, max_bytes=50_000)
+    asyncio.run(run_until(tailer, lambda: len(topic_cells(root, "cells.BASE")) >= 2
+                          and len(topic_cells(root, "cells-deadletter")) >= 1))
+    assert [r["value"]["added_id"] for _, r in topic_cells(root, "cells.BASE")] == [small.added_id, after.added_id]
+    [(_, dead)] = topic_cells(root, "cells-deadletter")
+    assert dead["value"]["cell"]["added_id"] == big.added_id and dead["value"]["stage"] == "publish"
+    assert "over the 50000-byte limit" in dead["value"]["error"]["message"]
+
+
+def test_msgpack_values_carry_the_same_record(store: logstore.Store, tmp_path: Path) -> None:
+    import base64
+
+    import msgpack
+
+    from tailer.messages import decode_cell
+
+    cells = put_many(store, 5)
+    root = tmp_path / "topics"
+    asyncio.run(run_until(make(store, tmp_path, value_format="msgpack"),
+                          lambda: len(topic_cells(root, "cells.BASE")) >= 5))
+    for _, record in topic_cells(root, "cells.BASE"):
+        raw = base64.b64decode(record["value"])
+        assert record["headers"]["content-type"] == "application/msgpack"
+        decoded = decode_cell(raw, [(k, v.encode()) for k, v in record["headers"].items()])
+        assert decoded in cells
+        assert msgpack.unpackb(raw)["body"] == decoded.body
+
+
+def test_a_second_standalone_process_on_the_same_offsets_is_refused(store: logstore.Store, tmp_path: Path) -> None:
+    first = LocalCoordinator(tmp_path / "offsets.json", SHARDS)
+    first.start(lambda: None)
+    try:
+        with pytest.raises(Exception, match="another tailer process"):
+            LocalCoordinator(tmp_path / "offsets.json", SHARDS).start(lambda: None)
+    finally:
+        first.stop()
+
+
+def test_cli_tail_stops_gracefully_on_sigterm_and_status_reports_it(
+    store: logstore.Store, sqlite_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    put_many(store, 120)
+    args = ["tail", "--store", sqlite_url, "--name", "cli", "--out", str(tmp_path / "topics"),
+            "--offsets", str(tmp_path / "offsets.json"), "--partitions", "4"]
+    proc = subprocess.Popen([sys.executable, "-m", "cellstream", *args], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(topic_cells(tmp_path / "topics", "cells.BASE")) < 120:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    offsets = read_offsets(tmp_path / "offsets.json")
+    assert sum(1 for doc in offsets.values() if doc["location"]) == len({c for c in range(SHARDS)
+                                                                       if store.head(c)})
+    put_many(store, 7)
+    assert main(["tail", "status", "cli", "--store", sqlite_url, "--offsets", str(tmp_path / "offsets.json"),
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert sum(r["lag_cells"] for r in report["shards"]) == 7
+    assert all(r["location"] == r["head"] for r in report["shards"] if not r["lag_cells"])
+
+
+def test_cli_tail_refuses_bad_options_with_one_line(sqlite_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tail", "--store", sqlite_url, "--name", "x", "--out", "d"]) == 2
+    assert "--zookeeper" in capsys.readouterr().err
+    assert main(["tail", "--store", sqlite_url, "--name", "bad name!", "--out", "d", "--offsets", "f"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bad name!" in err
+    assert main(["tail", "--store", sqlite_url, "--name", "x", "--out", "d", "--offsets", "f",
+                 "--from", "yesterday"]) == 2
+    assert "--from" in capsys.readouterr().err
+
+
+def test_busy_shards_take_turns_so_none_waits_for_another_to_be_drained(
+    store: logstore.Store, tmp_path: Path
+) -> None:
+    cells = put_many(store, 400)  # about 50 a shard, ten pages each
+    busy = {c.shard for c in cells}
+    root = tmp_path / "topics"
+    tailer = make(store, tmp_path, partitions=1, page_size=5, read_ahead=1)
+    asyncio.run(run_until(tailer, lambda: len(topic_cells(root, "cells.BASE")) >= 400))
+    first_pages = [record["value"]["shard"] for _, record in topic_cells(root, "cells.BASE")[: 5 * len(busy)]]
+    assert set(first_pages) == busy  # one page of every shard before a second page of any
