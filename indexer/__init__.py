@@ -12,8 +12,7 @@ succeeded or were dead-lettered.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from indexer.errors import (
     ConfigurationError,
@@ -29,6 +28,7 @@ from indexer.errors import (
     SourceUnavailableError,
     TakenOverError,
 )
+from logstore.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from indexer.indexes.applier import Index
@@ -75,11 +75,4 @@ _LAZY = {
     "Trigger": "indexer.runtime.handlers",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'indexer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from logstore.errors import (
     StorageUnavailableError,
 )
 from logstore.extras import require
+from logstore.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from logstore.cell import Cell
@@ -68,14 +68,7 @@ _LAZY = {
     "Store": "logstore.store",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'logstore' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 def _recorder(name: str, target: NodeTarget, options: StoreOptions, token: str | None = None,
