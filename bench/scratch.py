@@ -14,7 +14,7 @@ from kazoo.client import KazooClient
 
 from logstore.config import parse_node_url
 from tailer.coordinators.zookeeper import tailer_path
-from tests.kafka_support import delete_topics
+from tests.harness.kafka_support import delete_topics
 
 
 class Scratch(NamedTuple):
