@@ -15,7 +15,7 @@
 # which `up` fetches with Maven into $ROOT/.services/kafka/lib (cached in
 # ~/.m2; refetched only when the pom changes).  `up` also installs kcat, the
 # Kafka CLI the tests use; it is an install-only step, no process.  The same
-# jars serve tests/services.py, which starts private instances for
+# jars serve tests/harness/services.py, which starts private instances for
 # fault-injection tests, so `up` fetches them even when it reuses servers.
 #
 # Rules every service follows:
@@ -722,7 +722,7 @@ postgresql_status() {
 
 # ===========================================================================
 # Java, the Kafka/ZooKeeper jars and kcat (install-only steps shared by the
-# zookeeper and kafka services; tests/services.py uses the same jars)
+# zookeeper and kafka services; tests/harness/services.py uses the same jars)
 # ===========================================================================
 JAVA_PACKAGES=(openjdk-17-jre-headless)
 MAVEN_PACKAGES=(maven)
@@ -937,7 +937,7 @@ zookeeper_wait_ready() {
 
 zookeeper_up() {
   local pid t0=$SECONDS
-  # The jars are needed by tests/services.py even when a server is reused.
+  # The jars are needed by tests/harness/services.py even when a server is reused.
   kafka_lib_install
 
   # 1. Our own instance from an earlier `up`.
