@@ -53,11 +53,11 @@ def exit_code(exc: BaseException) -> Exit:
     raise exc
 
 
-def fail(exc: BaseException, code: Exit | None = None) -> int:
-    """Report ``exc`` in one line on stderr; return ``code`` (default: the table's code for it)."""
+def fail(exc: BaseException) -> int:
+    """Report ``exc`` in one line on stderr; return its code from the table."""
     if isinstance(exc, UnicodeDecodeError):
         message = f"input is not UTF-8 text ({exc.reason} at byte {exc.start})"
     else:
         message = str(exc)
     print(f"cellstream: error: {message}", file=sys.stderr)
-    return exit_code(exc) if code is None else code
+    return exit_code(exc)
