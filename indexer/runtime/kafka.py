@@ -51,7 +51,7 @@ from indexer.runtime.handlers import Processor, tailer_deadletter
 from indexer.runtime.metrics import AppMetrics
 from indexer.runtime.policy import Failure, fingerprint, qualified_name
 from logstore import Cell
-from logstore.retry import RetryPolicy
+from logstore.retry import RetryPolicy, retry_call_async
 from tailer.config import KafkaOptions
 from tailer.errors import PublishError
 from tailer.messages import CONTENT_TYPES, decode_cell
@@ -63,6 +63,7 @@ _WATCH_INTERVAL = 1.0  # positions for the lag metric
 _DRAIN_WATCH_INTERVAL = 0.1  # while drain() waits for the end
 FETCH_MAX_WAIT_MS = 100  # measured against 5, 20 and 50 ms (bench/app_kafka_bench.py): the lowest p99
 _UNSETTLED = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)  # until it works or the app stops
+_POSITIONS_RETRY = RetryPolicy(initial=0.1, maximum=1.0, deadline=30.0)  # aiokafka's retriable errors only
 _HEADER_TEXT = 8_000  # characters of one text header (messages, tracebacks) in the DLQ topic
 
 
@@ -109,13 +110,16 @@ async def group_positions(brokers: str, app: str, topics: list[str]) -> list[tup
     try:
         await probe.start()
         await admin.start()
-        described = await admin.describe_topics(topics)
+        described = await retry_call_async(lambda: admin.describe_topics(topics), _POSITIONS_RETRY)
         partitions = [TopicPartition(d["topic"], p["partition"]) for d in described if d["error_code"] == 0
                       for p in sorted(d["partitions"], key=lambda p: p["partition"])]
         if not partitions:
             return []
-        ends = await probe.end_offsets(partitions)
-        found = await admin.list_consumer_group_offsets(group_id(app), partitions=partitions)
+        ends = await retry_call_async(lambda: probe.end_offsets(partitions), _POSITIONS_RETRY)
+        # A broker's first group lookup creates __consumer_offsets: "coordinator not available" for a
+        # few seconds, which a fresh cluster (or one whose offsets topic moves) says to retry.
+        found = await retry_call_async(
+            lambda: admin.list_consumer_group_offsets(group_id(app), partitions=partitions), _POSITIONS_RETRY)
     except (KafkaError, OSError) as exc:
         raise SourceUnavailableError(f"Kafka at {brokers}: {type(exc).__name__}: {exc}") from None
     finally:

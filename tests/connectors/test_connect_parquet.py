@@ -193,26 +193,3 @@ def test_a_bad_file_is_one_clear_line(sqlite_url: str, tmp_path: Path, capsys: p
     err = capsys.readouterr().err.strip()
     assert err.startswith("cellstream: error: ") and "\n" not in err
     assert "sink.yaml:6: sink.max_rows: Input should be greater than or equal to 1" in err
-
-
-def test_a_kafka_source_loads_the_tailers_topics_and_commits_through_the_checkpoint(
-        sqlite_url: str, tmp_path: Path, topic_prefix: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from tests.harness.kafka_support import publish
-    from tests.harness.shared_servers import KAFKA
-
-    path = tmp_path / "sink.yaml"
-    path.write_text(CONFIG.format(interval=0.2, rows=100_000).replace("name: lake", f"name: {topic_prefix}-lake")
-                    + f"brokers: {KAFKA}\ntopic_prefix: {topic_prefix}\n")
-    with logstore.open(sqlite_url, shards=SHARDS) as store:
-        trips(store, 100)
-        publish(store, topic_prefix)
-        for expected in (200, 0):  # the second run starts from the offsets the first committed
-            code = main(["connect", "run", str(path), "--drain", "--store", sqlite_url, "--json"])
-            printed = capsys.readouterr().out
-            assert code == 0 and json.loads(printed.splitlines()[-1])["processed"] == expected, printed
-            for column in ("BASE", "FARE"):
-                assert lake(tmp_path / "lake", column) == source(store, column)
-        assert main(["connect", "status", str(path), "--store", sqlite_url, "--json"]) == 0
-        status = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-        assert {row["topic"] for row in status} == {f"{topic_prefix}.BASE", f"{topic_prefix}.FARE"}
-        assert all(row["lag_messages"] == 0 and row["committed"] is not None for row in status)
