@@ -25,7 +25,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from connectors.errors import SinkConfigError
+from connectors.errors import ConfigurationError
 from indexer.errors import DefinitionError
 from indexer.indexes.definitions import load_yaml
 from logstore import InvalidCellError
@@ -137,11 +137,11 @@ class ConnectorConfig(BaseModel):
 
 def load_connector(source: str | Path) -> ConnectorConfig:
     """The configuration in a YAML file (a Path) or text (a str). A relative sink root is taken from the
-    file's directory. SinkConfigError names the line and field of a problem."""
+    file's directory. ConfigurationError names the line and field of a problem."""
     try:
         config = load_yaml(source, ConnectorConfig, "<connector>", "a mapping with name, columns and sink")
     except DefinitionError as exc:
-        raise SinkConfigError(str(exc)) from None
+        raise ConfigurationError(str(exc)) from None
     if isinstance(source, Path) and isinstance(config.sink, ParquetSinkSpec) and not config.sink.root.is_absolute():
         sink = config.sink.model_copy(update={"root": source.parent / config.sink.root})
         config = config.model_copy(update={"sink": sink})

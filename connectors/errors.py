@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from logstore.errors import CellstreamError
+from logstore.errors import ConfigurationError as ConfigurationError  # the project's one class, re-exported
 
 
 class ConnectorError(CellstreamError):
-    """Base of every error a connector raises."""
+    """Base of every error a connector raises but :class:`ConfigurationError`, the project's one class for
+    options that do not fit (here: a connector file, a sink root that cannot be created)."""
 
 
 class ConversionError(ConnectorError):
@@ -17,7 +19,3 @@ class SinkUnavailableError(ConnectorError):
     """The warehouse could not be written now (disk full, server down): the batch is tried again."""
 
     retriable = True
-
-
-class SinkConfigError(ConnectorError):
-    """A sink's configuration is wrong (a root that cannot be created, a bad option)."""

@@ -1,6 +1,7 @@
 """The indexer error hierarchy.
 
-Every error the runtime raises is an :class:`IndexerError`; ``retriable`` tells the
+Every error the runtime raises is an :class:`IndexerError` or the project's
+:class:`ConfigurationError`; ``retriable`` tells the
 caller whether the same call may succeed later. Handlers raise what they like: the
 retry policy (:mod:`indexer.runtime.policy`) decides from ``retriable`` (an exception without
 the attribute is retried), and :class:`NonRetriableError` is the one users raise to
@@ -12,14 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from logstore.errors import CellstreamError
+from logstore.errors import ConfigurationError as ConfigurationError  # the project's one class, re-exported
 
 
 class IndexerError(CellstreamError):
-    """Root of every indexer error."""
-
-
-class ConfigurationError(IndexerError):
-    """The app's options or handlers do not fit (a bad name, no handler for a column, ...)."""
+    """Root of every indexer error but :class:`ConfigurationError`, the project's one class for options that
+    do not fit (here: the app's options or handlers: a bad name, no handler for a column, ...)."""
 
 
 class NonRetriableError(IndexerError):

@@ -63,7 +63,13 @@ class CellConflictError(LogstoreError):
 
 
 class ConfigurationError(LogstoreError):
-    """The instance or its configuration does not match (shard count, cluster map, credentials)."""
+    """Options, a file or what they point at do not fit: a store's shard count, cluster map or credentials, a
+    topic's partition count, an app's handlers, a connector's file or sink root.
+
+    One class for the whole project, defined here in the lowest layer so that every package raises the same
+    one (the tailer, the indexer and the connectors re-export it from their ``errors``); a caller catches one
+    name whichever part found the problem. Never retriable: the same call fails until the setting changes.
+    """
 
 
 class MissingExtraError(ConfigurationError):

@@ -1,6 +1,7 @@
 """The tailer error hierarchy.
 
-Every error raised by the tailer is a :class:`TailerError`; ``retriable`` tells the
+Every error raised by the tailer is a :class:`TailerError` or the project's
+:class:`ConfigurationError`; ``retriable`` tells the
 caller whether the same call may succeed later. Kafka (aiokafka) errors are
 translated in :mod:`tailer.publishers.kafka` and ZooKeeper (kazoo) errors in
 :mod:`tailer.coordinators.zookeeper`; neither escapes untranslated.
@@ -11,14 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from logstore.errors import CellstreamError
+from logstore.errors import ConfigurationError as ConfigurationError  # the project's one class, re-exported
 
 
 class TailerError(CellstreamError):
-    """Root of every tailer error."""
-
-
-class ConfigurationError(TailerError):
-    """The tailer's options, or a topic that already exists, do not fit (e.g. a partition count)."""
+    """Root of every tailer error but :class:`ConfigurationError`, the project's one class for options that do
+    not fit (here: the tailer's options, or a topic that exists with another partition count)."""
 
 
 class CoordinationError(TailerError):

@@ -30,7 +30,7 @@ from logstore import CorruptCellError, LogstoreError, Store
 from logstore.cell import Cell
 from logstore.retry import RetryPolicy
 from tailer.config import TailerConfig
-from tailer.errors import FencedError, PublishError, TailerError
+from tailer.errors import ConfigurationError, FencedError, PublishError, TailerError
 from tailer.interfaces import Claim, Coordinator, Offset, Publisher
 from tailer.messages import Message, coordinates, encode_deadletter
 from tailer.metrics import Lag, TailerMetrics
@@ -587,7 +587,7 @@ class Tailer:
                     await self._topic(topic)
                 message = self.publisher.encode(cell, self.config.value_format)
                 problem = self.publisher.refuses(message)
-            except TailerError as exc:
+            except (TailerError, ConfigurationError) as exc:
                 self._failed(st, exc, "topic")
                 return False
             except (TypeError, ValueError) as exc:

@@ -28,18 +28,15 @@ def exit_code(exc: BaseException) -> Exit:
     """The exit code of an error: the first class of the table it is an instance of; any other
     cellstream error is UNAVAILABLE when retriable, else FAILED."""
     from cellstream.errors import UsageError
-    from connectors.errors import SinkConfigError
     from indexer import errors as indexer
     from logstore import errors as logstore
-    from tailer import errors as tailer
 
     table: tuple[tuple[tuple[type[BaseException], ...], Exit], ...] = (
         ((UsageError, logstore.InvalidArgumentError, indexer.InvalidFilterError, indexer.InvalidQueryError),
          Exit.USAGE),
         ((indexer.EntryNotFoundError, indexer.IndexNotFoundError), Exit.NOT_FOUND),
         ((logstore.CellConflictError,), Exit.CONFLICT),
-        ((logstore.ConfigurationError, tailer.ConfigurationError, indexer.ConfigurationError,
-          indexer.DefinitionError, SinkConfigError), Exit.CONFIG),
+        ((logstore.ConfigurationError, indexer.DefinitionError), Exit.CONFIG),
         ((indexer.HandlerStalledError,), Exit.STALLED),
         ((indexer.IndexStateError,), Exit.STATE),
         # Input files (--batch, --token-file): a path that cannot be read, or text that is not UTF-8.

@@ -44,7 +44,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from connectors.config import ParquetSinkConfig
-from connectors.errors import ConversionError, SinkConfigError, SinkUnavailableError
+from connectors.errors import ConfigurationError, ConversionError, SinkUnavailableError
 from connectors.sinks.base import CELL_COLUMNS, Position, Sink, flatten, json_text, utc_date
 from logstore import Cell
 
@@ -81,7 +81,7 @@ class ParquetSink(Sink):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise SinkConfigError(f"parquet sink: cannot create {self.root}: {exc.strerror}") from None
+            raise ConfigurationError(f"parquet sink: cannot create {self.root}: {exc.strerror}") from None
         self._clock = clock
         self._buffers: dict[tuple[str, str, int], _Buffer] = {}
         self._latest: tuple[str, str, int] | None = None  # the buffer the last row went to
