@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from indexer.runtime.deadletters import DeadLetter
     from indexer.runtime.dlq import DeadLetterQueue, DLQFilter, ReplayResult
     from indexer.runtime.handlers import Counts, Trigger
+    from indexer.runtime.hooks import Hook
 
 __all__ = [
     "App",
@@ -51,6 +52,7 @@ __all__ = [
     "EntryStateError",
     "HandlerMissingError",
     "HandlerStalledError",
+    "Hook",
     "Index",
     "IndexerError",
     "InvalidFilterError",
@@ -67,6 +69,7 @@ _LAZY = {
     "App": "indexer.runtime.app",
     "AppConfig": "indexer.runtime.config",
     "Counts": "indexer.runtime.handlers",
+    "Hook": "indexer.runtime.hooks",
     "DLQFilter": "indexer.runtime.dlq",
     "DeadLetter": "indexer.runtime.deadletters",
     "DeadLetterQueue": "indexer.runtime.dlq",

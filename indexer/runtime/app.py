@@ -24,24 +24,25 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
 import logstore
 from indexer.errors import ConfigurationError, DrainTimeoutError, TakenOverError
-from indexer.indexes.applier import IndexApplier, lag
-from indexer.indexes.catalog import IndexCatalog
-from indexer.indexes.definitions import IndexDefinition, load_indexes
 from indexer.runtime.config import AppConfig
 from indexer.runtime.deadletters import DeadLetterStore
 from indexer.runtime.dlq import DeadLetterQueue
 from indexer.runtime.handlers import BatchApplier, Counts, Handler, Processor, Trigger
+from indexer.runtime.hooks import Hook
 from indexer.runtime.metrics import AppMetrics
 from logstore import InvalidCellError, Store
 from logstore.cell import check_column
 from logstore.extras import require
 from tailer.metrics import TailerMetrics
+
+if TYPE_CHECKING:
+    from indexer.indexes.definitions import IndexDefinition
 
 logger = logging.getLogger(__name__)
 _WATCH = 0.01
@@ -78,6 +79,7 @@ class App:
         self._target = store
         self._store: Store | None = store if isinstance(store, Store) else None
         self.triggers: list[Trigger] = []
+        self.hooks: list[Hook] = []
         self.metrics = AppMetrics(name)
         self.source_metrics = TailerMetrics(f"app.{name}", registry=self.metrics.registry)
         self._processor: Processor | None = None
@@ -111,17 +113,15 @@ class App:
         """
         if self._processor is not None:
             raise ConfigurationError("add indexes before the app starts")
-        loaded = load_indexes(Path(definitions)) if isinstance(definitions, str | Path) else list(definitions)
-        catalog = IndexCatalog(self.store)
-        for definition in loaded:
-            catalog.register(definition)
-        kept: list[IndexDefinition] = []
-        for name in dict.fromkeys(d.name for d in loaded):
-            for definition in catalog.get(name).maintained():
-                applier = IndexApplier(self.store, definition)
-                self.batch_handler(applier.name, definition.column, applier, applier.apply_one)
-                kept.append(definition)
-        return kept
+        from indexer.indexes.keeper import keep  # the index feature, plugged in through a batch handler and a hook
+
+        return keep(self, definitions)
+
+    def add_hook(self, hook: Hook) -> None:
+        """Tell ``hook`` of the app's moments (see :class:`~indexer.runtime.hooks.Hook`)."""
+        if self._processor is not None:
+            raise ConfigurationError("add hooks before the app starts")
+        self.hooks.append(hook)
 
     def batch_handler(self, name: str, column: str, applier: BatchApplier, one: Handler, *,
                       max_attempts: int = 5) -> None:
@@ -212,18 +212,15 @@ class App:
         deadline = None if timeout is None else since + timeout
         await runner.start()
         try:
-            await asyncio.to_thread(self._mark_indexes_live)
+            for hook in self.hooks:
+                await asyncio.to_thread(hook.started)
         except BaseException:
             await runner.stop()
             raise
-        indexed = any(isinstance(t.applier, IndexApplier) for t in self.triggers)  # else no lag to measure
-        measuring: asyncio.Future[None] | None = None
-        next_measure = since
+        ticks = _Ticks(self.hooks)
         try:
             while not done(runner, since):
-                if indexed and time.monotonic() >= next_measure and (measuring is None or measuring.done()):
-                    measuring = asyncio.ensure_future(asyncio.to_thread(self.measure_index_lag))
-                    next_measure = time.monotonic() + self.config.index_lag_interval
+                ticks.due()
                 if processor.stalled is not None:
                     raise processor.stalled
                 failed = runner.failed()
@@ -237,35 +234,10 @@ class App:
                 await asyncio.sleep(_WATCH)
         finally:
             await runner.stop()
-            if measuring is not None:
-                await measuring
+            await ticks.finish()
         if processor.stalled is not None:
             raise processor.stalled
         return processor.counts - before
-
-    def measure_index_lag(self) -> None:
-        """(blocking) Set the lag gauges of every index version the app keeps (see indexer.indexes.applier.lag)."""
-        for trigger in self.triggers:
-            applier = trigger.applier
-            if not isinstance(applier, IndexApplier) or applier.dropped:
-                continue
-            definition = applier.definition
-            try:
-                cells, seconds = lag(self.store, definition)
-            except logstore.LogstoreError as exc:  # a metric is not worth stopping the app for
-                logger.warning("app %s: could not measure the lag of index %s version %d: %s",
-                               self.name, definition.name, definition.version, exc)
-                continue
-            labels = (self.name, definition.name, str(definition.version))
-            self.metrics.index_lag_cells.labels(*labels).set(cells)
-            self.metrics.index_lag_seconds.labels(*labels).set(seconds)
-
-    def _mark_indexes_live(self) -> None:
-        catalog = IndexCatalog(self.store)
-        for trigger in self.triggers:
-            if isinstance(trigger.applier, IndexApplier):
-                definition = trigger.applier.definition
-                catalog.mark_live(definition.name, definition.version, self.name)
 
     def close(self) -> None:
         """Release the thread pool and, if the app opened it, the store. Safe twice."""
@@ -282,3 +254,30 @@ class App:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Ticks:
+    """The hooks' ticks: each hook's in a worker thread every ``interval`` seconds, never two of one at once."""
+
+    def __init__(self, hooks: list[Hook]) -> None:
+        self._hooks = [hook for hook in hooks if hook.interval is not None]
+        self._next = [time.monotonic()] * len(self._hooks)
+        self._running: list[asyncio.Future[None] | None] = [None] * len(self._hooks)
+
+    def due(self) -> None:
+        now = time.monotonic()
+        for i, hook in enumerate(self._hooks):
+            running = self._running[i]
+            if now >= self._next[i] and (running is None or running.done()):
+                self._running[i] = asyncio.ensure_future(asyncio.to_thread(_tick, hook))
+                self._next[i] = now + (hook.interval or 0)
+
+    async def finish(self) -> None:
+        await asyncio.gather(*(running for running in self._running if running is not None))
+
+
+def _tick(hook: Hook) -> None:
+    try:
+        hook.tick()
+    except Exception:
+        logger.exception("hook %s: tick failed; the app goes on", type(hook).__name__)

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from indexer.errors import HandlerStalledError, RetriableError
-from indexer.indexes.combine import Combiner
+from indexer.runtime.combine import Combiner
 from indexer.runtime.config import AppConfig
 from indexer.runtime.deadletters import OPEN_STATES, DeadLetter, DeadLetterStore
 from indexer.runtime.metrics import AppMetrics
@@ -148,7 +148,7 @@ class Processor:
                            items: list[tuple[Cell, dict[str, Any]]]) -> bool:
         """Cells that cannot be prepared are dead-lettered first (so the batch's recorded position never
         passes a cell that was neither applied nor dead-lettered); the rest are applied at once (with the
-        batches of other shards waiting at the time: :mod:`indexer.indexes.combine`), retried while the error is
+        batches of other shards waiting at the time: :mod:`indexer.runtime.combine`), retried while the error is
         retriable. A batch still failing with a retriable error is not settled; one
         failing otherwise is applied cell by cell, so only the cells that fail are dead-lettered."""
         prepared, kept = [], []

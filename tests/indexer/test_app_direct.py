@@ -26,6 +26,7 @@ from indexer import (
     EntryNotFoundError,
     EntryStateError,
     HandlerStalledError,
+    Hook,
     InvalidFilterError,
     NonRetriableError,
     TakenOverError,
@@ -344,6 +345,55 @@ def test_bad_app_options_are_typed_errors(store: logstore.Store) -> None:
     app.trigger("BASE")(print)
     with pytest.raises(ConfigurationError, match="already has a handler"):
         app.trigger("BASE")(print)
+
+
+class Recorder(Hook):
+    """A hook that records its calls; a tick fails once, started() fails when told to."""
+
+    interval = 0.05
+
+    def __init__(self, fail_start: bool = False) -> None:
+        self.calls: list[str] = []
+        self.fail_start = fail_start
+
+    def started(self) -> None:
+        self.calls.append("started")
+        if self.fail_start:
+            raise RuntimeError("cannot start")
+
+    def tick(self) -> None:
+        self.calls.append("tick")
+        if self.calls.count("tick") == 1:
+            raise RuntimeError("the first tick fails")
+
+
+def test_hooks_are_started_once_per_serve_and_ticked_while_it_runs(store: logstore.Store,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    write(store, 20)
+    seen: list[logstore.Cell] = []
+    app = App("hooked", store=store)
+
+    def slow(cell: logstore.Cell) -> None:
+        time.sleep(0.02)  # 20 cells: the serve lasts long enough for several ticks
+        seen.append(cell)
+    app.trigger("BASE")(slow)
+    hook = Recorder()
+    app.add_hook(hook)
+    assert app.drain(30).processed == 20
+    assert hook.calls[0] == "started" and hook.calls.count("started") == 1 and hook.calls.count("tick") >= 3
+    assert "hook Recorder: tick failed; the app goes on" in caplog.text  # and it went on: all 20 handled
+    app.drain(30)
+    assert hook.calls.count("started") == 2
+    with pytest.raises(ConfigurationError, match="add hooks before the app starts"):
+        app.add_hook(Recorder())
+    app.close()
+
+    failing = App("hooked-fails", store=store)
+    failing.trigger("BASE")(seen.append)
+    failing.add_hook(Recorder(fail_start=True))
+    with pytest.raises(RuntimeError, match="cannot start"):  # a hook that cannot start stops the app
+        failing.drain(30)
+    failing.close()
 
 
 def test_sigkill_mid_handler_delivers_the_cell_again(store: logstore.Store, sqlite_url: str,

@@ -1,4 +1,4 @@
-"""The group commit of batch appliers (indexer.indexes.combine): batches of many shards in one call."""
+"""The group commit of batch appliers (indexer.runtime.combine): batches of many shards in one call."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from indexer.indexes.combine import MAX_COMBINED, Combiner
+from indexer.runtime.combine import MAX_COMBINED, Combiner
 from logstore import Cell
 
 
