@@ -1,23 +1,27 @@
-"""What the worker needs from coordination and from a message sink.
+"""What the worker needs from coordination and from where it delivers cells.
 
 Three coordinators exist: :class:`tailer.coordinators.zookeeper.ZooKeeperCoordinator` (workers
 share shards through ZooKeeper), :class:`tailer.coordinators.store.StoreCoordinator`
 (offsets and ownership in the store's consumer-offsets table) and
 :class:`tailer.coordinators.local.LocalCoordinator` (one process owns every shard; offsets in a
-file, like Kafka Connect's standalone mode). Three publishers exist:
-:class:`tailer.publishers.kafka.KafkaPublisher`, :class:`tailer.publishers.directory.DirectoryPublisher` and
-direct mode's :class:`indexer.runtime.direct.HandlerPublisher` (cells to an app's handlers).
-The worker (:mod:`tailer.worker`) is the same for every combination.
+file, like Kafka Connect's standalone mode).
+
+The worker delivers cells to a :class:`Sink`. Two exist: :class:`tailer.publishers.topics.TopicSink`
+(each cell as a message on the topic of its column, through a message :class:`Publisher`: Kafka's
+:class:`~tailer.publishers.kafka.KafkaPublisher` or the standalone
+:class:`~tailer.publishers.directory.DirectoryPublisher`) and direct mode's
+:class:`indexer.runtime.direct.HandlerSink` (the cells themselves to an app's handlers). The
+worker (:mod:`tailer.worker`) is the same for every combination.
 
 Coordinator methods block (ZooKeeper round trips); the worker calls them from a
-thread. Publisher methods are coroutines.
+thread. Sink and publisher methods are coroutines, but for the cheap per-cell ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from logstore import Cell
@@ -108,8 +112,73 @@ class Coordinator(ABC):
             self.release(claim)
 
 
+class Sink(ABC):
+    """Where the worker delivers the cells of the shards it owns, each acknowledged through a future.
+
+    What the worker's per-shard order rests on: a shard's deliveries arrive in the order handed over,
+    and after a failed delivery none handed over later for the same shard is delivered before the
+    worker has rewound and handed the failed cells over again (a message sink gets this from its
+    :class:`Publisher`, see there). The worker commits a position only after every delivery up to
+    it was acknowledged, and only after :meth:`before_commit` returned.
+    """
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Get ready to take cells (connect, create the destinations known up front)."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Settle or fail what was handed over, and close. Safe to call twice."""
+
+    async def prepare(self, column: str) -> None:  # noqa: B027
+        """Called before the first cell of ``column``: make its destination ready. A TailerError or a
+        ConfigurationError fails the shard (it backs off and tries again)."""
+
+    def destination(self, column: str) -> str:
+        """Where the cells of ``column`` go, as dead letters name it (a topic; by default the column)."""
+        return column
+
+    @abstractmethod
+    def accept(self, cell: Cell) -> Any:
+        """The sink's form of ``cell``, to hand to :meth:`deliver`. Raises TypeError/ValueError when the cell
+        cannot be encoded and a non-retriable PublishError when the sink can never take it (too large):
+        the worker dead-letters the cell in its place."""
+
+    @abstractmethod
+    async def deliver(self, shard: int, column: str, items: Sequence[Any]) -> list[tuple[asyncio.Future[Any], int]]:
+        """Hand over accepted cells of one shard and column, in added_id order; returns (future, how many of
+        the items it covers) pairs in order. A future fails with an error :meth:`translate` understands.
+
+        Raises PublishError: retriable, the shard backs off and resends; not retriable, the items are
+        refused as a whole (the worker hands them over one at a time to find the culprit).
+        """
+
+    @abstractmethod
+    async def deadletter(self, shard: int, record: dict[str, Any]) -> asyncio.Future[Any]:
+        """Record a cell the worker gives up on (:func:`tailer.messages.deadletter_record`) in the shard's
+        order; the future resolves once the record is durable. Raises PublishError like :meth:`deliver`."""
+
+    def abandon(self, shards: Iterable[int]) -> None:  # noqa: B027
+        """Give up what is handed over for ``shards`` but not yet under way (the worker is about to stop or
+        hand them over): their futures fail or are cancelled, so the cells are delivered again later."""
+
+    async def before_commit(self) -> None:  # noqa: B027
+        """Called before the worker commits acknowledged positions: a sink that acknowledges what it only
+        buffered makes it durable here (flush-before-commit). A PublishError skips this commit (the
+        positions are committed later, after a flush that succeeds); a non-retriable one stops the worker."""
+
+    def translate(self, exc: BaseException) -> PublishError:
+        """The tailer's error for a failed delivery; ``retriable`` False means the cell is refused."""
+        if isinstance(exc, PublishError):
+            return exc
+        return PublishError(f"delivery failed: {type(exc).__name__} {exc}".rstrip(), retriable=True)
+
+    async def after_failure(self, exc: BaseException, future: asyncio.Future[Any]) -> None:  # noqa: B027
+        """Called when the delivery of ``future`` failed with ``exc`` (e.g. to replace a broken client)."""
+
+
 class Publisher(ABC):
-    """A message sink with acknowledgements, in per-partition order.
+    """A message sink with acknowledgements, in per-partition order, for :class:`~tailer.publishers.topics.TopicSink`.
 
     What the worker's per-shard order rests on: a partition's messages are delivered in the
     order sent, and after a failed delivery none sent later on the same client is delivered

@@ -33,7 +33,6 @@ class Message(NamedTuple):
     key: bytes
     value: bytes
     headers: Headers
-    cell: Cell | None = None  # set by publishers that take cells as they are (no encoding)
 
 
 def coordinates(cell: Cell) -> dict[str, Any]:
@@ -73,11 +72,12 @@ def encode_cell(cell: Cell, value_format: Literal["json", "msgpack"] = "json") -
     return Message(row_key.encode(), value, headers)
 
 
-def encode_deadletter(
+def deadletter_record(
     where: dict[str, Any], *, topic: str, error: BaseException, stage: str, tailer: str, worker: str
-) -> Message:
-    """The dead-letter message for the cell at ``where`` (its coordinates)."""
-    record = {
+) -> dict[str, Any]:
+    """The tailer's dead-letter record of the cell at ``where`` (its coordinates), meant for ``topic`` (the
+    destination its cells go to), which failed at ``stage`` (``decode``, ``encode`` or ``publish``)."""
+    return {
         "cell": where,
         "topic": topic,
         "stage": stage,
@@ -86,8 +86,22 @@ def encode_deadletter(
         "worker": worker,
         "failed_at": dt.datetime.now(dt.UTC).isoformat(),
     }
-    headers = [*_headers(where), ("error", type(error).__name__.encode()), ("content-type", CONTENT_TYPES["json"])]
+
+
+def deadletter_message(record: dict[str, Any]) -> Message:
+    """The message of a dead-letter record on the ``<prefix>-deadletter`` topic."""
+    where = record["cell"]
+    headers = [*_headers(where), ("error", str(record["error"]["type"]).encode()),
+               ("content-type", CONTENT_TYPES["json"])]
     return Message(str(where["row_key"]).encode(), json.dumps(record, default=str).encode(), headers)
+
+
+def encode_deadletter(
+    where: dict[str, Any], *, topic: str, error: BaseException, stage: str, tailer: str, worker: str
+) -> Message:
+    """The dead-letter message for the cell at ``where`` (its coordinates)."""
+    return deadletter_message(deadletter_record(where, topic=topic, error=error, stage=stage, tailer=tailer,
+                                                worker=worker))
 
 
 def decode_cell(value: bytes, headers: Headers | None = None) -> Cell:

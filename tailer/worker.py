@@ -1,17 +1,20 @@
 """The tailer worker: reads the shard logs it owns and publishes them, at least once, in order.
 
 Per shard the worker keeps three positions (added_ids): ``position`` (read and
-handed to the publisher), ``acked`` (every cell up to it acknowledged, or
+handed to the sink), ``acked`` (every cell up to it acknowledged, or
 dead-lettered and the dead letter acknowledged) and ``committed`` (stored by the
 coordinator). Only ``acked`` is ever committed, so a crash replays at most the
 cells after the last commit. A failed delivery rewinds ``position`` to ``acked``
-and resends from there, so a shard's cells reach the topic in added_id order
+and resends from there, so a shard's cells reach the sink in added_id order
 (a replay repeats a suffix, never reorders). Once one of a shard's deliveries has
-failed, nothing more of the shard is handed to the publisher until that rewind:
-the failure may have replaced the publisher's client, which would deliver later
-cells before the failed ones are resent. A cell that can never be published
-(too large, undecodable) goes to the dead-letter topic and is counted in the
-committed offset; nothing is skipped without a record.
+failed, nothing more of the shard is handed to the sink until that rewind:
+the failure may have replaced the sink's client, which would deliver later
+cells before the failed ones are resent. A cell that can never be delivered
+(too large, undecodable) goes to the sink as a dead-letter record and is counted
+in the committed offset; nothing is skipped without a record.
+
+The sink (:class:`~tailer.interfaces.Sink`) is Kafka's topics (a
+:class:`~tailer.publishers.topics.TopicSink`) or, in an app's direct mode, its handlers.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from logstore.cell import Cell
 from logstore.retry import RetryPolicy
 from tailer.config import TailerConfig
 from tailer.errors import ConfigurationError, FencedError, PublishError, TailerError
-from tailer.interfaces import Claim, Coordinator, Offset, Publisher
-from tailer.messages import Message, coordinates, encode_deadletter
+from tailer.interfaces import Claim, Coordinator, Offset, Publisher, Sink
+from tailer.messages import coordinates, deadletter_record
 from tailer.metrics import Lag, TailerMetrics
+from tailer.publishers.topics import TopicSink
 from tailer.shardstate import Look, Pages, Pending, ShardState, page_of
 
 logger = logging.getLogger(__name__)
@@ -57,21 +61,26 @@ _R = TypeVar("_R")
 
 
 class Tailer:
-    """One worker of the tailer ``config.name``. ``async with Tailer(...)`` or start()/stop()."""
+    """One worker of the tailer ``config.name``. ``async with Tailer(...)`` or start()/stop().
+
+    ``sink`` is where the cells go; a message :class:`~tailer.interfaces.Publisher` (Kafka, a
+    directory) is taken as the :class:`~tailer.publishers.topics.TopicSink` of the topics ``config``
+    names.
+    """
 
     def __init__(
         self,
         store: Store,
         config: TailerConfig,
         coordinator: Coordinator,
-        publisher: Publisher,
+        sink: Sink | Publisher,
         metrics: TailerMetrics | None = None,
         clock: Any = time.monotonic,
     ) -> None:
         self.store = store
         self.config = config
         self.coordinator = coordinator
-        self.publisher = publisher
+        self.sink = sink if isinstance(sink, Sink) else TopicSink(sink, config)
         self.metrics = metrics or TailerMetrics(config.name)
         self._clock = clock
         self._shards: dict[int, ShardState] = {}
@@ -98,7 +107,7 @@ class Tailer:
         self._acked: set[int] = set()  # whose deliveries settled since _collect last ran
         self._failing: set[int] = set()  # with a delivery that failed since _collect last rewound them
         self._reads: dict[asyncio.Future[Pages], tuple[tuple[int, ...], int]] = {}  # -> (shards, cells reserved)
-        self._unsettled = 0  # messages handed to the publisher whose futures have not settled
+        self._unsettled = 0  # deliveries handed to the sink whose futures have not settled
         self._to_commit: set[int] = set()  # acknowledged since their last commit: what a commit looks at
         self._lags: dict[int, Lag] = {}  # the lagging shards at the last measurement
         self._lag_cost = 0.0  # seconds the last lag measurement took
@@ -116,7 +125,7 @@ class Tailer:
         self._stopping = False
         self._state = "new"
         self._paused = False
-        self._topics: set[str] = set()
+        self._prepared: set[str] = set()  # columns whose destination the sink has made ready
         self.error: BaseException | None = None
 
     # -- lifecycle ------------------------------------------------------------
@@ -125,10 +134,7 @@ class Tailer:
             return
         self._state = "starting"
         self._loop = asyncio.get_running_loop()
-        await self.publisher.start()
-        await self._topic(self.config.deadletter_topic)
-        for column in self.config.columns or ():
-            await self._topic(self.config.topic(column))
+        await self.sink.start()
         self.coordinator.start(self._changed)
         self._task = asyncio.create_task(self._run(), name=f"tailer-{self.config.name}")
         self._state = "running"
@@ -147,8 +153,7 @@ class Tailer:
             if task is not None:
                 await asyncio.gather(task, return_exceptions=True)
         if was_running:
-            for partition in {shard % self.config.partitions for shard in self._shards}:
-                self.publisher.abandon(partition)
+            self.sink.abandon(self._shards)
             await self._drain(self.config.stop_timeout)
             claims = [st.claim for st in self._shards.values()]
             await self._in_threads(self._release_all, claims)
@@ -159,7 +164,7 @@ class Tailer:
             if claims:
                 logger.info("%s: stopped; released %d shards", self.config.name, len(claims))
         await asyncio.to_thread(self.coordinator.stop)
-        await self.publisher.stop()
+        await self.sink.stop()
         self._state = "stopped"
 
     async def __aenter__(self) -> Tailer:
@@ -346,8 +351,7 @@ class Tailer:
     async def _release(self, shards: list[int]) -> None:
         """Hand shards over: wait for their acknowledgements, commit, drop the claims."""
         states = [self._shards[shard] for shard in shards]
-        for partition in {shard % self.config.partitions for shard in shards}:
-            self.publisher.abandon(partition)
+        self.sink.abandon(shards)
         await self._drain(self.config.stop_timeout, states)
         kept = [st for st in states if self._shards.get(st.shard) is st]  # a fenced commit drops a shard
         await self._in_threads(self._release_all, [st.claim for st in kept])
@@ -368,11 +372,6 @@ class Tailer:
         await self._commit(states)
 
     # -- reading and sending --------------------------------------------------
-    async def _topic(self, topic: str) -> None:
-        if topic not in self._topics:
-            await self.publisher.prepare_topic(topic, self.config.partitions, self.config.replication_factor)
-            self._topics.add(topic)
-
     async def _read_and_send(self) -> bool:
         """Send the pages that arrived, then start the reads and the look that are due."""
         if not self._shards:
@@ -566,55 +565,55 @@ class Tailer:
                      "added_id": problem.added_id, "shard": st.shard,
                      "created_at": problem.created_at.isoformat() if problem.created_at else None}
             logger.error("shard %d: %s; dead-lettered", st.shard, problem)
-            await self._send_deadletter(st, where, self.config.topic(problem.column or "unknown"), problem, "decode")
+            await self._send_deadletter(st, where, self.sink.destination(problem.column or "unknown"), problem,
+                                        "decode")
         elif len(cells) < st.read_limit:
             st.drained = True
         return True
 
     async def _send_cells(self, st: ShardState, cells: list[Cell]) -> bool:
-        """Publish cells in order: each run of cells for one topic as record batches, and a cell
-        that cannot be encoded or sent as a dead letter in its place. False once the shard failed."""
-        run: list[tuple[Cell, Message]] = []
+        """Deliver cells in order: each run of cells of one column together, and a cell the sink does
+        not accept as a dead letter in its place. False once the shard failed."""
+        run: list[tuple[Cell, Any]] = []
         for cell in cells:
-            topic = self.config.topic(cell.column)
             if run and run[0][0].column != cell.column:
                 if not await self._send_run(st, run):
                     return False
                 run = []
-            problem: BaseException | None = None
+            if cell.column not in self._prepared:
+                try:
+                    await self.sink.prepare(cell.column)
+                except (TailerError, ConfigurationError) as exc:
+                    self._failed(st, exc, "topic")
+                    return False
+                self._prepared.add(cell.column)
             try:
-                if topic not in self._topics:
-                    await self._topic(topic)
-                message = self.publisher.encode(cell, self.config.value_format)
-                problem = self.publisher.refuses(message)
-            except (TailerError, ConfigurationError) as exc:
-                self._failed(st, exc, "topic")
-                return False
-            except (TypeError, ValueError) as exc:
-                problem = exc
-            if problem is None:
-                run.append((cell, message))
+                run.append((cell, self.sink.accept(cell)))
                 continue
+            except (TypeError, ValueError, PublishError) as exc:
+                problem: BaseException = exc
             if not await self._send_run(st, run):
                 return False
             run = []
             stage = "publish" if isinstance(problem, PublishError) else "encode"
-            logger.error("shard %d: cell at added_id %d cannot be published (%s); dead-lettered",
+            logger.error("shard %d: cell at added_id %d cannot be delivered (%s); dead-lettered",
                          st.shard, cell.added_id, problem)
-            if not await self._send_deadletter(st, coordinates(cell), topic, problem, stage):
+            if not await self._send_deadletter(st, coordinates(cell), self.sink.destination(cell.column), problem,
+                                               stage):
                 return False
         return await self._send_run(st, run)
 
-    async def _send_run(self, st: ShardState, run: list[tuple[Cell, Message]]) -> bool:
+    async def _send_run(self, st: ShardState, run: list[tuple[Cell, Any]]) -> bool:
         if not run:
             return True
         if self._broken(st) is not None:  # _collect rewinds the shard next; the page is read again from there
             logger.debug("shard %d: a delivery failed; cells from added_id %d wait for the rewind", st.shard,
                          run[0][0].added_id)
             return False
-        first, topic = run[0][0], self.config.topic(run[0][0].column)
+        first = run[0][0]
+        topic = self.sink.destination(first.column)
         try:
-            sent = await self.publisher.send_many(topic, st.shard % self.config.partitions, [m for _, m in run])
+            sent = await self.sink.deliver(st.shard, first.column, [item for _, item in run])
         except PublishError as exc:
             if exc.retriable:
                 self._failed(st, exc, "publish")
@@ -637,11 +636,10 @@ class Tailer:
     ) -> bool:
         if self._broken(st) is not None:
             return False
-        message = encode_deadletter(where, topic=topic, error=error, stage=stage, tailer=self.config.name,
-                                    worker=self.coordinator.worker_id)
+        record = deadletter_record(where, topic=topic, error=error, stage=stage, tailer=self.config.name,
+                                   worker=self.coordinator.worker_id)
         try:
-            future = await self.publisher.send(self.config.deadletter_topic, st.shard % self.config.partitions,
-                                               message.key, message.value, message.headers)
+            future = await self.sink.deadletter(st.shard, record)
         except PublishError as exc:
             self._failed(st, exc, "dead-letter")
             return False
@@ -674,9 +672,9 @@ class Tailer:
     def _broken(self, st: ShardState) -> Pending | None:
         """The shard's first in-flight delivery that has failed already, if any.
 
-        Until _collect has rewound the shard past it, no more of the shard may go to the publisher:
+        Until _collect has rewound the shard past it, no more of the shard may go to the sink:
         failures are collected in order and only after the loop's sends, and one of them may have
-        restarted the publisher's client (KafkaPublisher: a new producer id, sequence numbers from 0),
+        restarted the sink's client (KafkaPublisher: a new producer id, sequence numbers from 0),
         which delivers a later page at once while the failed cells are still to be resent.
         """
         if st.shard not in self._failing:  # the common case, without a walk through what is in flight
@@ -727,8 +725,8 @@ class Tailer:
                     else:
                         published += pending.messages
                     continue
-                await self.publisher.after_failure(exc, future)
-                error = self.publisher.translate(exc)
+                await self.sink.after_failure(exc, future)
+                error = self.sink.translate(exc)
                 if not error.retriable and not pending.deadletter:
                     if st.acked < st.singles_until and not st.inflight:
                         # Alone in its request and still refused: this cell is the problem.
@@ -764,7 +762,7 @@ class Tailer:
 
     async def _commit_todo(self, todo: dict[int, tuple[Claim, Offset]]) -> None:
         try:
-            await self.publisher.before_commit()
+            await self.sink.before_commit()
         except PublishError as exc:
             if not exc.retriable:
                 logger.error("%s: the sink cannot make acknowledged cells durable (%s); stopping", self.config.name,

@@ -3,8 +3,8 @@
 The tailer worker (:class:`tailer.worker.Tailer`) already reads the shard logs in
 order, owns shards through a coordinator (offsets in the store, or shared through
 ZooKeeper) and commits only positions whose deliveries were acknowledged. Here its
-sink is :class:`HandlerPublisher`: instead of sending a cell to Kafka it queues the
-cell for the handlers, one queue per shard worked through in order, and acknowledges
+sink is :class:`HandlerSink`: instead of sending a cell to Kafka it queues the
+cell itself for the handlers, one queue per shard worked through in order, and acknowledges
 the cell once every handler succeeded or dead-lettered it. So a shard's cells are
 never handled concurrently nor out of order, and a crash re-delivers at most the
 cells after the last commit.
@@ -18,11 +18,10 @@ all its tasks wait on handlers, so handlers that never wait are run by one task.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import deque
-from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 from indexer.runtime.config import AppConfig
 from indexer.runtime.handlers import Processor, tailer_deadletter
@@ -31,13 +30,11 @@ from logstore.extras import require
 from tailer.config import TailerConfig
 from tailer.coordinators.store import StoreCoordinator
 from tailer.errors import PublishError
-from tailer.interfaces import Coordinator, Publisher
-from tailer.messages import Message
+from tailer.interfaces import Coordinator, Sink
 from tailer.metrics import TailerMetrics
 from tailer.worker import Tailer
 
 logger = logging.getLogger(__name__)
-_MAX_PARTITIONS = 10_000  # TailerConfig's limit; shards beyond it share a queue (still in order)
 _SLICE = 0.002  # seconds a handler worker runs batches that never wait before it lets the loop run
 
 
@@ -47,17 +44,16 @@ class _Item(NamedTuple):
     future: asyncio.Future[None]
 
 
-class HandlerPublisher(Publisher):
+class HandlerSink(Sink):
     """The tailer's sink in direct mode: hands cells to the processor, in order per shard."""
 
-    def __init__(self, processor: Processor, deadletter_topic: str, batch_size: int, max_workers: int = 256) -> None:
+    def __init__(self, processor: Processor, batch_size: int, max_workers: int = 256) -> None:
         self.processor = processor
-        self.deadletter_topic = deadletter_topic
         self.batch_size = batch_size  # consecutive cells of a shard handled together (an index applies them at once)
         self.max_workers = max_workers
         self._queues: dict[int, deque[_Item]] = {}
-        self._runnable: deque[int] = deque()  # partitions with cells queued and no worker on them, in turn
-        self._scheduled: set[int] = set()  # runnable or being worked on: one worker per partition at a time
+        self._runnable: deque[int] = deque()  # shards with cells queued and no worker on them, in turn
+        self._scheduled: set[int] = set()  # runnable or being worked on: one worker per shard at a time
         self._workers: set[asyncio.Task[None]] = set()
         self._busy = 0  # workers inside a batch (waiting on its handlers, if they wait)
         self._running = False
@@ -68,39 +64,29 @@ class HandlerPublisher(Publisher):
     async def stop(self) -> None:
         """Abandon what is queued; wait for the handlers under way (the worker's drain already did)."""
         self._running = False
-        for partition in list(self._queues):
-            self.abandon(partition)
+        self.abandon(list(self._queues))
         if self._workers:
             await asyncio.gather(*self._workers, return_exceptions=True)
 
-    async def prepare_topic(self, topic: str, partitions: int, replication_factor: int) -> None:
-        """No topics here: cells go straight to the handlers."""
+    def accept(self, cell: Cell) -> Cell:
+        return cell  # the handlers take the cell itself: nothing to encode, nothing too large
 
-    def encode(self, cell: Cell, value_format: Literal["json", "msgpack"]) -> Message:
-        return Message(b"", b"", [], cell)  # the cell itself, not its bytes
-
-    async def send_many(
-        self, topic: str, partition: int, messages: Sequence[Message]
-    ) -> list[tuple[asyncio.Future[Any], int]]:
+    async def deliver(self, shard: int, column: str, items: Sequence[Any]) -> list[tuple[asyncio.Future[Any], int]]:
         if not self._running:
             raise PublishError("the app is stopping", retriable=True)
         loop = asyncio.get_running_loop()
-        items = [_Item(m.cell, None, loop.create_future()) for m in messages]
-        self._queue(partition).extend(items)
-        self._kick(partition)
-        return [(item.future, 1) for item in items]
+        queued = [_Item(cell, None, loop.create_future()) for cell in items]
+        self._queue(shard).extend(queued)
+        self._kick(shard)
+        return [(item.future, 1) for item in queued]
 
-    async def send(
-        self, topic: str, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]
-    ) -> asyncio.Future[Any]:
-        """Only the worker's dead letters come this way: a stored cell that cannot be decoded."""
-        if topic != self.deadletter_topic:
-            raise PublishError(f"direct mode sends cells with send_many, not to {topic}", retriable=False)
+    async def deadletter(self, shard: int, record: dict[str, Any]) -> asyncio.Future[Any]:
+        """A stored cell the worker could not decode: each handler of its column dead-letters it."""
         if not self._running:
             raise PublishError("the app is stopping", retriable=True)
-        item = _Item(None, json.loads(value), asyncio.get_running_loop().create_future())
-        self._queue(partition).append(item)
-        self._kick(partition)
+        item = _Item(None, record, asyncio.get_running_loop().create_future())
+        self._queue(shard).append(item)
+        self._kick(shard)
         return item.future
 
     async def before_commit(self) -> None:
@@ -111,23 +97,24 @@ class HandlerPublisher(Publisher):
             retriable = bool(getattr(exc, "retriable", False))
             raise PublishError(f"a handler could not flush: {type(exc).__name__}: {exc}", retriable=retriable) from exc
 
-    def abandon(self, partition: int) -> None:
+    def abandon(self, shards: Iterable[int]) -> None:
         """Cancel what is queued; cells being handled (taken off the queue) finish."""
-        queue = self._queues.get(partition)
-        while queue:
-            queue.popleft().future.cancel()
+        for shard in shards:
+            queue = self._queues.get(shard)
+            while queue:
+                queue.popleft().future.cancel()
 
-    def _queue(self, partition: int) -> deque[_Item]:
-        queue = self._queues.get(partition)  # not setdefault: that builds a deque on every call
+    def _queue(self, shard: int) -> deque[_Item]:
+        queue = self._queues.get(shard)  # not setdefault: that builds a deque on every call
         if queue is None:
-            queue = self._queues[partition] = deque()
+            queue = self._queues[shard] = deque()
         return queue
 
-    def _kick(self, partition: int) -> None:
-        if partition in self._scheduled:  # its worker takes the new cells in turn
+    def _kick(self, shard: int) -> None:
+        if shard in self._scheduled:  # its worker takes the new cells in turn
             return
-        self._scheduled.add(partition)
-        self._runnable.append(partition)
+        self._scheduled.add(shard)
+        self._runnable.append(shard)
         if self._busy == len(self._workers):  # else a worker not waiting on a handler comes back for it
             self._spawn()
 
@@ -140,36 +127,36 @@ class HandlerPublisher(Publisher):
             task.add_done_callback(self._workers.discard)  # also if it never ran
 
     async def _worker(self) -> None:
-        """Work the runnable partitions a batch at a time, each going to the back of the line after its batch."""
+        """Work the runnable shards a batch at a time, each going to the back of the line after its batch."""
         loop = asyncio.get_running_loop()
         pause_at = loop.time() + _SLICE
         try:
             while self._runnable and self.processor.stalled is None:
-                partition = self._runnable.popleft()
-                queue = self._queues[partition]
+                shard = self._runnable.popleft()
+                queue = self._queues[shard]
                 again = False
                 self._busy += 1
                 if self._runnable and self._busy == len(self._workers):  # the others wait on handlers too
                     self._spawn()
                 try:
-                    again = await self._work(partition, queue) and bool(queue)
-                finally:  # a partition is never left scheduled without being in line
+                    again = await self._work(shard, queue) and bool(queue)
+                finally:  # a shard is never left scheduled without being in line
                     self._busy -= 1
                     if again:
-                        self._runnable.append(partition)
+                        self._runnable.append(shard)
                     else:
-                        self._scheduled.discard(partition)
-                        if not queue:  # an idle shard keeps no queue (send_many makes one)
-                            del self._queues[partition]
+                        self._scheduled.discard(shard)
+                        if not queue:  # an idle shard keeps no queue (deliver makes one)
+                            del self._queues[shard]
                 if loop.time() >= pause_at:  # handlers that never wait must not hold up the worker loop for long
                     await asyncio.sleep(0)
                     pause_at = loop.time() + _SLICE
         finally:
-            # At once, not in a done callback: a partition made runnable from now on needs a new worker.
+            # At once, not in a done callback: a shard made runnable from now on needs a new worker.
             self._workers.discard(asyncio.current_task())
 
-    async def _work(self, partition: int, queue: deque[_Item]) -> bool:
-        """The next batch of the partition's queue; False when the app stalled (the batch stays queued)."""
+    async def _work(self, shard: int, queue: deque[_Item]) -> bool:
+        """The next batch of the shard's queue; False when the app stalled (the batch stays queued)."""
         while queue and queue[0].future.done():  # abandoned
             queue.popleft()
         if not queue:
@@ -181,7 +168,7 @@ class HandlerPublisher(Publisher):
         try:
             done = await self._handle(batch)
         except Exception as exc:  # e.g. the store is down while dead-lettering: redeliver from here
-            logger.warning("partition %d: cells not settled (%s); they will be delivered again", partition, exc)
+            logger.warning("shard %d: cells not settled (%s); they will be delivered again", shard, exc)
             error = PublishError(f"not settled: {type(exc).__name__}: {exc}", retriable=True)
             for rest in [*batch, *queue]:
                 if not rest.future.done():
@@ -214,8 +201,8 @@ class DirectRunner:
         columns = tuple(sorted(processor.by_column))
         consumer = f"app.{config.name}"
         self.tailer_config = TailerConfig(
-            name=consumer, topic_prefix="app", partitions=min(store.shard_count, _MAX_PARTITIONS), columns=columns,
-            start_from=config.start_from, page_size=config.page_size, max_in_flight=config.max_in_flight,
+            name=consumer, columns=columns, start_from=config.start_from, page_size=config.page_size,
+            max_in_flight=config.max_in_flight,
             poll_interval=config.poll_interval, idle_poll_interval=config.idle_poll_interval,
             commit_interval=config.commit_every(kafka=False), stop_timeout=config.stop_timeout,
             session_timeout=config.session_timeout, per_shard_metrics=config.per_shard_metrics,
@@ -229,9 +216,8 @@ class DirectRunner:
                                                     session_timeout=config.session_timeout)
         else:
             self.coordinator = StoreCoordinator(store, consumer)
-        self.publisher = HandlerPublisher(processor, self.tailer_config.deadletter_topic, config.page_size,
-                                          config.max_active_shards)
-        self.tailer = Tailer(store, self.tailer_config, self.coordinator, self.publisher, metrics)
+        self.sink = HandlerSink(processor, config.page_size, config.max_active_shards)
+        self.tailer = Tailer(store, self.tailer_config, self.coordinator, self.sink, metrics)
 
     async def start(self) -> None:
         await self.tailer.start()

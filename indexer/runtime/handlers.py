@@ -36,7 +36,7 @@ Handler = Callable[[Cell], Any]
 
 def tailer_deadletter(record: dict[str, Any]) -> tuple[dict[str, Any], Failure]:
     """The cell coordinates and the failure in the tailer's dead-letter record of a cell it could not
-    read or publish (:func:`tailer.messages.encode_deadletter`): such a cell reaches no handler, so each
+    read or publish (:func:`tailer.messages.deadletter_record`): such a cell reaches no handler, so each
     handler of its column dead-letters it without an attempt."""
     where, error = record.get("cell") or {}, record.get("error") or {}
     stage, kind, message = record.get("stage"), error.get("type"), error.get("message")

@@ -348,13 +348,15 @@ def test_bad_app_options_are_typed_errors(store: logstore.Store) -> None:
 
 
 class Recorder(Hook):
-    """A hook that records its calls; a tick fails once, started() fails when told to."""
+    """A hook that records its calls; its first tick fails, its third sets ``ticked``; started() fails when
+    told to."""
 
-    interval = 0.05
+    interval = 0.01
 
     def __init__(self, fail_start: bool = False) -> None:
         self.calls: list[str] = []
         self.fail_start = fail_start
+        self.ticked = threading.Event()
 
     def started(self) -> None:
         self.calls.append("started")
@@ -363,6 +365,8 @@ class Recorder(Hook):
 
     def tick(self) -> None:
         self.calls.append("tick")
+        if self.calls.count("tick") == 3:
+            self.ticked.set()
         if self.calls.count("tick") == 1:
             raise RuntimeError("the first tick fails")
 
@@ -372,12 +376,12 @@ def test_hooks_are_started_once_per_serve_and_ticked_while_it_runs(store: logsto
     write(store, 20)
     seen: list[logstore.Cell] = []
     app = App("hooked", store=store)
-
-    def slow(cell: logstore.Cell) -> None:
-        time.sleep(0.02)  # 20 cells: the serve lasts long enough for several ticks
-        seen.append(cell)
-    app.trigger("BASE")(slow)
     hook = Recorder()
+
+    def waits_for_ticks(cell: logstore.Cell) -> None:
+        assert hook.ticked.wait(30), "the hook was not ticked three times while the app served"
+        seen.append(cell)
+    app.trigger("BASE")(waits_for_ticks)
     app.add_hook(hook)
     assert app.drain(30).processed == 20
     assert hook.calls[0] == "started" and hook.calls.count("started") == 1 and hook.calls.count("tick") >= 3
