@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint docs unit bench services-up services-down clean
+.PHONY: demo test lint docs unit bench bench-run services-up services-down clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "cellstream needs Python >= 3.11"'
@@ -38,33 +38,35 @@ docs: $(VENV)/.test
 unit: $(VENV)/.test
 	$(BIN)/pytest -m "not mysql and not postgres and not kafka and not zookeeper"
 
-## test: install and start the real services, lint, run the whole suite, stop what was started
+## test: install the real services, lint, run the whole suite (its session starts the servers it needs and
+## stops, at its end, the ones it started: tests/harness/servers.py)
 test: $(VENV)/.test
-	@set -euo pipefail; \
-	trap 'scripts/services.sh down' EXIT; \
-	scripts/services.sh up; \
-	$(MAKE) --no-print-directory lint docs; \
+	scripts/install.sh
+	$(MAKE) --no-print-directory lint docs
 	$(BIN)/pytest
 
-## bench: the benchmarks against the real services (figures go in the README)
+## bench: the benchmarks against the real services (figures go in docs/benchmarks.md)
 bench: $(VENV)/.test
-	@set -euo pipefail; \
-	trap 'scripts/services.sh down' EXIT; \
-	scripts/services.sh up; \
-	$(BIN)/python bench/logstore_bench.py; \
-	$(BIN)/python bench/tailer_bench.py; \
-	$(BIN)/python bench/app_bench.py; \
-	$(BIN)/python bench/app_kafka_bench.py; \
-	$(BIN)/python bench/index_bench.py; \
-	$(BIN)/python bench/index_bench.py --mysql; \
-	$(BIN)/python bench/connect_bench.py; \
+	scripts/install.sh
+	$(BIN)/python -m tests.harness.servers run -- $(MAKE) --no-print-directory bench-run
+
+bench-run:
+	$(BIN)/python bench/logstore_bench.py
+	$(BIN)/python bench/tailer_bench.py
+	$(BIN)/python bench/app_bench.py
+	$(BIN)/python bench/app_kafka_bench.py
+	$(BIN)/python bench/index_bench.py
+	$(BIN)/python bench/index_bench.py --mysql
+	$(BIN)/python bench/connect_bench.py
 	$(BIN)/python bench/worker_bench.py
 
-services-up:
-	scripts/services.sh up
+## services-up / services-down: keep the shared servers running between test runs (the suite reuses them)
+services-up: $(VENV)/.test
+	scripts/install.sh
+	$(BIN)/python -m tests.harness.servers up
 
-services-down:
-	scripts/services.sh down
+services-down: $(VENV)/.test
+	$(BIN)/python -m tests.harness.servers down
 
 clean:
 	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,6 +1,6 @@
 """Stream-processing runtime benchmark, Kafka mode (python bench/app_kafka_bench.py [--shards N]).
 
-Needs the MariaDB, ZooKeeper and Kafka of ``scripts/services.sh up``. Both parts' stores have
+Needs the MariaDB, ZooKeeper and Kafka of ``make services-up``. Both parts' stores have
 ``--shards`` shards (default 4096, the store's default).
 
 1. Latency, set up like bench/tailer_bench.py: a fresh MariaDB database, a tailer

@@ -18,7 +18,7 @@ shards a call, as a tailer reads).
 Rounds alternate which side goes first; each prints cells/s and the ratio (target >= 0.6). Results go to
 bench/results/connect.json. The store is a fresh SQLite directory with ``--shards`` shards (default 4096,
 the store's default; the lake files are per shard and date, so about one per shard on each side);
-PostgreSQL is the server of ``scripts/services.sh`` (a fresh database, dropped after).
+PostgreSQL is the shared test server (``make services-up``) (a fresh database, dropped after).
 """
 
 from __future__ import annotations

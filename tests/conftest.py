@@ -1,9 +1,10 @@
 """Fixtures: a fresh SQLite directory, MariaDB database, PostgreSQL database, ZooKeeper chroot or
 Kafka topic prefix per test; and the service markers, put on every test from what it uses.
 
-The servers are the real ones `make test` starts (scripts/services.sh; their addresses are in
-tests/harness/shared_servers.py). A missing server fails the tests that need it, with CI=true or not;
-nothing here skips or mocks it. `make unit` deselects the tests marked with a service instead.
+The servers are the real ones: the session starts those its selected tests need (``shared_servers``, from
+tests/harness/servers.py; their addresses are in tests/harness/shared_servers.py), after
+scripts/install.sh installed them (`make test` runs both). A server that cannot start fails the tests,
+with CI=true or not; nothing here skips or mocks it. `make unit` deselects the tests marked with a service instead.
 
 A test is marked ``mysql``, ``postgres``, ``kafka`` or ``zookeeper`` (pyproject.toml declares them) when
   - it uses a fixture of SERVICE_FIXTURES, directly or through other fixtures;
@@ -18,6 +19,7 @@ so no test can reach a server while `make unit` selects it.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,6 +47,9 @@ SERVICE_FIXTURES = {
     "zk_chroot": "zookeeper",
     "topic_prefix": "kafka",
 }
+# The environment variables that point the suite at servers of one's own (tests/harness/shared_servers.py).
+OVERRIDES = {"mysql": "CELLSTREAM_TEST_MYSQL", "postgres": "CELLSTREAM_TEST_POSTGRES", "kafka": "CELLSTREAM_TEST_KAFKA",
+             "zookeeper": "CELLSTREAM_TEST_ZOOKEEPER"}
 PRIVATE_SERVERS: dict[type, str] = {PrivateMariaDB: "mysql", PrivateKafka: "kafka", PrivateZooKeeper: "zookeeper"}
 
 
@@ -66,6 +71,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for service in sorted(services_of(item)):
             if item.get_closest_marker(service) is None:
                 item.add_marker(service)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_servers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Start the shared servers the selected tests need (tests/harness/servers.py), unless they answer already
+    or the environment points the suite at other ones; stop, at the end, exactly the ones started here."""
+    from tests.harness import servers
+
+    markers = {marker for item in request.session.items for marker in SERVICES if item.get_closest_marker(marker)}
+    names = [name for marker in sorted(markers) if not os.environ.get(OVERRIDES[marker])
+             for name in servers.BY_MARKER[marker]]
+    started = servers.up(names) if names else []
+    try:
+        yield
+    finally:
+        servers.down(started)
 
 
 def _needs(request: pytest.FixtureRequest, service: str) -> None:
@@ -148,7 +169,7 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'store'}"
 
 
-# -- Kafka and ZooKeeper (the shared servers of scripts/services.sh) ------------------
+# -- Kafka and ZooKeeper (the shared servers of tests/harness/servers.py) -----
 @pytest.fixture
 def zk_chroot(request: pytest.FixtureRequest) -> Iterator[str]:
     """A ZooKeeper connect string with a fresh chroot (``host:port/cst-<hex>``); removed after the test."""

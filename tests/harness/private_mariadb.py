@@ -1,4 +1,4 @@
-"""A private MariaDB server for tests that kill it: the shared one of scripts/services.sh must never be stopped.
+"""A private MariaDB server for tests that kill it: the shared one (tests/harness/servers.py) must never be stopped.
 
     with PrivateMariaDB(tmp_path / "db") as db:   # logstore.open(db.url("cells"))
         db.kill()                                 # SIGKILL: a crash, the data dir keeps what was committed
@@ -33,7 +33,7 @@ def _binary(*names: str) -> str:
                                             if p.exists()), None)
         if found:
             return found
-    raise RuntimeError(f"{names[0]} is not installed; run `scripts/services.sh up` (which `make test` does)")
+    raise RuntimeError(f"{names[0]} is not installed; run scripts/install.sh (`make test` does)")
 
 
 class PrivateMariaDB:

@@ -1,6 +1,6 @@
 """Private ZooKeeper and Kafka servers for fault-injection tests.
 
-The shared servers of `scripts/services.sh up` (ZooKeeper 2181, Kafka 9092) must never be stopped by a test;
+The shared servers of tests/harness/servers.py (ZooKeeper 2181, Kafka 9092) must never be stopped by a test;
 a test that stops, kills or restarts a server gets its own::
 
     with PrivateZooKeeper(tmp_path / "zk") as zk:     # KazooClient(hosts=zk.hosts)
@@ -9,7 +9,7 @@ a test that stops, kills or restarts a server gets its own::
     with PrivateKafka(tmp_path / "kafka") as kafka:   # bootstrap_servers=kafka.bootstrap
         kafka.restart()
 
-They run from the jars `scripts/services.sh up` fetches into `.services/kafka/lib` (scripts/kafka/pom.xml), on
+They run from the jars scripts/install.sh fetches into `.services/kafka/lib` (scripts/kafka/pom.xml), on
 free 127.0.0.1 ports chosen once so a restart comes back where clients expect it; their data lives in the work
 dir and survives stop/kill/start.  Each JVM's stdout/stderr and log4j output go to `<workdir>/<name>.log`.
 After a kill, Kafka needs ~15 s to start: the controller refuses the broker's new registration until the old
@@ -55,7 +55,7 @@ def lib_dir() -> Path:
     if not any(LIB_DIR.glob("kafka_2.13-*.jar")) or not any(LIB_DIR.glob("zookeeper-3*.jar")):
         raise RuntimeError(
             f"the Kafka/ZooKeeper jars are missing from {LIB_DIR}; "
-            "run `scripts/services.sh up` (which `make test` does) to fetch them"
+            "run scripts/install.sh (`make test` does) to fetch them"
         )
     return LIB_DIR
 
@@ -101,7 +101,7 @@ def kafka_brokers(bootstrap: str, timeout: float = 10.0) -> list[str]:
     """The "broker N at host:port" lines of `kcat -L`; empty when the broker gives no metadata."""
     kcat = shutil.which("kcat") or shutil.which("kafkacat")
     if kcat is None:
-        raise RuntimeError("kcat is not installed; run `scripts/services.sh up` (which `make test` does)")
+        raise RuntimeError("kcat is not installed; run scripts/install.sh (`make test` does)")
     try:
         out = subprocess.run(
             [kcat, "-b", bootstrap, "-L", "-t", "__cellstream_probe", "-m", str(int(timeout))],
@@ -115,7 +115,7 @@ def kafka_brokers(bootstrap: str, timeout: float = 10.0) -> list[str]:
 def _java() -> str:
     java = shutil.which("java")
     if java is None:
-        raise RuntimeError("java is not installed; run `scripts/services.sh up` (which `make test` does)")
+        raise RuntimeError("java is not installed; run scripts/install.sh (`make test` does)")
     return java
 
 
@@ -181,6 +181,7 @@ class _JavaServer:
                 self._java_cmd(*self._main()), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 cwd=self.workdir, start_new_session=True,
             )
+        (self.workdir / f"{self.name}.pid").write_text(str(self._proc.pid))  # for a stop from another process
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self._ready():
@@ -225,9 +226,9 @@ class PrivateZooKeeper(_JavaServer):
     name = "zookeeper"
     heap = "-Xmx128m"
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
         super().__init__(workdir)
-        self.port = free_port()
+        self.port = port or free_port()
 
     @property
     def hosts(self) -> str:
@@ -264,10 +265,10 @@ class PrivateKafka(_JavaServer):
     heap = "-Xmx384m"
     start_timeout = KAFKA_START_TIMEOUT
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, controller_port: int | None = None) -> None:
         super().__init__(workdir)
-        self.port = free_port()
-        self.controller_port = free_port()
+        self.port = port or free_port()
+        self.controller_port = controller_port or free_port()
         while self.controller_port == self.port:
             self.controller_port = free_port()
 
@@ -294,6 +295,7 @@ class PrivateKafka(_JavaServer):
             "transaction.state.log.replication.factor=1\n"
             "transaction.state.log.min.isr=1\n"
             "min.insync.replicas=1\n"
+            "default.replication.factor=1\n"
             "group.initial.rebalance.delay.ms=0\n"
             "num.network.threads=2\n"
             "num.io.threads=2\n"

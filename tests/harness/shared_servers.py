@@ -1,4 +1,4 @@
-"""The shared servers of `scripts/services.sh up` (which `make test` runs): their addresses, overridable by
+"""The shared servers of tests/harness/servers.py (which the test session starts): their addresses, overridable by
 environment variables, and admin connections that fail the test, naming the server, when it is not there.
 
 Tests get their own database, chroot or topic prefix on them through the fixtures of tests/conftest.py; a test
@@ -15,7 +15,7 @@ import pymysql
 import pytest
 
 MYSQL_SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
-# The replica of MYSQL_SERVER that scripts/services.sh starts; it applies the csr_* databases.
+# The replica of MYSQL_SERVER that tests/harness/servers.py starts; it applies the csr_* databases.
 MYSQL_REPLICA = os.environ.get("CELLSTREAM_TEST_MYSQL_REPLICA", "mysql://cellstream:cellstream@127.0.0.1:3307")
 # The warehouse the connectors load.
 POSTGRES_SERVER = os.environ.get("CELLSTREAM_TEST_POSTGRES", "postgresql://cellstream:cellstream@127.0.0.1:5432")

@@ -1,4 +1,4 @@
-"""A storage node with a replica (real MariaDB replication, scripts/services.sh): identical added_ids on
+"""A storage node with a replica (real MariaDB replication, tests/harness/servers.py): identical added_ids on
 the replica, reads that fall back to it while the primary is unreachable (through a TCP proxy that cuts
 every connection), possibly stale but never with a gap, and back to the primary when it returns."""
 

@@ -1,1 +1,1 @@
-"""The servers the suite runs on: the shared ones of scripts/services.sh, the private ones of the harness."""
+"""The servers the suite runs on: the shared ones of tests/harness/servers.py, the private ones of the harness."""

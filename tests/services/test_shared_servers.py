@@ -1,4 +1,4 @@
-"""The shared servers of scripts/services.sh (started or reused by `make test`): they answer, and a test's
+"""The shared servers of tests/harness/servers.py (started or reused by the test session): they answer, and a test's
 fresh database on them is empty and writable."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.harness.shared_servers import KAFKA, ZOOKEEPER
 @pytest.mark.kafka
 @pytest.mark.zookeeper
 def test_shared_services_answer() -> None:
-    """The servers scripts/services.sh starts (or reuses) for the suite."""
+    """The servers the session starts (or reuses) for the suite."""
     answer = zk_four_letter(ZOOKEEPER, "ruok")
     if answer != "imok":  # a ZooKeeper with the default 4lw whitelist still answers srvr
         answer = zk_four_letter(ZOOKEEPER, "srvr")
@@ -24,7 +24,7 @@ def test_shared_services_answer() -> None:
 
 
 def test_a_fresh_postgres_database_is_empty_and_writable(postgres_database: str) -> None:
-    """The PostgreSQL of scripts/services.sh: each test gets its own database, with JSONB and COPY."""
+    """The shared PostgreSQL: each test gets its own database, with JSONB and COPY."""
     import psycopg
 
     with psycopg.connect(postgres_database, autocommit=True) as conn:
@@ -33,3 +33,18 @@ def test_a_fresh_postgres_database_is_empty_and_writable(postgres_database: str)
         with conn.cursor() as cur, cur.copy("COPY t (k, body) FROM STDIN") as copy:
             copy.write_row((1, '{"a": [1, 2]}'))
         assert conn.execute("SELECT body -> 'a' ->> 1 FROM t").fetchone() == ("2",)
+
+
+@pytest.mark.mysql
+@pytest.mark.postgres
+@pytest.mark.kafka
+@pytest.mark.zookeeper
+def test_up_reuses_every_server_that_answers_and_starts_none() -> None:
+    """The session started (or reused) every server its tests need; another `up` finds each answering, so it
+    starts nothing and has nothing of its own to stop. The replica replicates."""
+    from tests.harness import servers
+
+    assert servers.up(servers.SERVERS) == []
+    replica = servers.MariaDBReplica()
+    assert replica.answers()
+    replica.replicate()  # returns once the replica's IO and SQL threads both run

@@ -1,0 +1,427 @@
+"""The suite's shared servers, started and stopped from Python: MariaDB (3306) with its replica (3307),
+PostgreSQL (5432), ZooKeeper (2181) and Kafka (9092), at the addresses of tests/harness/shared_servers.py.
+
+The test session starts the ones its tests need (tests/conftest.py) and stops, at its end, exactly those
+it started. A server that already answers with the test credentials is reused and left running: one
+started by ``python -m tests.harness.servers up`` (kept for a day of test runs), or Docker's
+(docker/compose.yml). ``scripts/install.sh`` installs what they run from; nothing here installs.
+
+    python -m tests.harness.servers up [NAME...]       # start (or reuse), leave running
+    python -m tests.harness.servers down [NAME...]     # stop the ones started from here
+    python -m tests.harness.servers run -- CMD...      # start, run CMD, stop what was started
+
+Each server's files live in ``.services/<name>/`` (kept between runs, so a start is quick); a server
+started here writes its pid there, and ``down`` stops a pid only if its command line names that
+directory, so it never touches anybody else's server.
+
+Why not pytest-mysql and pytest-postgresql: both start a server per test session on a port of their
+own and run it as the invoking user; here the servers are shared with ``up`` and Docker on fixed
+ports, MariaDB is started with a replica, and as root PostgreSQL must run as the ``postgres`` user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import pymysql
+
+from tests.harness import REPO
+from tests.harness.services import HOST, PrivateKafka, PrivateZooKeeper, _JavaServer, kafka_brokers, zk_four_letter
+
+DIR = REPO / ".services"
+USER = PASSWORD = "cellstream"
+START_TIMEOUT = 120.0
+STOP_TIMEOUT = 60.0
+IS_ROOT = os.geteuid() == 0
+
+
+def log(message: str) -> None:
+    print(f"servers: {message}", file=sys.stderr, flush=True)
+
+
+def _binary(*names: str) -> str:
+    for name in names:
+        for found in (shutil.which(name), f"/usr/sbin/{name}", f"/usr/bin/{name}"):
+            if found and os.access(found, os.X_OK):
+                return found
+    raise RuntimeError(f"{names[0]} is not installed: run scripts/install.sh (`make test` does)")
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=1):
+        return True
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return "(no log)"
+
+
+class Server(ABC):
+    """One shared server: ``up`` reuses or starts it, ``down`` stops it if it was started from here."""
+
+    name: str
+    port: int
+
+    def __init__(self) -> None:
+        self.dir = DIR / self.name
+        self.pidfile = self.dir / "server.pid"
+        self._proc: subprocess.Popen[bytes] | None = None  # when started by this process: reaped after a stop
+
+    @abstractmethod
+    def answers(self) -> bool:
+        """It takes the test credentials at its address (whoever started it)."""
+
+    @abstractmethod
+    def _start(self) -> None:
+        """Start it (files in ``self.dir``) and wait until it answers; write its pid to ``self.pidfile``."""
+
+    def _shutdown(self, pid: int) -> None:
+        os.kill(pid, signal.SIGTERM)
+
+    def ours(self) -> int | None:
+        """The pid of the server started here (its command line names its directory), if it runs."""
+        try:
+            pid = int(self.pidfile.read_text().split()[0])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            return None
+        return pid if str(self.dir) in cmdline and _alive(pid) else None
+
+    def up(self) -> bool:
+        """Reuse it if it answers, else start it; True when it was started now."""
+        if self.answers():
+            log(f"{self.name}: answers on {HOST}:{self.port}, reusing")
+            return False
+        if _listening(self.port) and self.ours() is None:
+            raise RuntimeError(f"{self.name}: {HOST}:{self.port} is in use by something that does not take "
+                               f"{USER}/{PASSWORD}; stop it")
+        started = time.monotonic()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        log(f"{self.name}: starting (files in {self.dir})")
+        self._start()
+        log(f"{self.name}: started on {HOST}:{self.port} ({time.monotonic() - started:.1f}s)")
+        return True
+
+    def down(self) -> None:
+        pid = self.ours()
+        if pid is None:
+            return
+        log(f"{self.name}: stopping (pid {pid})")
+        with contextlib.suppress(ProcessLookupError):
+            self._shutdown(pid)
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                log(f"{self.name}: still running after {STOP_TIMEOUT:.0f}s, killing")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                deadline += 10
+            time.sleep(0.1)
+        if self._proc is not None:
+            self._proc.wait()
+            self._proc = None
+        self.pidfile.unlink(missing_ok=True)
+        log(f"{self.name}: stopped")
+
+
+class MariaDB(Server):
+    """mariadbd on 3306, writing the row-based binary log its replica reads."""
+
+    name = "mariadb"
+    port = 3306
+    extra = ["--server-id=1", "--log-bin=mysql-bin", "--binlog-format=ROW", "--expire-logs-days=2"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        sock = self.dir / "mysqld.sock"
+        # A unix socket path must fit sockaddr_un (108 bytes).
+        short = Path(f"/tmp/cellstream-{zlib.crc32(str(self.dir).encode())}.sock")
+        self.socket = sock if len(str(sock)) <= 100 else short
+        self.log = self.dir / "error.log"
+
+    def answers(self) -> bool:
+        with contextlib.suppress(pymysql.Error):
+            pymysql.connect(host=HOST, port=self.port, user=USER, password=PASSWORD, connect_timeout=3).close()
+            return True
+        return False
+
+    def root(self) -> pymysql.connections.Connection:
+        return pymysql.connect(unix_socket=str(self.socket), user="root", autocommit=True, connect_timeout=3)
+
+    def _start(self) -> None:
+        data = self.dir / "data"
+        user = ["--user=root"] if IS_ROOT else []
+        if not (self.dir / ".initialized").exists():
+            shutil.rmtree(data, ignore_errors=True)  # never initialized, or interrupted half-way
+            done = subprocess.run([_binary("mariadb-install-db", "mysql_install_db"), "--no-defaults",
+                                   f"--datadir={data}", "--auth-root-authentication-method=normal", "--skip-test-db",
+                                   "--skip-name-resolve", *user], capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{self.name}: mariadb-install-db failed:\n{done.stdout}\n{done.stderr}")
+            (self.dir / ".initialized").touch()
+        # Durability defaults kept (innodb_flush_log_at_trx_commit=1): the benchmarks measure durable puts.
+        args = [_binary("mariadbd", "mysqld"), "--no-defaults", f"--datadir={data}", f"--port={self.port}",
+                f"--bind-address={HOST}", f"--socket={self.socket}", f"--log-error={self.log}",
+                "--skip-name-resolve", "--max-connections=500", "--innodb-buffer-pool-size=512M",
+                "--max-allowed-packet=64M", "--character-set-server=utf8mb4",
+                "--collation-server=utf8mb4_unicode_ci", *self.extra, *user]
+        with self.log.open("ab") as out:
+            self._proc = proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                                 start_new_session=True)
+        self.pidfile.write_text(str(proc.pid))
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.name}: mariadbd exited during startup:\n{_tail(self.log)}")
+            with contextlib.suppress(pymysql.Error):
+                self.root().close()
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: no answer after {START_TIMEOUT:.0f}s:\n{_tail(self.log)}")
+            time.sleep(0.2)
+        conn = self.root()
+        try:
+            with conn.cursor() as cur:
+                for host in ("%", "localhost"):
+                    cur.execute(f"CREATE USER IF NOT EXISTS '{USER}'@'{host}' IDENTIFIED BY '{PASSWORD}'")
+                    cur.execute(f"GRANT ALL PRIVILEGES ON *.* TO '{USER}'@'{host}' WITH GRANT OPTION")
+        finally:
+            conn.close()
+
+
+class MariaDBReplica(MariaDB):
+    """A second mariadbd on 3307 replicating the primary's ``csr_*`` databases (the tests' replicated ones)."""
+
+    name = "mariadb-replica"
+    port = 3307
+    extra = ["--server-id=2", "--read-only=1", r"--replicate-wild-do-table=csr\_%.%", "--relay-log=relay-bin"]
+
+    def up(self) -> bool:
+        started = super().up()
+        self.replicate()
+        return started
+
+    def replicate(self) -> None:
+        """Have it replicate from the primary (once: it resumes by itself after a restart); wait until it does."""
+        def sql(port: int, *statements: str) -> list[dict[str, object]]:
+            conn = pymysql.connect(host=HOST, port=port, user=USER, password=PASSWORD, autocommit=True,
+                                   connect_timeout=5, cursorclass=pymysql.cursors.DictCursor)
+            try:
+                with conn.cursor() as cur:
+                    for statement in statements:
+                        cur.execute(statement)
+                    return list(cur.fetchall())
+            finally:
+                conn.close()
+        sql(MariaDB.port, "CREATE USER IF NOT EXISTS 'repl'@'%' IDENTIFIED BY 'repl'",
+            "GRANT REPLICATION SLAVE ON *.* TO 'repl'@'%'")
+        if not sql(self.port, "SHOW SLAVE STATUS"):
+            log(f"{self.name}: replicating from {HOST}:{MariaDB.port}")
+            sql(self.port, f"CHANGE MASTER TO MASTER_HOST='{HOST}', MASTER_PORT={MariaDB.port}, MASTER_USER='repl', "
+                           "MASTER_PASSWORD='repl', MASTER_USE_GTID=current_pos", "START SLAVE")
+        else:
+            sql(self.port, "START SLAVE")
+        deadline = time.monotonic() + 60
+        while True:
+            [status] = sql(self.port, "SHOW SLAVE STATUS")
+            if status["Slave_IO_Running"] == "Yes" and status["Slave_SQL_Running"] == "Yes":
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: replication did not start: {status.get('Last_IO_Error')} "
+                                   f"{status.get('Last_SQL_Error')}")
+            time.sleep(0.25)
+
+
+class PostgreSQL(Server):
+    """Debian's newest PostgreSQL on 5432; as root it runs as the ``postgres`` user, as PostgreSQL requires."""
+
+    name = "postgresql"
+    port = 5432
+
+    def answers(self) -> bool:
+        import psycopg
+
+        with contextlib.suppress(psycopg.Error):
+            psycopg.connect(host=HOST, port=self.port, user=USER, password=PASSWORD, dbname="postgres",
+                            connect_timeout=3).close()
+            return True
+        return False
+
+    def _bin(self, name: str) -> str:
+        found = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), key=lambda p: int(p.parts[-3]))
+        if not found:
+            raise RuntimeError(f"{self.name}: {name} is not installed: run scripts/install.sh (`make test` does)")
+        return str(found[-1])
+
+    def _as_postgres(self, *cmd: str) -> list[str]:
+        return ["runuser", "-u", "postgres", "--", *cmd] if IS_ROOT else list(cmd)
+
+    def _start(self) -> None:
+        data, log_path = self.dir / "data", self.dir / "postgresql.log"
+        if IS_ROOT:
+            DIR.chmod(0o755)
+            shutil.chown(self.dir, "postgres")
+        if not (self.dir / ".initialized").exists():
+            shutil.rmtree(data, ignore_errors=True)
+            pwfile = self.dir / ".pw"
+            pwfile.write_text(PASSWORD + "\n")
+            if IS_ROOT:
+                shutil.chown(pwfile, "postgres")
+            try:
+                done = subprocess.run(self._as_postgres(
+                    self._bin("initdb"), "-D", str(data), "-U", USER, f"--pwfile={pwfile}", "--auth-local=trust",
+                    "--auth-host=scram-sha-256", "-E", "UTF8", "--locale=C.UTF-8"),
+                    capture_output=True, text=True, timeout=300)
+            finally:
+                pwfile.unlink(missing_ok=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{self.name}: initdb failed:\n{done.stdout}\n{done.stderr}")
+            (self.dir / ".initialized").touch()
+        log_path.touch()
+        if IS_ROOT:
+            shutil.chown(log_path, "postgres")
+        # pg_ctl detaches the server and waits (-w) until it takes connections.
+        done = subprocess.run(self._as_postgres(
+            self._bin("pg_ctl"), "-D", str(data), "-l", str(log_path), "-w", "-t", str(int(START_TIMEOUT)), "-o",
+            f"-c listen_addresses={HOST} -p {self.port} -k {self.dir} -c max_connections=200", "start"),
+            capture_output=True, text=True, timeout=START_TIMEOUT + 10)
+        if done.returncode != 0:
+            raise RuntimeError(f"{self.name}: pg_ctl start failed:\n{done.stderr}\n{_tail(log_path)}")
+        self.pidfile.write_text((data / "postmaster.pid").read_text().split()[0])
+
+    def _shutdown(self, pid: int) -> None:
+        subprocess.run(self._as_postgres(self._bin("pg_ctl"), "-D", str(self.dir / "data"), "-m", "fast", "-w",
+                                         "stop"), capture_output=True, timeout=STOP_TIMEOUT)
+
+
+class _Java(Server):
+    """A JVM server of tests/harness/services.py on its fixed ports, its files in ``.services/<name>``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.server = self._server()
+        self.pidfile = self.dir / f"{self.server.name}.pid"
+
+    @abstractmethod
+    def _server(self) -> _JavaServer: ...
+
+    def _start(self) -> None:
+        self.server.start()
+        self._proc = self.server._proc
+
+
+class ZooKeeper(_Java):
+    name = "zookeeper"
+    port = 2181
+
+    def _server(self) -> _JavaServer:
+        return PrivateZooKeeper(self.dir, port=self.port)
+
+    def answers(self) -> bool:
+        hosts = f"{HOST}:{self.port}"
+        return zk_four_letter(hosts, "ruok") == "imok" or zk_four_letter(hosts, "srvr").startswith("Zookeeper version")
+
+
+class Kafka(_Java):
+    """One KRaft node (broker and controller, the controller on 9093)."""
+
+    name = "kafka"
+    port = 9092
+
+    def _server(self) -> _JavaServer:
+        return PrivateKafka(self.dir, port=self.port, controller_port=9093)
+
+    def answers(self) -> bool:
+        return _listening(self.port) and bool(kafka_brokers(f"{HOST}:{self.port}", timeout=5))
+
+
+SERVERS: dict[str, type[Server]] = {
+    "mariadb": MariaDB, "mariadb-replica": MariaDBReplica, "postgresql": PostgreSQL, "zookeeper": ZooKeeper,
+    "kafka": Kafka,
+}
+# What each pytest marker needs (tests/conftest.py); the replica needs its primary first.
+BY_MARKER = {"mysql": ("mariadb", "mariadb-replica"), "postgres": ("postgresql",), "zookeeper": ("zookeeper",),
+             "kafka": ("kafka",)}
+
+
+def up(names: Iterable[str]) -> list[Server]:
+    """Reuse or start the servers, in parallel where they do not depend on each other; the ones started now."""
+    wanted = [SERVERS[name]() for name in SERVERS if name in set(names)]
+    started: list[Server] = []
+    errors: list[BaseException] = []
+
+    def chain(servers: Sequence[Server]) -> None:
+        for server in servers:
+            try:
+                if server.up():
+                    started.append(server)
+            except BaseException as exc:  # reported for all chains at once
+                errors.append(exc)
+                return
+    chains = [[s for s in wanted if s.name.startswith("mariadb")], *([s] for s in wanted
+                                                                      if not s.name.startswith("mariadb"))]
+    threads = [threading.Thread(target=chain, args=(c,)) for c in chains if c]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        down(started)
+        raise RuntimeError("; ".join(str(e) for e in errors))
+    return started
+
+
+def down(servers: Iterable[Server]) -> None:
+    for server in reversed(list(servers)):
+        server.down()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] not in ("up", "down", "run"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    if args[0] == "run":
+        command = args[1:][1:] if args[1:2] == ["--"] else args[1:]
+        started = up(SERVERS)
+        try:
+            return subprocess.call(command)
+        finally:
+            down(started)
+    names = args[1:] or list(SERVERS)
+    unknown = set(names) - set(SERVERS)
+    if unknown:
+        print(f"servers: unknown {sorted(unknown)}; known: {list(SERVERS)}", file=sys.stderr)
+        return 2
+    if args[0] == "up":
+        up(names)
+    else:
+        down(SERVERS[name]() for name in SERVERS if name in names)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
