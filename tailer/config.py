@@ -36,7 +36,8 @@ class TailerConfig(BaseModel):
     topic_prefix: str = Field("cells", description="topics are <prefix>.<column>")
     partitions: int = Field(16, ge=1, le=10_000, description="partitions per topic; shard s goes to s mod P")
     replication_factor: int = Field(1, ge=1, le=32)
-    columns: tuple[str, ...] | None = Field(None, description="publish only these columns (default: all)")
+    columns: tuple[str, ...] | None = Field(
+        None, description="publish only these columns (default: every column but the reserved '_' ones)")
     start_from: StartFrom = Field(
         "beginning", description="where a shard with no committed offset starts: beginning, now or a time"
     )

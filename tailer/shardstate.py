@@ -25,7 +25,7 @@ class Pending(NamedTuple):
     source: Cell | dict[str, Any]  # the first cell, or a dead letter's coordinates
     topic: str
     deadletter: bool
-    messages: int = 1  # how many the future covers (a record batch)
+    messages: int = 1  # how many the future covers (a record batch); 0: cells of reserved columns passed over
 
     @property
     def where(self) -> dict[str, Any]:

@@ -576,6 +576,12 @@ class Tailer:
         not accept as a dead letter in its place. False once the shard failed."""
         run: list[tuple[Cell, Any]] = []
         for cell in cells:
+            if cell.column[0] == "_" and self.config.columns is None:
+                if not await self._send_run(st, run):
+                    return False
+                run = []
+                self._pass_over(st, cell)
+                continue
             if run and run[0][0].column != cell.column:
                 if not await self._send_run(st, run):
                     return False
@@ -602,6 +608,19 @@ class Tailer:
                                                stage):
                 return False
         return await self._send_run(st, run)
+
+    def _pass_over(self, st: ShardState, cell: Cell) -> None:
+        """Acknowledge a cell of a reserved column without delivering it: cellstream's own data (dead-letter
+        entries with their bodies and tracebacks, catalogs, offsets) reaches a sink only when its column is
+        named in ``columns``. Consecutive ones share one acknowledgement, in the shard's order."""
+        last = st.inflight[-1] if st.inflight else None
+        if last is not None and last.messages == 0:  # passing over already: move it past this cell too
+            st.inflight[-1] = last._replace(added_id=cell.added_id)
+            st.position = cell.added_id
+            return
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        self._track(st, Pending(cell.added_id, future, cell, cell.column, False, 0))
 
     async def _send_run(self, st: ShardState, run: list[tuple[Cell, Any]]) -> bool:
         if not run:

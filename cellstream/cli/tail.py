@@ -42,7 +42,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--zookeeper", default=os.environ.get("CELLSTREAM_ZOOKEEPER"), help="host:port[/chroot]")
     p.add_argument("--out", metavar="DIR", help="standalone: write topics as files under DIR instead of Kafka")
     p.add_argument("--offsets", metavar="FILE", help="standalone: keep offsets in FILE instead of ZooKeeper")
-    p.add_argument("--columns", type=columns_arg, default=None, help="comma-separated")
+    p.add_argument("--columns", type=columns_arg, default=None,
+                   help="comma-separated (default: every column but the reserved _ ones, published only when named)")
     p.add_argument("--from", dest="start", default="beginning", help="beginning, now or an ISO-8601 time")
     p.add_argument("--prefix", default="cells", help="topic prefix (topics are PREFIX.COLUMN)")
     p.add_argument("--partitions", type=int, default=16, help="partitions per topic; shard s -> s mod P")

@@ -126,6 +126,29 @@ def test_columns_and_start_now_select_what_is_published(store: logstore.Store, t
     assert not (root / "cells.BASE").exists()
 
 
+def test_reserved_columns_are_published_only_when_named(store: logstore.Store, tmp_path: Path) -> None:
+    """Cells of ``_`` columns (dead-letter entries with bodies and tracebacks, catalogs) are cellstream's own:
+    without ``columns`` the tailer passes over them, acknowledged in order, so every shard's offset still
+    reaches its head; named, they are published like any column."""
+    root = tmp_path / "topics"
+    base = []
+    for i in range(6):  # runs of plain and reserved cells, interleaved in every shard
+        base += put_many(store, 20)
+        store.put_system_cells([(uuid.uuid4(), "_secret", 1, {"token": i}) for _ in range(15)])
+    asyncio.run(run_until(make(store, tmp_path), lambda: all(
+        read_offsets(tmp_path / "offsets.json").get(str(s), {}).get("location", 0) == store.head(s)
+        for s in range(SHARDS))))
+    assert sorted(r["value"]["added_id"] for _, r in topic_cells(root, "cells.BASE")) == sorted(
+        c.added_id for c in base)
+    assert sorted(p.name for p in root.iterdir()) == ["cells-deadletter", "cells.BASE"]
+
+    named = tmp_path / "named"
+    named.mkdir()
+    asyncio.run(run_until(make(store, named, columns=("BASE", "_secret")),
+                          lambda: len(topic_cells(named / "topics", "cells._secret")) >= 90))
+    assert len(topic_cells(named / "topics", "cells.BASE")) == 120
+
+
 def test_start_from_a_time_skips_only_older_cells(store: logstore.Store, tmp_path: Path) -> None:
     root = tmp_path / "topics"
     put_many(store, 30)
