@@ -29,6 +29,7 @@ between commits.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -55,6 +56,7 @@ _CELL_SCHEMA = [("row_key", pa.string()), ("column", pa.string()), ("ref_key", p
                 ("added_id", pa.int64()), ("shard", pa.int32()), ("created_at", pa.timestamp("us", tz="UTC"))]
 _NAME = re.compile(r"^p(\d+)-(\d+)-(\d+)\.parquet$")
 _SCHEMA_FILE = "_schema.json"
+_STALE_TEMPORARY = 600.0  # seconds: a schema file is written and renamed within milliseconds
 
 
 # A body value's kind by its exact type (bodies come from JSON: no subclasses); anything else is json.
@@ -200,10 +202,20 @@ class ParquetSink(Sink):
     def begin(self, column: str, partition: int, start: int) -> None:
         """Rows of ``column`` an earlier process wrote for ``partition`` from ``start`` on were never
         committed, and go (they come again): a file holding only such rows is deleted, one that also holds
-        committed rows is rewritten without them."""
+        committed rows is rewritten without them. The temporary files a killed process left go too: the
+        partition's (this process owns it now, nobody else writes them) and the column's schema files older
+        than a writer ever keeps one."""
         if (column, partition) in self._begun:
             return
         try:
+            for leftover in (self.root / column).glob(f"date=*/.p{partition:05d}-*.parquet.*.tmp"):
+                logger.info("parquet sink: deleting %s, left by a process that stopped mid-write", leftover)
+                leftover.unlink(missing_ok=True)
+            for leftover in (self.root / column).glob(f".{_SCHEMA_FILE}.*.tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - leftover.stat().st_mtime > _STALE_TEMPORARY:
+                        logger.info("parquet sink: deleting %s, left by a process that stopped mid-write", leftover)
+                        leftover.unlink()
             for path in sorted((self.root / column).glob(f"date=*/p{partition:05d}-*.parquet")):
                 found = _NAME.match(path.name)
                 if found is None:

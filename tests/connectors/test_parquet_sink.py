@@ -225,3 +225,24 @@ def test_a_failed_flush_keeps_every_row_for_the_next_one(store: logstore.Store, 
     assert failed_adds == 1
     assert [(r["shard"], r["added_id"]) for r in lake(tmp_path / "lake", "BASE")] == [
         (c.shard, c.added_id) for c in cells]
+
+
+def test_recovery_removes_the_temporary_files_a_killed_process_left(tmp_path: Path) -> None:
+    import os
+    import time
+
+    root = tmp_path / "lake"
+    day = root / "BASE" / "date=2026-11-24"
+    day.mkdir(parents=True)
+    mine = day / ".p00003-00000000000000000010-00000000000000000020.parquet.ab12cd34.tmp"
+    other = day / ".p00001-00000000000000000010-00000000000000000020.parquet.ef56ab78.tmp"  # not this partition
+    old_schema = root / "BASE" / "._schema.json.0a1b2c3d.tmp"
+    fresh_schema = root / "BASE" / "._schema.json.4e5f6a7b.tmp"  # a live writer's, between write and rename
+    for path in (mine, other, old_schema, fresh_schema):
+        path.write_bytes(b"half a file")
+    an_hour_ago = time.time() - 3600
+    os.utime(old_schema, (an_hour_ago, an_hour_ago))
+    sink = ParquetSink(ParquetSinkConfig(root=root))
+    sink.begin("BASE", 3, 10)
+    assert not mine.exists() and not old_schema.exists()
+    assert other.exists() and fresh_schema.exists()
