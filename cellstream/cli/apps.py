@@ -202,4 +202,5 @@ def cmd_dlq(args: argparse.Namespace, out: Output) -> int:
                               + (f" ({r.error})" if r.error else ""))
     if not results and not out.as_json:
         out.emit(None, "nothing to replay")
-    return Exit.OK
+    # A handler that fails again is not a success: a script replaying after a fix must see it.
+    return Exit.FAILED if any(r.error for r in results) else Exit.OK

@@ -58,6 +58,10 @@ def test_run_drain_then_triage_from_the_command_line(sqlite_url: str, tmp_path: 
     code, out, _ = run(capsys, "dlq", "--app", spec, "discard", second, "--reason", "test card")
     assert code == 0 and "discarded" in out
 
+    code, out, _ = run(capsys, "dlq", "--app", spec, "replay", first, "--json")  # not fixed yet: it fails again
+    [again] = [json.loads(line) for line in out.splitlines()]
+    assert code == 6 and again["after"] == "open" and "card declined" in again["error"]
+
     module.write_text(APP.format(url=sqlite_url, fixed=True))  # the fix is deployed
     code, out, _ = run(capsys, "dlq", "--app", spec, "replay", "--match", "handler=charge", "--dry-run")
     assert code == 0 and out.count("would replay") == 1
