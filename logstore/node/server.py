@@ -341,30 +341,38 @@ class WorkerNode:
         return _json({"cells": {column: cell.to_json() for column, cell in row.items()}})
 
     # -- shards and logs --------------------------------------------------------------
+    def _shard(self, text: str, field: str) -> int:
+        shard = _int(text, field)
+        if shard >= self.store.shard_count:
+            raise _BadInput(field, f"{shard} is out of range: the shards are 0 to {self.store.shard_count - 1}")
+        return shard
+
     async def shards(self, request: web.Request) -> web.Response:
         stats = await self._call(self.store.shard_stats)
         return _json({"shards": [{"shard": s.shard, "node": s.node, "cells": s.cells} for s in stats]})
 
     async def shard(self, request: web.Request) -> web.Response:
-        shard = _int(request.match_info["shard"], "shard")
+        shard = self._shard(request.match_info["shard"], "shard")
         head = await self._call(self.store.head, shard)
         return _json({"shard": shard, "node": self.store.node_of(shard), "head": head})
 
     async def log(self, request: web.Request) -> web.Response:
-        shard = _int(request.match_info["shard"], "shard")
+        shard = self._shard(request.match_info["shard"], "shard")
         after, limit = _query_int(request, "after", 0), _query_int(request, "limit", 1000)
+        if limit < 1:
+            raise _BadInput("limit", "must be at least 1")
         cells, next_location = await self._call(self.store.get_cells_for_shard, shard, after, limit,
                                                 columns=_columns(request))
         return _json({"cells": [c.to_json() for c in cells], "next": next_location})
 
     async def count(self, request: web.Request) -> web.Response:
-        shard = _int(request.match_info["shard"], "shard")
+        shard = self._shard(request.match_info["shard"], "shard")
         count = await self._call(self.store.count_after, shard, _query_int(request, "after", 0),
                                  columns=_columns(request))
         return _json({"count": count})
 
     async def location(self, request: web.Request) -> web.Response:
-        shard = _int(request.match_info["shard"], "shard")
+        shard = self._shard(request.match_info["shard"], "shard")
         text = request.query.get("at")
         if text is None:
             raise _BadInput("at", "required: an ISO 8601 time with a UTC offset")
@@ -372,11 +380,16 @@ class WorkerNode:
             when = dt.datetime.fromisoformat(text)
         except ValueError:
             raise _BadInput("at", f"{text!r} is not an ISO 8601 time") from None
+        if when.utcoffset() is None:
+            raise _BadInput("at", f"{text!r} has no UTC offset (e.g. 2026-11-24T10:00:00Z)")
         return _json({"location": await self._call(self.store.location_at, shard, when)})
 
     async def logs(self, request: web.Request) -> web.Response:
         query = _model(wire.LogsQuery, await _body(request))
-        locations = {_int(k, f"locations.{k}"): v for k, v in query.locations.items()}
+        locations = {self._shard(k, f"locations.{k}"): v for k, v in query.locations.items()}
+        for k, v in query.locations.items():
+            if v < 0:
+                raise _BadInput(f"locations.{k}", f"{v} is not a location (an added_id, 0 or more)")
         pages = await self._call(self.store.get_cells_for_shards, locations, query.limit, columns=query.columns)
         out: dict[str, Any] = {}
         for shard, page in pages.items():
@@ -429,14 +442,15 @@ def _model(model: type[wire.BaseModelT], doc: Any) -> wire.BaseModelT:
         raise _BadInput(field, first["msg"]) from None
 
 
+# ASCII only: int() would also take "+7", "1_000", " 3" and the digits of other scripts.
+_DIGITS = re.compile(r"0|[1-9][0-9]{0,18}")
+
+
 def _int(text: str, field: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise _BadInput(field, f"{text!r} is not an integer") from None
-    if not -(1 << 63) <= value < 1 << 63:
-        raise _BadInput(field, f"{text} is out of range")
-    return value
+    """A path or query integer: ASCII digits, no sign, no leading zero, below 2**63."""
+    if not _DIGITS.fullmatch(text) or int(text) >= 1 << 63:
+        raise _BadInput(field, f"{text!r} is not an integer from 0 to 2**63-1 in ASCII digits")
+    return int(text)
 
 
 def _query_int(request: web.Request, name: str, default: int) -> int:
