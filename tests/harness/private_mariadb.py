@@ -4,8 +4,9 @@
         db.kill()                                 # SIGKILL: a crash, the data dir keeps what was committed
         db.start()                                # same port, same data
 
-It uses the mariadbd that `make test` installs, on a free 127.0.0.1 port chosen once, with its data dir,
-socket and error log in the work dir, and the user cellstream/cellstream with every privilege.
+It uses the mariadbd that `make test` installs, on a free 127.0.0.1 port chosen once (or ``port``), with its
+data dir and error log in the work dir, and the user cellstream/cellstream with every privilege. ``options``
+are more mariadbd options (later ones win): the shared servers of tests/harness/servers.py are started this way.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -33,15 +35,16 @@ def _binary(*names: str) -> str:
                                             if p.exists()), None)
         if found:
             return found
-    raise RuntimeError(f"{names[0]} is not installed; run scripts/install.sh (`make test` does)")
+    raise RuntimeError(f"{names[0]} is not installed: run scripts/install.sh (`make test` does)")
 
 
 class PrivateMariaDB:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, options: Sequence[str] = ()) -> None:
         self.workdir = workdir.absolute()
         self.data = self.workdir / "data"
         self.socket = Path(f"/tmp/cs-mariadb-{os.getpid()}-{id(self) % 100000}.sock")
-        self.port = free_port()
+        self.port = port or free_port()
+        self.options = list(options)
         self.log_path = self.workdir / "error.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -56,8 +59,10 @@ class PrivateMariaDB:
         return ["--user=root"] if os.geteuid() == 0 else []
 
     def _initialize(self) -> None:
-        if (self.data / "mysql").is_dir():
+        marker = self.workdir / ".initialized"
+        if marker.exists():
             return
+        shutil.rmtree(self.data, ignore_errors=True)  # never initialized, or interrupted half-way
         self.workdir.mkdir(parents=True, exist_ok=True)
         done = subprocess.run([_binary("mariadb-install-db", "mysql_install_db"), "--no-defaults",
                                f"--datadir={self.data}", "--auth-root-authentication-method=normal",
@@ -65,27 +70,28 @@ class PrivateMariaDB:
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"mariadb-install-db failed:\n{done.stdout}\n{done.stderr}")
+        marker.touch()
 
     def start(self) -> None:
         """Start (no-op when running) and wait until cellstream can log in over TCP."""
         if self.running:
             return
-        fresh = not (self.data / "mysql").is_dir()
         self._initialize()
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(
                 [_binary("mariadbd", "mysqld"), "--no-defaults", f"--datadir={self.data}", f"--port={self.port}",
                  f"--bind-address={HOST}", f"--socket={self.socket}", f"--log-error={self.log_path}",
-                 "--skip-name-resolve", "--innodb-buffer-pool-size=64M", "--max-connections=200", *self._user()],
+                 "--skip-name-resolve", "--innodb-buffer-pool-size=64M", "--max-connections=200", *self.options,
+                 *self._user()],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        (self.workdir / "server.pid").write_text(str(self._proc.pid))  # for a stop from another process
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"mariadbd exited during startup:\n{self._tail()}")
             if self.socket.exists():
                 with contextlib.suppress(pymysql.Error):
-                    if fresh:
-                        self._grant()
+                    self._grant()  # idempotent: a data dir from an earlier run has the user already
                     pymysql.connect(host=HOST, port=self.port, user="cellstream", password="cellstream",
                                     connect_timeout=2).close()
                     return
@@ -97,8 +103,9 @@ class PrivateMariaDB:
         root = pymysql.connect(unix_socket=str(self.socket), user="root", autocommit=True, connect_timeout=2)
         try:
             with root.cursor() as cur:
-                cur.execute("CREATE USER IF NOT EXISTS 'cellstream'@'%' IDENTIFIED BY 'cellstream'")
-                cur.execute("GRANT ALL PRIVILEGES ON *.* TO 'cellstream'@'%'")
+                for host in ("%", "localhost"):
+                    cur.execute(f"CREATE USER IF NOT EXISTS 'cellstream'@'{host}' IDENTIFIED BY 'cellstream'")
+                    cur.execute(f"GRANT ALL PRIVILEGES ON *.* TO 'cellstream'@'{host}' WITH GRANT OPTION")
         finally:
             root.close()
 

@@ -30,7 +30,6 @@ import subprocess
 import sys
 import threading
 import time
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import pymysql
 
 from tests.harness import REPO
+from tests.harness.private_mariadb import PrivateMariaDB
 from tests.harness.services import HOST, PrivateKafka, PrivateZooKeeper, _JavaServer, kafka_brokers, zk_four_letter
 
 DIR = REPO / ".services"
@@ -49,14 +49,6 @@ IS_ROOT = os.geteuid() == 0
 
 def log(message: str) -> None:
     print(f"servers: {message}", file=sys.stderr, flush=True)
-
-
-def _binary(*names: str) -> str:
-    for name in names:
-        for found in (shutil.which(name), f"/usr/sbin/{name}", f"/usr/bin/{name}"):
-            if found and os.access(found, os.X_OK):
-                return found
-    raise RuntimeError(f"{names[0]} is not installed: run scripts/install.sh (`make test` does)")
 
 
 def _listening(port: int) -> bool:
@@ -148,19 +140,12 @@ class Server(ABC):
 
 
 class MariaDB(Server):
-    """mariadbd on 3306, writing the row-based binary log its replica reads."""
+    """mariadbd on 3306, writing the row-based binary log its replica reads (the harness's PrivateMariaDB on a
+    fixed port, with the shared server's settings)."""
 
     name = "mariadb"
     port = 3306
     extra = ["--server-id=1", "--log-bin=mysql-bin", "--binlog-format=ROW", "--expire-logs-days=2"]
-
-    def __init__(self) -> None:
-        super().__init__()
-        sock = self.dir / "mysqld.sock"
-        # A unix socket path must fit sockaddr_un (108 bytes).
-        short = Path(f"/tmp/cellstream-{zlib.crc32(str(self.dir).encode())}.sock")
-        self.socket = sock if len(str(sock)) <= 100 else short
-        self.log = self.dir / "error.log"
 
     def answers(self) -> bool:
         with contextlib.suppress(pymysql.Error):
@@ -168,48 +153,13 @@ class MariaDB(Server):
             return True
         return False
 
-    def root(self) -> pymysql.connections.Connection:
-        return pymysql.connect(unix_socket=str(self.socket), user="root", autocommit=True, connect_timeout=3)
-
     def _start(self) -> None:
-        data = self.dir / "data"
-        user = ["--user=root"] if IS_ROOT else []
-        if not (self.dir / ".initialized").exists():
-            shutil.rmtree(data, ignore_errors=True)  # never initialized, or interrupted half-way
-            done = subprocess.run([_binary("mariadb-install-db", "mysql_install_db"), "--no-defaults",
-                                   f"--datadir={data}", "--auth-root-authentication-method=normal", "--skip-test-db",
-                                   "--skip-name-resolve", *user], capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise RuntimeError(f"{self.name}: mariadb-install-db failed:\n{done.stdout}\n{done.stderr}")
-            (self.dir / ".initialized").touch()
         # Durability defaults kept (innodb_flush_log_at_trx_commit=1): the benchmarks measure durable puts.
-        args = [_binary("mariadbd", "mysqld"), "--no-defaults", f"--datadir={data}", f"--port={self.port}",
-                f"--bind-address={HOST}", f"--socket={self.socket}", f"--log-error={self.log}",
-                "--skip-name-resolve", "--max-connections=500", "--innodb-buffer-pool-size=512M",
-                "--max-allowed-packet=64M", "--character-set-server=utf8mb4",
-                "--collation-server=utf8mb4_unicode_ci", *self.extra, *user]
-        with self.log.open("ab") as out:
-            self._proc = proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                                 start_new_session=True)
-        self.pidfile.write_text(str(proc.pid))
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{self.name}: mariadbd exited during startup:\n{_tail(self.log)}")
-            with contextlib.suppress(pymysql.Error):
-                self.root().close()
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name}: no answer after {START_TIMEOUT:.0f}s:\n{_tail(self.log)}")
-            time.sleep(0.2)
-        conn = self.root()
-        try:
-            with conn.cursor() as cur:
-                for host in ("%", "localhost"):
-                    cur.execute(f"CREATE USER IF NOT EXISTS '{USER}'@'{host}' IDENTIFIED BY '{PASSWORD}'")
-                    cur.execute(f"GRANT ALL PRIVILEGES ON *.* TO '{USER}'@'{host}' WITH GRANT OPTION")
-        finally:
-            conn.close()
+        server = PrivateMariaDB(self.dir, port=self.port, options=[
+            "--max-connections=500", "--innodb-buffer-pool-size=512M", "--max-allowed-packet=64M",
+            "--character-set-server=utf8mb4", "--collation-server=utf8mb4_unicode_ci", *self.extra])
+        server.start()
+        self._proc = server._proc
 
 
 class MariaDBReplica(MariaDB):
