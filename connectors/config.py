@@ -30,6 +30,7 @@ from indexer.errors import DefinitionError
 from indexer.indexes.definitions import load_yaml
 from logstore import InvalidCellError
 from logstore.cell import check_column
+from tailer.security import PLAINTEXT, KafkaSecurity, load_kafka_config
 
 _NAME = r"^[a-z_][a-z0-9_]{0,62}$"  # a PostgreSQL identifier cellstream creates
 PromotedType = Literal["text", "bigint", "double", "boolean", "timestamptz", "uuid", "jsonb"]
@@ -110,6 +111,9 @@ class ConnectorConfig(BaseModel):
     start_from: Literal["beginning", "now"] = "beginning"
     brokers: str | None = Field(None, description="host:port,...: read the tailer's Kafka topics (else the logstore)")
     topic_prefix: str = Field("cells", description="with brokers: the tailer's topics are <prefix>.<column>")
+    kafka: KafkaSecurity | Path = Field(
+        PLAINTEXT, description="with brokers: TLS and SASL, as Kafka client properties (security.protocol, sasl.*, "
+                               "ssl.*) or the path of a properties file, relative to this file")
     page_size: int = Field(1000, ge=1, le=10_000, description="cells read per shard at a time")
     max_attempts: int = Field(5, ge=1, description="attempts at a batch before it is retried cell by cell")
     sink: ParquetSinkSpec | PostgresSinkSpec = Field(discriminator="type")
@@ -125,6 +129,17 @@ class ConnectorConfig(BaseModel):
         if len(set(value)) != len(value):
             raise ValueError("a column is listed twice")
         return value
+
+    @property
+    def kafka_security(self) -> KafkaSecurity:
+        """The Kafka client's TLS and SASL settings (a properties file named by ``kafka`` read now)."""
+        return self.kafka if isinstance(self.kafka, KafkaSecurity) else load_kafka_config(self.kafka)
+
+    @model_validator(mode="after")
+    def _kafka_needs_brokers(self) -> ConnectorConfig:
+        if self.brokers is None and self.kafka != PLAINTEXT:
+            raise ValueError("kafka: TLS and SASL settings are for a connector that reads Kafka (brokers: ...)")
+        return self
 
     @model_validator(mode="after")
     def _tables_for_columns(self) -> ConnectorConfig:
@@ -145,4 +160,6 @@ def load_connector(source: str | Path) -> ConnectorConfig:
     if isinstance(source, Path) and isinstance(config.sink, ParquetSinkSpec) and not config.sink.root.is_absolute():
         sink = config.sink.model_copy(update={"root": source.parent / config.sink.root})
         config = config.model_copy(update={"sink": sink})
+    if isinstance(source, Path) and isinstance(config.kafka, Path):
+        config = config.model_copy(update={"kafka": load_kafka_config(source.parent / config.kafka)})
     return config

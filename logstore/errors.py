@@ -72,6 +72,11 @@ class ConfigurationError(LogstoreError):
     """
 
 
+class AuthenticationError(ConfigurationError):
+    """A server refused the credentials cellstream gave it (MySQL/MariaDB, PostgreSQL, Kafka SASL,
+    ZooKeeper digest). The message names the server and the user, never the secret."""
+
+
 class MissingExtraError(ConfigurationError):
     """An optional part was asked for but the package behind it is not installed; ``extra`` names the
     cellstream extra that brings it (``pip install 'cellstream[EXTRA]'``)."""

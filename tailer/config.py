@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from logstore.cell import COLUMN_RE
+from tailer.security import PLAINTEXT, KafkaSecurity
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 _TOPIC_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
@@ -118,6 +119,7 @@ class KafkaOptions(BaseModel):
     )
     request_timeout_ms: int = Field(30_000, ge=1000)
     compression: Literal["none", "gzip"] = "none"
+    security: KafkaSecurity = Field(PLAINTEXT, description="TLS and SASL (Kafka's client properties)")
 
 
 def parse_start(value: str) -> StartFrom:

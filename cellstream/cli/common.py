@@ -18,6 +18,7 @@ from cellstream.errors import UsageError
 
 if TYPE_CHECKING:
     from logstore import Cell
+    from tailer.security import KafkaSecurity
 
 
 class Parser(argparse.ArgumentParser):
@@ -36,6 +37,29 @@ def common_options() -> Parser:
     common.add_argument("--json", action="store_true", help="print JSON (JSON lines for streams)")
     common.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
     return common
+
+
+def add_kafka_config(parser: argparse.ArgumentParser) -> None:
+    """``--kafka-config FILE``: TLS and SASL for Kafka, as Kafka client properties (see docs/security.md)."""
+    parser.add_argument("--kafka-config", metavar="FILE", default=None,
+                        help="Kafka client properties (security.protocol, sasl.*, ssl.*), one key=value per line "
+                             "(env CELLSTREAM_KAFKA_CONFIG)")
+
+
+def kafka_override(path: str | None, brokers: str | None, what: str) -> KafkaSecurity | None:
+    """The TLS and SASL settings that replace those of ``what`` (an app or connector whose ``brokers`` are
+    given): from ``--kafka-config``, else from CELLSTREAM_KAFKA_CONFIG; None to keep its own. The option
+    given for something that does not read Kafka is refused."""
+    from logstore.errors import ConfigurationError
+
+    if path is not None and brokers is None:
+        raise ConfigurationError(f"--kafka-config: {what} reads the logstore, not Kafka (it has no brokers)")
+    path = path or os.environ.get("CELLSTREAM_KAFKA_CONFIG") or None
+    if brokers is None or path is None:
+        return None
+    from tailer.security import load_kafka_config
+
+    return load_kafka_config(path)
 
 
 class Output:

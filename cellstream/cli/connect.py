@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cellstream.cli.common import Output
+from cellstream.cli.common import Output, add_kafka_config, kafka_override
 from cellstream.cli.exits import Exit
 
 if TYPE_CHECKING:
@@ -36,11 +36,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     actions = p.add_subparsers(dest="action", required=True, parser_class=type(p))
     a = actions.add_parser("run", parents=[common], help="run a connector (sink.yaml)")
     a.add_argument("file", type=Path)
+    add_kafka_config(a)
     a.add_argument("--drain", action="store_true", help="load what the log holds now, then exit")
     a.add_argument("--timeout", type=float, default=3600.0, help="with --drain: give up after this many seconds")
     a.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     a = actions.add_parser("status", parents=[common], help="each shard's committed position and lag")
     a.add_argument("file", type=Path)
+    add_kafka_config(a)
     p.set_defaults(run=run)
 
 
@@ -48,6 +50,9 @@ def run(store: Store, args: argparse.Namespace, out: Output) -> int:
     from connectors.config import load_connector
 
     config = load_connector(args.file)
+    security = kafka_override(args.kafka_config, config.brokers, f"connector {config.name}")
+    if security is not None:
+        config = config.model_copy(update={"kafka": security})
     return int((_run if args.action == "run" else _status)(store, config, args, out))
 
 
@@ -133,7 +138,8 @@ def _kafka_positions(config: ConnectorConfig) -> list[tuple[str, int, int | None
 
     assert config.brokers is not None
     return asyncio.run(group_positions(config.brokers, config.name,
-                                       [f"{config.topic_prefix}.{column}" for column in config.columns]))
+                                       [f"{config.topic_prefix}.{column}" for column in config.columns],
+                                       config.kafka_security))
 
 
 def _kafka_lag(config: ConnectorConfig) -> int:

@@ -19,7 +19,7 @@ import os
 import signal
 from typing import TYPE_CHECKING, Any
 
-from cellstream.cli.common import Output, columns_arg
+from cellstream.cli.common import Output, add_kafka_config, columns_arg
 from cellstream.cli.exits import Exit
 from cellstream.errors import UsageError
 from logstore.extras import require
@@ -39,6 +39,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("status_name", nargs="?", metavar="NAME", help="the tailer to show (with status)")
     p.add_argument("--name", help="the tailer's name; workers with the same name share the shards")
     p.add_argument("--brokers", default=os.environ.get("CELLSTREAM_BROKERS"), help="Kafka bootstrap servers")
+    add_kafka_config(p)
     p.add_argument("--zookeeper", default=os.environ.get("CELLSTREAM_ZOOKEEPER"), help="host:port[/chroot]")
     p.add_argument("--out", metavar="DIR", help="standalone: write topics as files under DIR instead of Kafka")
     p.add_argument("--offsets", metavar="FILE", help="standalone: keep offsets in FILE instead of ZooKeeper")
@@ -109,8 +110,12 @@ def _parts(store: Store, args: argparse.Namespace, config: TailerConfig) -> tupl
         require("kafka", "a tailer publishing to Kafka")
         from tailer.config import KafkaOptions
         from tailer.publishers.kafka import KafkaPublisher
-        publisher = KafkaPublisher(KafkaOptions(brokers=args.brokers, max_request_size=args.max_request_size))
+        from tailer.security import resolve_kafka_config
+        publisher = KafkaPublisher(KafkaOptions(brokers=args.brokers, max_request_size=args.max_request_size,
+                                                security=resolve_kafka_config(args.kafka_config)))
     else:
+        if args.kafka_config:
+            raise UsageError("--kafka-config is for --brokers (Kafka); --out writes files")
         from tailer.publishers.directory import DirectoryPublisher
         publisher = DirectoryPublisher(args.out, max_message_bytes=args.max_request_size)
     return coordinator, publisher

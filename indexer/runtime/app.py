@@ -74,6 +74,8 @@ class App:
             if self.config.start_from not in ("beginning", "now"):
                 raise ConfigurationError("Kafka mode starts a new consumer group at the beginning or now, "
                                          "not at a time")
+        elif "kafka" in options:
+            raise ConfigurationError("kafka= (TLS and SASL) is for Kafka mode: give brokers= too, or drop it")
         self.name = name
         self.brokers = brokers
         self._target = store

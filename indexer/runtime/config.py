@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from os import PathLike
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from indexer.runtime.policy import DEFAULT_BACKOFF
 from logstore.retry import RetryPolicy
 from tailer.config import StartFrom, check_name, check_polls
+from tailer.security import PLAINTEXT, KafkaSecurity, load_kafka_config
 
 
 class AppConfig(BaseModel):
@@ -44,6 +47,14 @@ class AppConfig(BaseModel):
     session_timeout: float = Field(10.0, ge=4, le=40, description="ZooKeeper session timeout, seconds")
     topic_prefix: str = Field("cells", description="Kafka mode: the tailer's topics are <prefix>.<column>")
     replication_factor: int = Field(1, ge=1, le=32, description="Kafka mode: replicas of the <name>.dlq topic")
+    kafka: KafkaSecurity = Field(
+        PLAINTEXT, description="Kafka mode: TLS and SASL, as Kafka client properties ({'security.protocol': "
+                               "'SASL_SSL', ...}) or the path of a properties file (see tailer.security)")
+
+    @field_validator("kafka", mode="before")
+    @classmethod
+    def _kafka_file(cls, value: object) -> object:
+        return load_kafka_config(value) if isinstance(value, str | PathLike) else value
 
     def commit_every(self, kafka: bool) -> float:
         """The commit interval in effect. In Kafka mode each commit holds up faust's fetching for a moment

@@ -44,18 +44,20 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
-from indexer.errors import SourceUnavailableError
+from indexer.errors import ConfigurationError, SourceUnavailableError
 from indexer.runtime.config import AppConfig
 from indexer.runtime.deadletters import DeadLetter
 from indexer.runtime.handlers import Processor, tailer_deadletter
 from indexer.runtime.metrics import AppMetrics
 from indexer.runtime.policy import Failure, fingerprint, qualified_name
 from logstore import Cell
+from logstore.errors import CellstreamError
 from logstore.retry import RetryPolicy, retry_call_async
 from tailer.config import KafkaOptions
 from tailer.errors import PublishError
 from tailer.messages import CONTENT_TYPES, decode_cell
 from tailer.publishers.kafka import KafkaPublisher
+from tailer.security import PLAINTEXT, KafkaSecurity, diagnose
 
 logger = logging.getLogger(__name__)
 TP = tuple[str, int]
@@ -102,11 +104,14 @@ class _View(NamedTuple):
     committed: dict[TP, int]
 
 
-async def group_positions(brokers: str, app: str, topics: list[str]) -> list[tuple[str, int, int | None, int]]:
+async def group_positions(brokers: str, app: str, topics: list[str], security: KafkaSecurity = PLAINTEXT,
+                          ) -> list[tuple[str, int, int | None, int]]:
     """(topic, partition, committed offset or None, end offset) of every partition of ``topics`` for the
     consumer group of ``app`` in Kafka mode: what ``status`` commands show as lag."""
-    probe = AIOKafkaConsumer(bootstrap_servers=brokers, client_id=f"{group_id(app)}.status", enable_auto_commit=False)
-    admin = AIOKafkaAdminClient(bootstrap_servers=brokers, client_id=f"{group_id(app)}.status")
+    probe = AIOKafkaConsumer(bootstrap_servers=brokers, client_id=f"{group_id(app)}.status", enable_auto_commit=False,
+                             **security.client_options())
+    admin = AIOKafkaAdminClient(bootstrap_servers=brokers, client_id=f"{group_id(app)}.status",
+                                **security.client_options())
     try:
         await probe.start()
         await admin.start()
@@ -121,7 +126,7 @@ async def group_positions(brokers: str, app: str, topics: list[str]) -> list[tup
         found = await retry_call_async(
             lambda: admin.list_consumer_group_offsets(group_id(app), partitions=partitions), _POSITIONS_RETRY)
     except (KafkaError, OSError) as exc:
-        raise SourceUnavailableError(f"Kafka at {brokers}: {type(exc).__name__}: {exc}") from None
+        raise await _unavailable(brokers, security, exc) from None
     finally:
         await probe.stop()
         await admin.close()
@@ -131,6 +136,24 @@ async def group_positions(brokers: str, app: str, topics: list[str]) -> list[tup
         committed = meta.offset if meta is not None and meta.offset >= 0 else None
         out.append((tp.topic, tp.partition, committed, ends[tp]))
     return out
+
+
+async def _unavailable(brokers: str, security: KafkaSecurity, exc: BaseException) -> CellstreamError:
+    """The error for a Kafka client that failed to start: the configuration problem behind it when there is
+    one (refused credentials, an untrusted certificate), else SourceUnavailableError (retriable)."""
+    cause = exc if isinstance(exc, ConfigurationError) else await diagnose(brokers, security)
+    return cause or SourceUnavailableError(f"Kafka at {brokers}: {type(exc).__name__}: {exc}")
+
+
+def faust_credentials(security: KafkaSecurity) -> Any:
+    """faust's ``broker_credentials`` for ``security`` (None for plaintext)."""
+    context = security.ssl_context()
+    if security.sasl_mechanism is not None:
+        assert security.sasl_password is not None
+        return faust.SASLCredentials(
+            username=security.sasl_username, password=security.sasl_password.get_secret_value(),
+            mechanism=security.sasl_mechanism, ssl_context=context)
+    return faust.SSLCredentials(context) if context is not None else None
 
 
 def group_id(app: str) -> str:
@@ -169,7 +192,7 @@ class KafkaRunner:
         self.topics = [f"{config.topic_prefix}.{column}" for column in sorted(processor.by_column)]
         self.tailer_deadletters = f"{config.topic_prefix}-deadletter"
         self.dlq_topic = dlq_topic(config.name)
-        self.publisher = KafkaPublisher(KafkaOptions(brokers=brokers, client_id=self.group))
+        self.publisher = KafkaPublisher(KafkaOptions(brokers=brokers, client_id=self.group, security=config.kafka))
         self._app: Any = None  # the faust.App, built by start()
         self._datadir: str | None = None
         self._probe: AIOKafkaConsumer | None = None
@@ -195,9 +218,9 @@ class KafkaRunner:
         self._state = "starting"
         try:
             await self._start()
-        except (KafkaError, OSError, PublishError) as exc:
+        except (KafkaError, OSError, PublishError, ConfigurationError) as exc:
             await self.stop()
-            raise SourceUnavailableError(f"Kafka at {self.brokers}: {type(exc).__name__}: {exc}") from None
+            raise await _unavailable(self.brokers, self.config.kafka, exc) from None
         except BaseException:
             await self.stop()
             raise
@@ -206,10 +229,12 @@ class KafkaRunner:
     async def _start(self) -> None:
         await self.publisher.start()
         await self.publisher.prepare_topic(self.dlq_topic, 1, self.config.replication_factor)
+        security = self.config.kafka.client_options()
         self._probe = AIOKafkaConsumer(bootstrap_servers=self.brokers, client_id=f"{self.group}.probe",
-                                       enable_auto_commit=False)
+                                       enable_auto_commit=False, **security)
         await self._probe.start()
-        self._admin = AIOKafkaAdminClient(bootstrap_servers=self.brokers, client_id=f"{self.group}.probe")
+        self._admin = AIOKafkaAdminClient(bootstrap_servers=self.brokers, client_id=f"{self.group}.probe",
+                                          **security)
         await self._admin.start()
         self._datadir = tempfile.mkdtemp(prefix=f"cellstream-{self.config.name}-")
         app = faust.App(
@@ -218,6 +243,7 @@ class KafkaRunner:
             consumer_auto_offset_reset="earliest" if self.config.start_from == "beginning" else "latest",
             broker_commit_interval=self.config.commit_every(kafka=True),
             broker_session_timeout=self.config.session_timeout,
+            broker_credentials=faust_credentials(self.config.kafka),
         )
         app.transport.Consumer = _Consumer  # type: ignore[misc]  # read when faust builds its consumer
         app.cellstream_checkpoint = self._checkpoint  # type: ignore[attr-defined]  # read by _Consumer._commit

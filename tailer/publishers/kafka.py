@@ -30,6 +30,7 @@ from tailer.config import KafkaOptions
 from tailer.errors import ConfigurationError, PublishError
 from tailer.interfaces import Publisher
 from tailer.messages import Message
+from tailer.security import diagnose
 
 logger = logging.getLogger(__name__)
 _TOPIC_EXISTS = 36
@@ -70,7 +71,7 @@ class KafkaPublisher(Publisher):
             bootstrap_servers=o.brokers, client_id=o.client_id, acks="all", enable_idempotence=True,
             linger_ms=o.linger_ms, max_batch_size=o.max_batch_size, max_request_size=o.max_request_size,
             request_timeout_ms=o.request_timeout_ms,
-            compression_type=None if o.compression == "none" else o.compression,
+            compression_type=None if o.compression == "none" else o.compression, **o.security.client_options(),
         )
 
     async def start(self) -> None:
@@ -82,6 +83,9 @@ class KafkaPublisher(Publisher):
         except KafkaError as exc:
             await self._producer.stop()
             self._producer = None
+            cause = await diagnose(self.options.brokers, self.options.security)
+            if cause is not None:
+                raise cause from None
             raise PublishError(f"cannot reach Kafka at {self.options.brokers}: {exc}", retriable=True) from None
         self._started = True
 
@@ -125,7 +129,8 @@ class KafkaPublisher(Publisher):
         if topic in self._topics:
             return
         admin = AIOKafkaAdminClient(bootstrap_servers=self.options.brokers,
-                                    request_timeout_ms=self.options.request_timeout_ms)
+                                    request_timeout_ms=self.options.request_timeout_ms,
+                                    **self.options.security.client_options())
         try:
             await admin.start()
             response = await admin.create_topics([NewTopic(topic, partitions, replication_factor)])

@@ -19,6 +19,7 @@ import logstore
 from tailer.config import KafkaOptions, TailerConfig
 from tailer.coordinators.store import StoreCoordinator
 from tailer.publishers.kafka import KafkaPublisher
+from tailer.security import PLAINTEXT, KafkaSecurity
 from tailer.worker import Tailer
 from tests.harness.shared_servers import KAFKA
 
@@ -63,10 +64,12 @@ def delete_topics(brokers: str, prefix: str) -> None:
     asyncio.run(run())
 
 
-def kcat_read(brokers: str, topic: str) -> list[Msg]:
-    """Every message of the topic, read by kcat from the beginning to the current end."""
+def kcat_read(brokers: str, topic: str, config: str | None = None) -> list[Msg]:
+    """Every message of the topic, read by kcat from the beginning to the current end (with ``config``, a
+    properties file given to kcat -F: TLS and SASL)."""
     try:
-        result = subprocess.run([kcat(), "-C", "-b", brokers, "-t", topic, "-o", "beginning", "-e", "-J", "-q"],
+        result = subprocess.run([kcat(), *(["-F", config] if config else []), "-C", "-b", brokers, "-t", topic,
+                                 "-o", "beginning", "-e", "-J", "-q"],
                                 capture_output=True, text=True, timeout=15)
         stdout = result.stdout
         if result.returncode != 0:
@@ -143,12 +146,12 @@ async def aiokafka_read(brokers: str, topic: str, partitions: int, expect: int, 
 
 
 def publish(store: logstore.Store, prefix: str, partitions: int = 4, timeout: float = 60,
-            brokers: str = KAFKA) -> None:
+            brokers: str = KAFKA, security: KafkaSecurity = PLAINTEXT) -> None:
     """Run the tailer until every cell now in the store is on Kafka (topics <prefix>.<column>)."""
     async def run() -> None:
         config = TailerConfig(name=f"{prefix}-tailer", topic_prefix=prefix, partitions=partitions,
                               commit_interval=0.2)
-        publisher = KafkaPublisher(KafkaOptions(brokers=brokers))
+        publisher = KafkaPublisher(KafkaOptions(brokers=brokers, security=security))
         tailer = Tailer(store, config, StoreCoordinator(store, config.name), publisher)
         await tailer.start()
         since = time.monotonic()

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -258,19 +259,81 @@ class PrivateZooKeeper(_JavaServer):
         return f"dataDir={self.workdir / 'data'}/" in zk_four_letter(self.hosts, "conf")
 
 
+@dataclass(frozen=True)
+class SecuredListeners:
+    """The secured listeners of a PrivateKafka: SASL_SSL (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 for ``users``)
+    and SSL with client certificates required, both with the server certificate ``keystore`` (key and chain,
+    PEM) and trusting the CA file ``truststore``."""
+
+    keystore: Path
+    truststore: Path
+    users: dict[str, str]
+
+
+def _jaas_string(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
 class PrivateKafka(_JavaServer):
-    """A single-node KRaft Kafka (broker + controller) on two free ports; log dir kept across restarts."""
+    """A single-node KRaft Kafka (broker + controller) on free ports; log dir kept across restarts.
+
+    With ``security``, two more listeners: ``sasl_ssl_bootstrap`` and ``ssl_bootstrap`` (see SecuredListeners);
+    the plain listener stays for the broker's own use and for readiness checks.
+    """
 
     name = "kafka"
     heap = "-Xmx384m"
     start_timeout = KAFKA_START_TIMEOUT
 
-    def __init__(self, workdir: Path, port: int | None = None, controller_port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, controller_port: int | None = None,
+                 security: SecuredListeners | None = None) -> None:
         super().__init__(workdir)
         self.port = port or free_port()
         self.controller_port = controller_port or free_port()
         while self.controller_port == self.port:
             self.controller_port = free_port()
+        self.security = security
+        self.sasl_ssl_port, self.ssl_port = (free_port(), free_port()) if security else (0, 0)
+
+    @property
+    def sasl_ssl_bootstrap(self) -> str:
+        return f"{HOST}:{self.sasl_ssl_port}"
+
+    @property
+    def ssl_bootstrap(self) -> str:
+        return f"{HOST}:{self.ssl_port}"
+
+    def _listeners(self) -> str:
+        listeners = [f"PLAINTEXT://{self.bootstrap}"]
+        if self.security is not None:
+            listeners += [f"SASL_SSL://{self.sasl_ssl_bootstrap}", f"SSL://{self.ssl_bootstrap}"]
+        return ",".join(listeners)
+
+    def _security_properties(self) -> str:
+        sec = self.security
+        if sec is None:
+            return ""
+        plain_users = " ".join(f'user_{name}="{_jaas_string(pw)}"' for name, pw in sec.users.items())
+        return (
+            "sasl.enabled.mechanisms=PLAIN,SCRAM-SHA-256,SCRAM-SHA-512\n"
+            "listener.name.sasl_ssl.plain.sasl.jaas.config="
+            f"org.apache.kafka.common.security.plain.PlainLoginModule required {plain_users};\n"
+            "listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config="
+            "org.apache.kafka.common.security.scram.ScramLoginModule required;\n"
+            "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config="
+            "org.apache.kafka.common.security.scram.ScramLoginModule required;\n"
+            "ssl.keystore.type=PEM\n"
+            f"ssl.keystore.location={sec.keystore}\n"
+            "ssl.truststore.type=PEM\n"
+            f"ssl.truststore.location={sec.truststore}\n"
+            "listener.name.ssl.ssl.client.auth=required\n"
+        )
+
+    def _scram_arguments(self) -> list[str]:
+        if self.security is None:
+            return []
+        return [arg for name, pw in self.security.users.items() for mechanism in ("SCRAM-SHA-256", "SCRAM-SHA-512")
+                for arg in ("--add-scram", f"{mechanism}=[name={name},password={pw}]")]
 
     @property
     def bootstrap(self) -> str:
@@ -283,11 +346,12 @@ class PrivateKafka(_JavaServer):
             "process.roles=broker,controller\n"
             "node.id=1\n"
             f"controller.quorum.voters=1@{HOST}:{self.controller_port}\n"
-            f"listeners=PLAINTEXT://{HOST}:{self.port},CONTROLLER://{HOST}:{self.controller_port}\n"
-            f"advertised.listeners=PLAINTEXT://{self.bootstrap}\n"
+            f"listeners={self._listeners()},CONTROLLER://{HOST}:{self.controller_port}\n"
+            f"advertised.listeners={self._listeners()}\n"
             "controller.listener.names=CONTROLLER\n"
             "inter.broker.listener.name=PLAINTEXT\n"
-            "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT\n"
+            "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_SSL:SASL_SSL,SSL:SSL\n"
+            + self._security_properties() +
             f"log.dirs={data}\n"
             "num.partitions=1\n"
             "auto.create.topics.enable=false\n"
@@ -308,7 +372,8 @@ class PrivateKafka(_JavaServer):
             cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         with self.log_path.open("ab") as log:
             result = subprocess.run(
-                self._java_cmd("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props)),
+                self._java_cmd("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props),
+                               *self._scram_arguments()),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, timeout=120, check=False,
             )
         if result.returncode != 0 or not (data / "meta.properties").exists():

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pymysql
 
-from logstore.errors import ConfigurationError, LogstoreError, ShardMovedError, StorageError, StorageUnavailableError
+from logstore.errors import (
+    AuthenticationError,
+    ConfigurationError,
+    LogstoreError,
+    ShardMovedError,
+    StorageError,
+    StorageUnavailableError,
+)
 
 # Connection lost, server gone or shutting down, network read/write errors, lock wait
 # timeout, deadlock, too many connections, query interrupted, connection killed or
@@ -12,6 +19,7 @@ from logstore.errors import ConfigurationError, LogstoreError, ShardMovedError, 
 UNAVAILABLE = {1040, 1053, 1158, 1159, 1160, 1161, 1205, 1213, 1317, 1927, 2002, 2003, 2006, 2013,
                2014, 2055, 4031}
 BAD_CONFIG = {1044, 1045, 1049, 1142, 1227}
+ACCESS_DENIED = 1045  # a wrong user or password, or a user that must connect with TLS
 NO_TABLE = 1146
 DUPLICATE = 1062
 NULL_COLUMN = 1048  # a NULL into a NOT NULL column: a one-shard write that found no counter to take ids from
@@ -27,6 +35,8 @@ def translate(exc: pymysql.Error, node: str) -> LogstoreError:
     text = f"storage node {node}: MySQL error {number}: {message}"
     if number in UNAVAILABLE or isinstance(exc, pymysql.err.InterfaceError):
         return StorageUnavailableError(text)
+    if number == ACCESS_DENIED:
+        return AuthenticationError(text)
     if number in BAD_CONFIG:
         return ConfigurationError(text)
     return StorageError(text)
