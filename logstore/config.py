@@ -2,7 +2,8 @@
 
 A target given to :func:`logstore.open` is one of
 - ``sqlite:///relative/dir`` or ``sqlite:////absolute/dir`` (SQLAlchemy's convention),
-- ``mysql://user:password@host:port/database``,
+- ``mysql://user:password@host:port/database``, with TLS parameters if needed
+  (``?ssl_ca=/etc/ca.pem&ssl_cert=...&ssl_key=...&ssl_mode=VERIFY_IDENTITY``, see :class:`MySQLTarget`),
 - a path to a cluster file (TOML) mapping shard ranges to storage nodes::
 
       shards = 4096
@@ -19,16 +20,18 @@ A target given to :func:`logstore.open` is one of
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Literal
-from urllib.parse import unquote, urlsplit
+from typing import Any, Literal
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from logstore.errors import ConfigurationError, InvalidArgumentError
 from logstore.retry import RetryPolicy
+from logstore.tls import client_context
 
 DEFAULT_SHARDS = 4096
 MAX_SHARDS = 65536
@@ -56,7 +59,16 @@ class StoreOptions(BaseModel):
         "another storage node that can hold it (a MySQL node); None: never buffer")
 
 
+SSLMode = Literal["DISABLED", "PREFERRED", "REQUIRED", "VERIFY_CA", "VERIFY_IDENTITY"]
+_TLS_PARAMS = ("ssl_mode", "ssl_ca", "ssl_cert", "ssl_key")
+
+
 class MySQLTarget(BaseModel):
+    """A MySQL/MariaDB storage node. TLS follows MySQL's ``--ssl-mode``: DISABLED; PREFERRED (encrypted when
+    the server offers it, the certificate unchecked: the default without ``ssl_ca``); REQUIRED (encrypted,
+    unchecked); VERIFY_CA (the certificate signed by ``ssl_ca``, or the system's CAs); VERIFY_IDENTITY (that,
+    and it names the host: the default with ``ssl_ca``). ``ssl_cert`` and ``ssl_key`` are the client's."""
+
     model_config = ConfigDict(frozen=True)
 
     host: str
@@ -64,9 +76,62 @@ class MySQLTarget(BaseModel):
     user: str
     password: str = Field(repr=False)
     database: str
+    ssl_mode: SSLMode = "PREFERRED"
+    ssl_ca: Path | None = None
+    ssl_cert: Path | None = None
+    ssl_key: Path | None = None
 
     def redacted(self) -> str:
-        return f"mysql://{self.user}:***@{self.host}:{self.port}/{self.database}"
+        query = "&".join(f"{k}={getattr(self, k)}" for k in _TLS_PARAMS
+                         if k in self.model_fields_set and getattr(self, k) is not None)
+        return f"mysql://{self.user}:***@{self.host}:{self.port}/{self.database}" + (f"?{query}" if query else "")
+
+    def ssl_options(self) -> dict[str, Any]:
+        """pymysql's TLS arguments: an SSLContext when TLS is required (pymysql then refuses a server without
+        TLS), ``ssl_disabled`` for DISABLED, nothing for PREFERRED (pymysql's own default)."""
+        if self.ssl_mode == "DISABLED":
+            return {"ssl_disabled": True}
+        if self.ssl_mode == "PREFERRED":
+            return {}
+        context = client_context(f"storage node {self.redacted()}", ca=self.ssl_ca, cert=self.ssl_cert,
+                                 key=self.ssl_key, verify=self.ssl_mode != "REQUIRED",
+                                 check_hostname=self.ssl_mode == "VERIFY_IDENTITY")
+        return {"ssl": context}
+
+
+def _mysql_tls(query: str) -> dict[str, Any]:
+    """The TLS parameters of a mysql:// URL's query (see MySQLTarget); each one at most once, each file readable."""
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise InvalidArgumentError(f"mysql URL query {query!r} cannot be parsed: ?ssl_ca=PATH&...") from None
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key not in _TLS_PARAMS:
+            raise InvalidArgumentError(f"mysql URL parameter {key!r} is not one cellstream takes "
+                                       f"({', '.join(_TLS_PARAMS)})")
+        if key in found:
+            raise InvalidArgumentError(f"mysql URL parameter {key} is given twice")
+        found[key] = value
+    if "ssl_mode" in found:
+        mode = found["ssl_mode"].upper()
+        if mode not in SSLMode.__args__:  # type: ignore[attr-defined]
+            raise InvalidArgumentError(f"mysql URL ssl_mode {found['ssl_mode']!r} must be one of "
+                                       f"{', '.join(SSLMode.__args__)}")  # type: ignore[attr-defined]
+        found["ssl_mode"] = mode
+    for key in ("ssl_ca", "ssl_cert", "ssl_key"):
+        if key in found:
+            if not os.access(found[key], os.R_OK):
+                raise InvalidArgumentError(f"mysql URL {key} {found[key]!r} cannot be read")
+            found[key] = Path(found[key])
+    if ("ssl_cert" in found) != ("ssl_key" in found):
+        raise InvalidArgumentError("mysql URL ssl_cert and ssl_key go together")
+    if "ssl_mode" not in found and found:
+        found["ssl_mode"] = "VERIFY_IDENTITY" if "ssl_ca" in found else "REQUIRED"
+    if found.get("ssl_mode") in ("DISABLED", "PREFERRED") and len(found) > 1:
+        raise InvalidArgumentError(f"mysql URL ssl_mode {found['ssl_mode']} would ignore "
+                                   f"{', '.join(sorted(set(found) - {'ssl_mode'}))}")
+    return found
 
 
 class SQLiteTarget(BaseModel):
@@ -128,6 +193,7 @@ def parse_node_url(url: str) -> NodeTarget:
             user=unquote(parts.username or "root"),
             password=unquote(parts.password or ""),
             database=database,
+            **_mysql_tls(parts.query),
         )
     scheme = url.split(":", 1)[0] if ":" in url else url
     raise InvalidArgumentError(f"unsupported store URL scheme {scheme!r} (use sqlite:///, mysql:// or http://)")

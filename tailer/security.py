@@ -31,6 +31,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from logstore.errors import AuthenticationError, CellstreamError, ConfigurationError
+from logstore.tls import client_context
 
 Protocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 Mechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
@@ -116,26 +117,11 @@ class KafkaSecurity(BaseModel):
         """The TLS context of the connection (None without TLS); the broker's certificate is always verified."""
         if not self.tls:
             return None
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-        try:
-            if self.ssl_ca_location is not None:
-                if self.ssl_ca_location.is_dir():
-                    context.load_verify_locations(capath=self.ssl_ca_location)
-                else:
-                    context.load_verify_locations(cafile=self.ssl_ca_location)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigurationError(f"Kafka ssl.ca.location {str(self.ssl_ca_location)!r} holds no usable "
-                                     f"certificate: {exc}") from None
-        if self.ssl_certificate_location is not None:
-            password = self.ssl_key_password.get_secret_value() if self.ssl_key_password else None
-            try:
-                context.load_cert_chain(self.ssl_certificate_location, self.ssl_key_location, password)
-            except (ssl.SSLError, OSError) as exc:
-                raise ConfigurationError(
-                    f"Kafka ssl.certificate.location/ssl.key.location: the certificate and key cannot be loaded "
-                    f"({exc.__class__.__name__}: {exc}; a wrong or missing ssl.key.password?)") from None
-        context.check_hostname = self.ssl_endpoint_identification_algorithm == "https"
-        return context
+        return client_context(
+            "Kafka TLS (ssl.*)", ca=self.ssl_ca_location, cert=self.ssl_certificate_location,
+            key=self.ssl_key_location,
+            key_password=self.ssl_key_password.get_secret_value() if self.ssl_key_password else None,
+            check_hostname=self.ssl_endpoint_identification_algorithm == "https")
 
     def client_options(self) -> dict[str, Any]:
         """aiokafka's keyword arguments (producer, consumer, admin client, connection)."""

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -42,7 +43,7 @@ class PrivateMariaDB:
     def __init__(self, workdir: Path, port: int | None = None, options: Sequence[str] = ()) -> None:
         self.workdir = workdir.absolute()
         self.data = self.workdir / "data"
-        self.socket = Path(f"/tmp/cs-mariadb-{os.getpid()}-{id(self) % 100000}.sock")
+        self.socket = Path(f"/tmp/cs-mariadb-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock")  # short: sun_path limit
         self.port = port or free_port()
         self.options = list(options)
         self.log_path = self.workdir / "error.log"

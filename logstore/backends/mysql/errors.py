@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ssl
+
 import pymysql
 
 from logstore.errors import (
@@ -20,6 +22,7 @@ UNAVAILABLE = {1040, 1053, 1158, 1159, 1160, 1161, 1205, 1213, 1317, 1927, 2002,
                2014, 2055, 4031}
 BAD_CONFIG = {1044, 1045, 1049, 1142, 1227}
 ACCESS_DENIED = 1045  # a wrong user or password, or a user that must connect with TLS
+SSL_REQUIRED_UNSUPPORTED = 2026  # pymysql: TLS required but the server offers none
 NO_TABLE = 1146
 DUPLICATE = 1062
 NULL_COLUMN = 1048  # a NULL into a NOT NULL column: a one-shard write that found no counter to take ids from
@@ -33,6 +36,9 @@ def translate(exc: pymysql.Error, node: str) -> LogstoreError:
     number = code(exc)
     message = exc.args[1] if len(exc.args) > 1 else str(exc)
     text = f"storage node {node}: MySQL error {number}: {message}"
+    if number == SSL_REQUIRED_UNSUPPORTED or isinstance(exc.__context__, ssl.SSLCertVerificationError):
+        # A refused certificate or a server without TLS: the same connection fails until the URL's ssl_* change.
+        return ConfigurationError(f"{text} (TLS: check the URL's ssl_mode, ssl_ca, ssl_cert and ssl_key)")
     if number in UNAVAILABLE or isinstance(exc, pymysql.err.InterfaceError):
         return StorageUnavailableError(text)
     if number == ACCESS_DENIED:

@@ -226,7 +226,7 @@ class MySQLRecorder(NodeRecorder):
             host=t.host, port=t.port, user=t.user, password=t.password, database=database,
             autocommit=True, client_flag=CLIENT.MULTI_STATEMENTS, charset="utf8mb4",
             binary_prefix=True, conv=_CONVERSIONS, connect_timeout=o.connect_timeout,
-            read_timeout=o.read_timeout, write_timeout=o.read_timeout,
+            read_timeout=o.read_timeout, write_timeout=o.read_timeout, **t.ssl_options(),
         )
 
     def _connect(self) -> Connection:

@@ -1,5 +1,6 @@
-"""Kafka client properties (tailer.security): the file format, the checks, and where the settings may be given.
-No server: the connections are tested in test_kafka_tls_sasl.py."""
+"""TLS and SASL settings without a server: Kafka client properties (tailer.security: the file format, the
+checks, where they may be given) and the TLS parameters of mysql:// URLs. The connections themselves are
+tested against the real servers in the other modules here."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import trustme
 from cellstream.cli.main import main
 from connectors.config import load_connector
 from indexer import App
-from logstore.errors import ConfigurationError
+from logstore.config import parse_node_url
+from logstore.errors import ConfigurationError, InvalidArgumentError
 from tailer.security import KafkaSecurity, load_kafka_config, parse_kafka_config
 from tests.connectors.test_connect_parquet import CONFIG
 
@@ -69,7 +71,7 @@ def test_each_problem_in_the_file_is_a_configuration_error_naming_the_property(
 
 def test_a_ca_file_without_a_certificate_is_named_when_the_client_is_made(tmp_path: Path) -> None:
     path = write(tmp_path / "k.properties", f"security.protocol=SSL\nssl.ca.location={write(tmp_path / 'x', 'x')}\n")
-    with pytest.raises(ConfigurationError, match=r"Kafka ssl.ca.location .* holds no usable certificate"):
+    with pytest.raises(ConfigurationError, match=r"Kafka TLS .* holds no usable certificate"):
         load_kafka_config(path).client_options()
 
 
@@ -121,3 +123,30 @@ def test_the_model_takes_python_names_too() -> None:
                              sasl_password="p")
     assert security.client_options()["security_protocol"] == "SASL_PLAINTEXT"
     assert security.client_options()["ssl_context"] is None
+
+
+@pytest.mark.parametrize(("query", "problem"), [
+    ("sslmode=require", "mysql URL parameter 'sslmode' is not one cellstream takes (ssl_mode, ssl_ca, ssl_cert"),
+    ("ssl_mode=STRICT", "mysql URL ssl_mode 'STRICT' must be one of DISABLED, PREFERRED, REQUIRED, VERIFY_CA"),
+    ("ssl_ca=/nonexistent/ca.pem", "mysql URL ssl_ca '/nonexistent/ca.pem' cannot be read"),
+    ("ssl_cert={ca}", "mysql URL ssl_cert and ssl_key go together"),
+    ("ssl_mode=DISABLED&ssl_ca={ca}", "mysql URL ssl_mode DISABLED would ignore ssl_ca"),
+    ("ssl_ca={ca}&ssl_ca={ca}", "mysql URL parameter ssl_ca is given twice"),
+    ("ssl_ca", "mysql URL query 'ssl_ca' cannot be parsed"),
+])
+def test_each_bad_tls_parameter_of_a_mysql_url_is_named(ca: Path, query: str, problem: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_node_url(f"mysql://u:pw@db:3306/cells?{query.format(ca=ca)}")
+    assert problem in str(err.value)
+
+
+def test_mysql_tls_modes_default_from_what_the_url_gives_and_the_redacted_url_keeps_them(ca: Path) -> None:
+    plain = parse_node_url("mysql://u:pw@db:3306/cells")
+    assert plain.ssl_mode == "PREFERRED" and plain.ssl_options() == {}  # type: ignore[union-attr]
+    verified = parse_node_url(f"mysql://u:pw@db:3306/cells?ssl_ca={ca}")
+    assert verified.ssl_mode == "VERIFY_IDENTITY"  # type: ignore[union-attr]
+    assert verified.ssl_options()["ssl"].check_hostname  # type: ignore[union-attr]
+    assert verified.redacted() == f"mysql://u:***@db:3306/cells?ssl_mode=VERIFY_IDENTITY&ssl_ca={ca}"
+    unverified = parse_node_url("mysql://u:pw@db:3306/cells?ssl_mode=required")
+    assert unverified.ssl_options()["ssl"].verify_mode == 0  # type: ignore[union-attr]  # ssl.CERT_NONE
+    assert parse_node_url("mysql://u:pw@db/c?ssl_mode=DISABLED").ssl_options() == {"ssl_disabled": True}  # type: ignore[union-attr]
