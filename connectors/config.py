@@ -76,9 +76,27 @@ def table_name(column: str, spec: TableSpec) -> str:
 class PostgresSinkConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    url: SecretStr = Field(description="postgresql://user:password@host:port/database")
+    url: SecretStr = Field(description="postgresql://user:password@host:port/database, with libpq's parameters "
+                                       "(?sslmode=verify-full&sslrootcert=...&sslcert=...&sslkey=...)")
     db_schema: str = Field("public", alias="schema", pattern=_NAME)
     columns: dict[str, TableSpec] = Field(min_length=1, description="how each column is loaded")
+
+    @field_validator("url")
+    @classmethod
+    def _libpq_url(cls, url: SecretStr) -> SecretStr:
+        """What libpq would refuse at the first connection (an unknown parameter, a bad sslmode), refused now."""
+        try:
+            from psycopg.conninfo import conninfo_to_dict
+        except ImportError:
+            return url  # without the postgres extra the sink is refused when it is built, naming the extra
+        try:
+            params = conninfo_to_dict(url.get_secret_value())
+        except Exception as exc:  # psycopg.ProgrammingError; its message names the parameter, not the password
+            raise ValueError(str(exc).strip().splitlines()[0]) from None
+        modes = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+        if params.get("sslmode", "prefer") not in modes:
+            raise ValueError(f"sslmode {params['sslmode']!r} must be one of {', '.join(modes)}")
+        return url
 
     @model_validator(mode="after")
     def _tables(self) -> PostgresSinkConfig:

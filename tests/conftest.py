@@ -12,7 +12,7 @@ A test is marked ``mysql``, ``postgres``, ``kafka`` or ``zookeeper`` (pyproject.
     (``params=["sqlite", "mysql"]``) gets the service fixture with ``request.getfixturevalue`` for that
     param only, so the sqlite case stays unmarked;
   - its module starts a private server of the harness (PRIVATE_SERVERS: tests/harness/services.py,
-    tests/harness/private_mariadb.py), which needs what `make test` installs.
+    tests/harness/private_mariadb.py, private_postgres.py), which needs what `make test` installs.
 A service fixture requested without its marker (getfixturevalue without the param naming it) fails the test,
 so no test can reach a server while `make unit` selects it.
 """
@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.private_mariadb import PrivateMariaDB
+from tests.harness.private_postgres import PrivatePostgreSQL
 from tests.harness.services import PrivateKafka, PrivateZooKeeper
 from tests.harness.shared_servers import (
     KAFKA,
@@ -50,7 +51,8 @@ SERVICE_FIXTURES = {
 # The environment variables that point the suite at servers of one's own (tests/harness/shared_servers.py).
 OVERRIDES = {"mysql": "CELLSTREAM_TEST_MYSQL", "postgres": "CELLSTREAM_TEST_POSTGRES", "kafka": "CELLSTREAM_TEST_KAFKA",
              "zookeeper": "CELLSTREAM_TEST_ZOOKEEPER"}
-PRIVATE_SERVERS: dict[type, str] = {PrivateMariaDB: "mysql", PrivateKafka: "kafka", PrivateZooKeeper: "zookeeper"}
+PRIVATE_SERVERS: dict[type, str] = {PrivateMariaDB: "mysql", PrivatePostgreSQL: "postgres", PrivateKafka: "kafka",
+                                    PrivateZooKeeper: "zookeeper"}
 
 
 def services_of(item: pytest.Item) -> set[str]:

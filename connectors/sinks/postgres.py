@@ -39,9 +39,10 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from connectors.config import PostgresSinkConfig, Promoted, table_name
-from connectors.errors import ConnectorError, ConversionError, SinkUnavailableError
+from connectors.errors import ConfigurationError, ConnectorError, ConversionError, SinkUnavailableError
 from connectors.sinks.base import Position, Sink
 from logstore import Cell
+from logstore.errors import AuthenticationError
 
 logger = logging.getLogger(__name__)
 _SQL_TYPES = {"text": "text", "bigint": "bigint", "double": "double precision", "boolean": "boolean",
@@ -208,9 +209,22 @@ def _translated(what: str) -> Iterator[None]:
     try:
         yield
     except psycopg.OperationalError as exc:
-        raise SinkUnavailableError(f"postgres sink: {what} failed: {_without_secret(exc)}") from None
+        message = f"postgres sink: {what} failed: {_without_secret(exc)}"
+        # libpq gives no SQLSTATE for a refused connection: the server's and libpq's own messages tell.
+        if any(sign in message for sign in _REFUSED):
+            raise AuthenticationError(message) from None
+        if any(sign in message for sign in _TLS_SETUP):
+            raise ConfigurationError(f"{message} (TLS: check the URL's sslmode, sslrootcert, sslcert and "
+                                     "sslkey)") from None
+        raise SinkUnavailableError(message) from None
     except psycopg.Error as exc:
         raise ConnectorError(f"postgres sink: {what} failed: {_without_secret(exc)}") from exc
+
+
+_REFUSED = ("password authentication failed", "pg_hba.conf rejects", "no pg_hba.conf entry",
+            "requires a valid client certificate", "certificate authentication failed")
+_TLS_SETUP = ("certificate verify failed", "does not match host name", "root certificate file",
+              "certificate file", "private key file", "server does not support SSL")
 
 
 def _without_secret(exc: BaseException) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +37,7 @@ import pymysql
 
 from tests.harness import REPO
 from tests.harness.private_mariadb import PrivateMariaDB
+from tests.harness.private_postgres import PrivatePostgreSQL
 from tests.harness.services import HOST, PrivateKafka, PrivateZooKeeper, _JavaServer, kafka_brokers, zk_four_letter
 
 DIR = REPO / ".services"
@@ -220,51 +220,15 @@ class PostgreSQL(Server):
             return True
         return False
 
-    def _bin(self, name: str) -> str:
-        found = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), key=lambda p: int(p.parts[-3]))
-        if not found:
-            raise RuntimeError(f"{self.name}: {name} is not installed: run scripts/install.sh (`make test` does)")
-        return str(found[-1])
-
-    def _as_postgres(self, *cmd: str) -> list[str]:
-        return ["runuser", "-u", "postgres", "--", *cmd] if IS_ROOT else list(cmd)
-
     def _start(self) -> None:
-        data, log_path = self.dir / "data", self.dir / "postgresql.log"
         if IS_ROOT:
             DIR.chmod(0o755)
-            shutil.chown(self.dir, "postgres")
-        if not (self.dir / ".initialized").exists():
-            shutil.rmtree(data, ignore_errors=True)
-            pwfile = self.dir / ".pw"
-            pwfile.write_text(PASSWORD + "\n")
-            if IS_ROOT:
-                shutil.chown(pwfile, "postgres")
-            try:
-                done = subprocess.run(self._as_postgres(
-                    self._bin("initdb"), "-D", str(data), "-U", USER, f"--pwfile={pwfile}", "--auth-local=trust",
-                    "--auth-host=scram-sha-256", "-E", "UTF8", "--locale=C.UTF-8"),
-                    capture_output=True, text=True, timeout=300)
-            finally:
-                pwfile.unlink(missing_ok=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{self.name}: initdb failed:\n{done.stdout}\n{done.stderr}")
-            (self.dir / ".initialized").touch()
-        log_path.touch()
-        if IS_ROOT:
-            shutil.chown(log_path, "postgres")
-        # pg_ctl detaches the server and waits (-w) until it takes connections.
-        done = subprocess.run(self._as_postgres(
-            self._bin("pg_ctl"), "-D", str(data), "-l", str(log_path), "-w", "-t", str(int(START_TIMEOUT)), "-o",
-            f"-c listen_addresses={HOST} -p {self.port} -k {self.dir} -c max_connections=200", "start"),
-            capture_output=True, text=True, timeout=START_TIMEOUT + 10)
-        if done.returncode != 0:
-            raise RuntimeError(f"{self.name}: pg_ctl start failed:\n{done.stderr}\n{_tail(log_path)}")
-        self.pidfile.write_text((data / "postmaster.pid").read_text().split()[0])
+        server = PrivatePostgreSQL(self.dir, port=self.port)
+        server.start()
+        self.pidfile.write_text(str(server.pid))
 
     def _shutdown(self, pid: int) -> None:
-        subprocess.run(self._as_postgres(self._bin("pg_ctl"), "-D", str(self.dir / "data"), "-m", "fast", "-w",
-                                         "stop"), capture_output=True, timeout=STOP_TIMEOUT)
+        PrivatePostgreSQL(self.dir, port=self.port).stop()
 
 
 class _Java(Server):
