@@ -23,6 +23,14 @@ def check_name(value: str) -> str:
     return value
 
 
+def check_zookeeper_auth(value: str) -> str:
+    """``user:password`` for ZooKeeper's digest scheme, or ValueError naming what is wrong (never the value)."""
+    user, sep, password = value.partition(":")
+    if not sep or not user or not password:
+        raise ValueError("ZooKeeper credentials must be user:password (digest), both non-empty")
+    return value
+
+
 def check_polls(poll_interval: float, idle_poll_interval: float) -> None:
     if idle_poll_interval < poll_interval:
         raise ValueError(f"idle_poll_interval ({idle_poll_interval}) must be >= poll_interval ({poll_interval})")

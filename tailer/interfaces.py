@@ -69,7 +69,8 @@ class Coordinator(ABC):
 
     @abstractmethod
     def assignment(self) -> tuple[int, int, frozenset[int]]:
-        """(session generation, assignment epoch, shards assigned to this worker). Non-blocking.
+        """(session generation, assignment epoch, shards assigned to this worker). Non-blocking. Raises the
+        error that stopped the coordinator for good (its credentials refused): the worker stops with it.
 
         A new generation means the session was lost: every claim of an older
         generation is gone and the worker must drop those shards at once.

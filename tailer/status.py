@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
 from logstore import CorruptCellError, Store
 from logstore.extras import require
 from tailer.coordinators.local import read_offsets
@@ -28,16 +30,18 @@ def _shard_rows(store: Store, offsets: dict[int, dict[str, Any]], owners: dict[i
     return rows
 
 
-def zookeeper_status(store: Store, zookeeper: str, name: str, timeout: float = 10.0) -> dict[str, Any]:
+def zookeeper_status(store: Store, zookeeper: str, name: str, timeout: float = 10.0,
+                     auth: SecretStr | None = None) -> dict[str, Any]:
+    """The tailer's workers, assignment and offsets as read from ZooKeeper (with ``auth``, ``user:password``,
+    when its nodes have a digest ACL)."""
     require("zookeeper", "a ZooKeeper tailer's status")
-    from kazoo.client import KazooClient
-    from kazoo.exceptions import KazooException, NoNodeError
+    from kazoo.exceptions import KazooException, NoAuthError, NoNodeError
     from kazoo.handlers.threading import KazooTimeoutError
 
-    from tailer.coordinators.zookeeper import tailer_path, translate
+    from tailer.coordinators.zookeeper import refused, tailer_path, translate, zookeeper_client
 
     hosts, root = tailer_path(zookeeper, name)
-    client = KazooClient(hosts=hosts, timeout=timeout)
+    client = zookeeper_client(hosts, timeout, auth)
     try:
         client.start(timeout=timeout)
     except KazooTimeoutError:
@@ -68,6 +72,8 @@ def zookeeper_status(store: Store, zookeeper: str, name: str, timeout: float = 1
             except NoNodeError:
                 continue
             claims[int(child)] = json.loads(raw)["worker"].rsplit("/", 1)[1]
+    except NoAuthError as exc:
+        raise refused(exc, root, auth) from None
     except (KazooException, KazooTimeoutError) as exc:
         raise translate(exc, "status read") from None
     finally:

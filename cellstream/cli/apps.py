@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cellstream.cli.common import Output, add_kafka_config, kafka_override
+from cellstream.cli.common import Output, add_kafka_config, add_zookeeper_auth, kafka_override, zookeeper_auth
 from cellstream.cli.exits import Exit
 from cellstream.errors import UsageError
 
@@ -32,10 +32,12 @@ if TYPE_CHECKING:
     from indexer import App
 
 
-def load_app(spec: str, per_shard_metrics: bool = False, kafka_config: str | None = None) -> App:
+def load_app(spec: str, per_shard_metrics: bool = False, kafka_config: str | None = None,
+             zookeeper_auth_file: str | None = None) -> App:
     """The App named by ``module:attribute`` (or ``path/to/file.py:attribute``); ``per_shard_metrics``
     turns the option on whatever the app's code says (``--per-shard-metrics``), ``kafka_config`` (a
-    properties file, ``--kafka-config``) replaces a Kafka-mode app's TLS and SASL settings."""
+    properties file, ``--kafka-config``) replaces a Kafka-mode app's TLS and SASL settings and
+    ``zookeeper_auth_file`` (or CELLSTREAM_ZOOKEEPER_AUTH) the ZooKeeper credentials of a direct-mode app."""
     import indexer
 
     module_name, sep, attribute = spec.rpartition(":")
@@ -65,6 +67,11 @@ def load_app(spec: str, per_shard_metrics: bool = False, kafka_config: str | Non
     security = kafka_override(kafka_config, app.brokers, f"{spec}, a direct-mode app,")
     if security is not None:
         app.config = app.config.model_copy(update={"kafka": security})
+    auth = zookeeper_auth(zookeeper_auth_file)
+    if auth is not None and app.config.zookeeper:
+        app.config = app.config.model_copy(update={"zookeeper_auth": auth})
+    elif zookeeper_auth_file is not None:
+        raise indexer.ConfigurationError(f"--zookeeper-auth-file: {spec} does not use ZooKeeper (no zookeeper=)")
     return app
 
 
@@ -72,6 +79,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("run", parents=[common], help="run a stream-processing app (MODULE:APP) until SIGTERM")
     p.add_argument("app", metavar="MODULE:APP")
     add_kafka_config(p)
+    add_zookeeper_auth(p)
     p.add_argument("--workers", type=int, default=1, help="processes (needs --zookeeper or Kafka mode when > 1)")
     p.add_argument("--drain", action="store_true", help="process what is in the log now, print the counts, exit")
     p.add_argument("--timeout", type=float, default=600.0, help="with --drain: give up after this many seconds")
@@ -113,7 +121,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
 
     if args.workers < 1:
         raise UsageError("--workers must be at least 1")
-    app = load_app(args.app, args.per_shard_metrics, args.kafka_config)
+    app = load_app(args.app, args.per_shard_metrics, args.kafka_config, args.zookeeper_auth_file)
     if args.workers > 1 and not (app.brokers or app.config.zookeeper):
         raise indexer.ConfigurationError(
             "--workers > 1 needs shared coordination: give the app zookeeper=... (direct mode) or brokers=...")
@@ -128,16 +136,18 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     return _run_workers(args)
 
 
-def _worker(spec: str, metrics_port: int | None, per_shard_metrics: bool, kafka_config: str | None) -> None:
+def _worker(spec: str, metrics_port: int | None, per_shard_metrics: bool, kafka_config: str | None,
+            zookeeper_auth_file: str | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards SIGTERM; Ctrl-C goes to the parent
-    load_app(spec, per_shard_metrics, kafka_config).run(metrics_port=metrics_port)
+    load_app(spec, per_shard_metrics, kafka_config, zookeeper_auth_file).run(metrics_port=metrics_port)
 
 
 def _run_workers(args: argparse.Namespace) -> int:
     """N processes of the same app: they share the shards (ZooKeeper) or partitions (consumer group)."""
     context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=_worker, args=(args.app, args.metrics_port + n if args.metrics_port else None,
-                                                     args.per_shard_metrics, args.kafka_config),
+                                                     args.per_shard_metrics, args.kafka_config,
+                                                     args.zookeeper_auth_file),
                                name=f"worker-{n}") for n in range(args.workers)]
     for worker in workers:
         worker.start()

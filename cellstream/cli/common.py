@@ -12,11 +12,14 @@ import datetime as dt
 import json
 import math
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from cellstream.errors import UsageError
 
 if TYPE_CHECKING:
+    from pydantic import SecretStr
+
     from logstore import Cell
     from tailer.security import KafkaSecurity
 
@@ -44,6 +47,35 @@ def add_kafka_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kafka-config", metavar="FILE", default=None,
                         help="Kafka client properties (security.protocol, sasl.*, ssl.*), one key=value per line "
                              "(env CELLSTREAM_KAFKA_CONFIG)")
+
+
+def add_zookeeper_auth(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--zookeeper-auth-file", metavar="FILE", default=None,
+                        help="file holding user:password for ZooKeeper's digest authentication; the nodes "
+                             "cellstream creates get an ACL for that user alone (env CELLSTREAM_ZOOKEEPER_AUTH)")
+
+
+def zookeeper_auth(path: str | None) -> SecretStr | None:
+    """The ZooKeeper credentials of ``--zookeeper-auth-file``, else of CELLSTREAM_ZOOKEEPER_AUTH, else None."""
+    from pydantic import SecretStr
+
+    from logstore.errors import ConfigurationError
+    from tailer.config import check_zookeeper_auth
+
+    where = f"--zookeeper-auth-file {path}" if path else "CELLSTREAM_ZOOKEEPER_AUTH"
+    if path:
+        try:
+            value = Path(path).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigurationError(f"{where}: cannot be read ({type(exc).__name__})") from None
+    else:
+        value = os.environ.get("CELLSTREAM_ZOOKEEPER_AUTH", "")
+        if not value:
+            return None
+    try:
+        return SecretStr(check_zookeeper_auth(value))
+    except ValueError as exc:
+        raise ConfigurationError(f"{where}: {exc}") from None
 
 
 def kafka_override(path: str | None, brokers: str | None, what: str) -> KafkaSecurity | None:

@@ -19,7 +19,7 @@ import os
 import signal
 from typing import TYPE_CHECKING, Any
 
-from cellstream.cli.common import Output, add_kafka_config, columns_arg
+from cellstream.cli.common import Output, add_kafka_config, add_zookeeper_auth, columns_arg, zookeeper_auth
 from cellstream.cli.exits import Exit
 from cellstream.errors import UsageError
 from logstore.extras import require
@@ -41,6 +41,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--brokers", default=os.environ.get("CELLSTREAM_BROKERS"), help="Kafka bootstrap servers")
     add_kafka_config(p)
     p.add_argument("--zookeeper", default=os.environ.get("CELLSTREAM_ZOOKEEPER"), help="host:port[/chroot]")
+    add_zookeeper_auth(p)
     p.add_argument("--out", metavar="DIR", help="standalone: write topics as files under DIR instead of Kafka")
     p.add_argument("--offsets", metavar="FILE", help="standalone: keep offsets in FILE instead of ZooKeeper")
     p.add_argument("--columns", type=columns_arg, default=None,
@@ -102,7 +103,8 @@ def _parts(store: Store, args: argparse.Namespace, config: TailerConfig) -> tupl
         from tailer.coordinators.zookeeper import ZooKeeperCoordinator
         coordinator = ZooKeeperCoordinator(args.zookeeper, config.name, store.shard_count,
                                            session_timeout=config.session_timeout,
-                                           lease_fraction=config.lease_fraction)
+                                           lease_fraction=config.lease_fraction,
+                                           auth=zookeeper_auth(args.zookeeper_auth_file))
     else:
         from tailer.coordinators.local import LocalCoordinator
         coordinator = LocalCoordinator(args.offsets, store.shard_count)
@@ -161,7 +163,7 @@ def _status(store: Store, args: argparse.Namespace, out: Output) -> int:
     if args.offsets:
         report = status.standalone_status(store, args.offsets, name)
     elif args.zookeeper:
-        report = status.zookeeper_status(store, args.zookeeper, name)
+        report = status.zookeeper_status(store, args.zookeeper, name, auth=zookeeper_auth(args.zookeeper_auth_file))
     else:
         raise UsageError("tail status needs --zookeeper HOST:PORT or --offsets FILE")
     shards = report["shards"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from os import PathLike
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from indexer.runtime.policy import DEFAULT_BACKOFF
 from logstore.retry import RetryPolicy
-from tailer.config import StartFrom, check_name, check_polls
+from tailer.config import StartFrom, check_name, check_polls, check_zookeeper_auth
 from tailer.security import PLAINTEXT, KafkaSecurity, load_kafka_config
 
 
@@ -40,6 +40,9 @@ class AppConfig(BaseModel):
         5.0, gt=0, description="seconds between measures of each kept index version's lag (two reads per shard)")
     stop_timeout: float = Field(30.0, gt=0, description="seconds a stop waits for handlers already running")
     zookeeper: str | None = Field(None, description="host:port[/chroot]: share shards between processes (direct mode)")
+    zookeeper_auth: SecretStr | None = Field(
+        None, description="user:password: authenticate to ZooKeeper (digest) and give the nodes the app creates an "
+                          "ACL for that user alone")
     per_shard_metrics: bool = Field(
         False, description="direct mode: export the source's lag per shard too, not only totals and the most "
                            "lagging shards",
@@ -67,6 +70,13 @@ class AppConfig(BaseModel):
     @classmethod
     def _name(cls, value: str) -> str:
         return check_name(value)
+
+    @field_validator("zookeeper_auth")
+    @classmethod
+    def _auth(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            check_zookeeper_auth(value.get_secret_value())
+        return value
 
     @model_validator(mode="after")
     def _polls(self) -> AppConfig:

@@ -213,7 +213,7 @@ class DirectRunner:
             from tailer.coordinators.zookeeper import ZooKeeperCoordinator
 
             self.coordinator = ZooKeeperCoordinator(config.zookeeper, consumer, store.shard_count,
-                                                    session_timeout=config.session_timeout)
+                                                    session_timeout=config.session_timeout, auth=config.zookeeper_auth)
         else:
             self.coordinator = StoreCoordinator(store, consumer)
         self.sink = HandlerSink(processor, config.page_size, config.max_active_shards)

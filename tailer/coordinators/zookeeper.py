@@ -41,13 +41,18 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import (
     BadVersionError,
     KazooException,
+    NoAuthError,
     NodeExistsError,
     NoNodeError,
     ZookeeperError,
 )
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
+from kazoo.security import make_digest_acl
+from pydantic import SecretStr
 
+from logstore.errors import AuthenticationError
+from tailer.config import check_zookeeper_auth
 from tailer.coordinators.assignment import balance, by_worker
 from tailer.errors import CoordinationError, FencedError
 from tailer.interfaces import Claim, Coordinator, Offset
@@ -76,6 +81,22 @@ def _seq(member: str) -> int:
     return int(member.rsplit("-", 1)[1])
 
 
+def zookeeper_client(hosts: str, timeout: float, auth: SecretStr | None = None, **options: Any) -> KazooClient:
+    """A kazoo client. With ``auth`` (``user:password``) it authenticates with ZooKeeper's digest scheme, and
+    every node it creates gets an ACL that gives that user, and nobody else, every permission."""
+    if auth is None:
+        return KazooClient(hosts=hosts, timeout=timeout, **options)
+    user, _, password = check_zookeeper_auth(auth.get_secret_value()).partition(":")
+    return KazooClient(hosts=hosts, timeout=timeout, auth_data=[("digest", f"{user}:{password}")],
+                       default_acl=[make_digest_acl(user, password, all=True)], **options)
+
+
+def refused(exc: NoAuthError, path: str, auth: SecretStr | None) -> AuthenticationError:
+    who = f"user {auth.get_secret_value().partition(':')[0]!r}" if auth is not None else "an unauthenticated client"
+    return AuthenticationError(f"ZooKeeper refused {who} access to {path} ({type(exc).__name__}): its nodes' ACL "
+                               "names other credentials (give the right user:password, see docs/security.md)")
+
+
 def translate(exc: BaseException, what: str) -> CoordinationError:
     return CoordinationError(f"ZooKeeper {what} failed: {type(exc).__name__} {exc}".rstrip())
 
@@ -92,15 +113,18 @@ class ZooKeeperCoordinator(Coordinator):
         session_timeout: float = 10.0,
         lease_fraction: float = 0.8,
         clock: Callable[[], float] = time.monotonic,
+        auth: SecretStr | None = None,
     ) -> None:
         hosts, self.root = tailer_path(zookeeper, name)
+        self._auth = auth
+        self._fatal: AuthenticationError | None = None
         self.worker_id = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}".replace("-", "_")
         self._shard_count = shard_count
         self._session_timeout = session_timeout
         self._lease = session_timeout * lease_fraction
         self._clock = clock
-        self._client = KazooClient(
-            hosts=hosts, timeout=session_timeout,
+        self._client = zookeeper_client(
+            hosts, session_timeout, auth,
             connection_retry=KazooRetry(max_tries=-1, delay=0.1, backoff=2, max_delay=1.0),
         )
         self._lock = threading.Lock()
@@ -165,6 +189,8 @@ class ZooKeeperCoordinator(Coordinator):
 
     def assignment(self) -> tuple[int, int, frozenset[int]]:
         with self._lock:
+            if self._fatal is not None:
+                raise self._fatal
             return self._generation, self._epoch, self._mine
 
     def lease_valid(self) -> bool:
@@ -193,6 +219,12 @@ class ZooKeeperCoordinator(Coordinator):
                 break
             try:
                 self._tick()
+            except NoAuthError as exc:  # the same every round: stop, and let assignment() raise it
+                with self._lock:
+                    self._fatal = refused(exc, self.root, self._auth)
+                logger.error("%s", self._fatal)
+                self._on_change()
+                break
             except (KazooException, KazooTimeoutError) as exc:
                 logger.debug("ZooKeeper round failed (%s); retrying", type(exc).__name__)
             except Exception:  # keep coordinating whatever happens; the next tick retries
