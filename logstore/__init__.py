@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from logstore.errors import (
+    AuthenticationError,
     CellConflictError,
     CellstreamError,
     ConfigurationError,
@@ -24,6 +25,7 @@ from logstore.errors import (
     ShardMovedError,
     StorageError,
     StorageUnavailableError,
+    StoreNotFoundError,
 )
 from logstore.extras import require
 from logstore.lazy import lazy_exports
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_SHARDS",
+    "AuthenticationError",
     "Cell",
     "CellConflictError",
     "CellstreamError",
@@ -52,6 +55,7 @@ __all__ = [
     "StorageError",
     "StorageUnavailableError",
     "Store",
+    "StoreNotFoundError",
     "StoreOptions",
     "open",
 ]
@@ -90,8 +94,9 @@ def _recorder(name: str, target: NodeTarget, options: StoreOptions, token: str |
 
 
 def open(target: str | os.PathLike[str], shards: int | None = None, *,  # noqa: A001
-         token: str | None = None, **options: Any) -> Store:
-    """Open a logstore instance, creating it when missing.
+         token: str | None = None, create: bool = True, **options: Any) -> Store:
+    """Open a logstore instance, creating it when missing (with ``create=False``, StoreNotFoundError instead,
+    and nothing is created: for commands that only read).
 
     ``target`` is ``sqlite:///dir``, ``mysql://user:pw@host:port/db``, the path of a
     cluster file, or ``http://host:port``, a worker node (``cellstream serve``): the
@@ -145,6 +150,11 @@ def open(target: str | os.PathLike[str], shards: int | None = None, *,  # noqa: 
             for node in cluster.nodes:
                 recorders[node.name] = _recorder(node.name, node.target, opts, replicas=node.replica_targets)
         for node in cluster.nodes:
+            if not create and recorders[node.name].read_meta() is None:
+                where = node.target.redacted()
+                if "://" not in text:
+                    where = f"storage node {node.name} ({where}) of cluster file {text}"
+                raise StoreNotFoundError(f"no store at {where} (create one with `cellstream init`)")
             try:
                 recorders[node.name].initialize(node_meta(cluster, node))
             except StorageUnavailableError as exc:

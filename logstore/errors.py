@@ -72,6 +72,11 @@ class ConfigurationError(LogstoreError):
     """
 
 
+class StoreNotFoundError(ConfigurationError):
+    """A store was opened for reading (``create=False``) where there is none: no SQLite file, no MySQL database,
+    or one without cellstream's tables. Nothing was created."""
+
+
 class AuthenticationError(ConfigurationError):
     """A server refused the credentials cellstream gave it (MySQL/MariaDB, PostgreSQL, Kafka SASL,
     ZooKeeper digest). The message names the server and the user, never the secret."""

@@ -15,6 +15,7 @@ failure, 7 a handler stalled (too many open dead letters), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import importlib
 import importlib.util
 import json
@@ -30,6 +31,7 @@ from cellstream.errors import UsageError
 
 if TYPE_CHECKING:
     from indexer import App
+    from indexer.runtime.deadletters import DeadLetter
 
 
 def load_app(spec: str, per_shard_metrics: bool = False, kafka_config: str | None = None,
@@ -89,21 +91,27 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(run=cmd_run, with_store=False)
 
     p = sub.add_parser("dlq", help="triage an app's (or a connector's) dead letters")
-    p.add_argument("--app", required=True, metavar="MODULE:APP|CONNECTOR.yaml")
+    app_help = "the app (MODULE:APP) or connector (its YAML file, with --store)"
+    p.add_argument("--app", default=None, metavar="MODULE:APP|CONNECTOR.yaml", help=app_help)
     actions = p.add_subparsers(dest="action", required=True, parser_class=type(p))
-    a = actions.add_parser("list", parents=[common], help="entries, oldest first")
-    _filters(a)
-    a = actions.add_parser("stats", parents=[common], help="entries grouped by handler and error fingerprint")
-    _filters(a)
-    a = actions.add_parser("show", parents=[common], help="one entry: body, traceback, history")
-    a.add_argument("id")
-    a = actions.add_parser("replay", parents=[common], help="run the handler again on an entry, or on --match")
+
+    def action(name: str, text: str) -> argparse.ArgumentParser:
+        a: argparse.ArgumentParser = actions.add_parser(name, parents=[common], help=text)
+        # --app before or after the action; SUPPRESS keeps the one given before when it is not repeated.
+        a.add_argument("--app", default=argparse.SUPPRESS, metavar="MODULE:APP|CONNECTOR.yaml", help=app_help)
+        return a
+    _filters(action("list", "entries, oldest first"))
+    _filters(action("stats", "entries grouped by handler and error fingerprint"))
+    action("show", "one entry: body, traceback, history").add_argument("id")
+    a = action("replay", "run the handler again on an entry, or on --match")
     a.add_argument("id", nargs="?")
     a.add_argument("--match", metavar="FILTER", help="e.g. 'handler=bill_rider,error=Declined' (open entries)")
     a.add_argument("--dry-run", action="store_true", help="list what would be replayed")
-    a = actions.add_parser("discard", parents=[common], help="close an open entry without processing it")
-    a.add_argument("id")
+    a = action("discard", "close open entries without processing them: an ID, or every open entry --match matches")
+    a.add_argument("id", nargs="?")
+    a.add_argument("--match", metavar="FILTER", help="e.g. 'handler=bill_rider,error=Declined' (open entries)")
     a.add_argument("--reason", required=True)
+    a.add_argument("--dry-run", action="store_true", help="list what would be discarded")
     p.set_defaults(run=cmd_dlq, with_store=False)
 
 
@@ -122,6 +130,8 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     if args.workers < 1:
         raise UsageError("--workers must be at least 1")
     app = load_app(args.app, args.per_shard_metrics, args.kafka_config, args.zookeeper_auth_file)
+    check_store(app, args.store, args.app)
+    app.open_existing_store()
     if args.workers > 1 and not (app.brokers or app.config.zookeeper):
         raise indexer.ConfigurationError(
             "--workers > 1 needs shared coordination: give the app zookeeper=... (direct mode) or brokers=...")
@@ -164,17 +174,84 @@ def _run_workers(args: argparse.Namespace) -> int:
     return Exit.FAILED if failed else Exit.OK
 
 
-def dlq_app(args: argparse.Namespace) -> App:
-    """The app whose dead letters to triage: ``MODULE:APP``, or a connector's YAML file (with --store)."""
-    if not args.app.endswith((".yaml", ".yml")):
-        return load_app(args.app)
+def same_store(a: str, b: str) -> bool:
+    """Whether two store targets name the same store (a URL's password and a path's spelling aside)."""
+    from logstore.config import parse_node_url
+
+    def key(target: str) -> object:
+        if "://" not in target:
+            return Path(target).resolve()
+        parsed = parse_node_url(target)
+        directory = getattr(parsed, "directory", None)
+        return directory.resolve() if isinstance(directory, Path) else parsed.redacted()
+    return bool(key(a) == key(b))
+
+
+def check_store(app: App, store: str | None, spec: str) -> None:
+    """``--store`` (or CELLSTREAM_STORE) given with an app must name the app's own store: an operator must
+    never triage or run one store believing it is another."""
+    if store is None:
+        return
     import indexer
+
+    target = app.store_target
+    if not isinstance(target, str) or not same_store(target, store):
+        from logstore.config import parse_node_url
+
+        shown = parse_node_url(store).redacted() if "://" in store else store
+        mine = parse_node_url(target).redacted() if isinstance(target, str) and "://" in target else str(target)
+        raise indexer.ConfigurationError(f"--store {shown} is not the store of {spec}, which uses {mine}: drop "
+                                         "--store (and unset CELLSTREAM_STORE), or point the app at that store")
+
+
+def dlq_app(args: argparse.Namespace) -> App:
+    """The app whose dead letters to triage: ``MODULE:APP``, or a connector's YAML file (with --store), with
+    its store opened; a store that does not exist is StoreNotFoundError, never created."""
+    import indexer
+
+    if not args.app:
+        raise UsageError("dlq needs --app MODULE:APP (or a connector's YAML file with --store)")
+    if not args.app.endswith((".yaml", ".yml")):
+        app = load_app(args.app)
+        check_store(app, args.store, args.app)
+        app.open_existing_store()
+        return app
+    import logstore
     from connectors.config import load_connector
     from connectors.runtime import connector_app
 
     if not args.store:
         raise indexer.ConfigurationError(f"--app {args.app} is a connector: give its store with --store URL")
-    return connector_app(load_connector(Path(args.app)), args.store)[0]
+    return connector_app(load_connector(Path(args.app)), logstore.open(args.store, create=False))[0]
+
+
+def human_entry(entry: DeadLetter) -> str:
+    """A dead letter as a person reads it: the facts first, then the body, the traceback and the history as
+    text (with --json the same entry is one JSON document)."""
+    c = entry.cell
+
+    def when(t: dt.datetime) -> str:
+        return t.isoformat(timespec="seconds").replace("+00:00", "Z")
+    lines = [
+        f"dead letter {entry.id} ({entry.status})",
+        f"  app/handler  {entry.app} / {entry.handler}",
+        f"  cell         {c.get('row_key')} {c.get('column')}@{c.get('ref_key')} (shard {c.get('shard')}, "
+        f"added_id {c.get('added_id')})",
+        f"  source       {', '.join(f'{k} {v}' for k, v in entry.source.items())}",
+        f"  error        {entry.error_type}: {entry.message}",
+        f"  attempts     {entry.attempts}, first failed {when(entry.first_failure)}, last {when(entry.last_failure)}",
+        f"  fingerprint  {entry.fingerprint}",
+        "body:",
+    ]
+    body = json.dumps(entry.body, indent=2, ensure_ascii=False) if entry.body is not None else "(not decodable)"
+    lines += [f"  {line}" for line in body.splitlines()]
+    lines.append("traceback:")
+    lines += [f"  {line}" for line in entry.traceback.rstrip().splitlines()]
+    lines.append("history:")
+    for event in entry.history:
+        detail = "; ".join(x for x in (event.note, event.error) if x)
+        lines.append(f"  {when(event.at)} {event.status}" + (f": {detail}" if detail else ""))
+    return "\n".join(lines)
 
 
 def cmd_dlq(args: argparse.Namespace, out: Output) -> int:
@@ -202,12 +279,26 @@ def cmd_dlq(args: argparse.Namespace, out: Output) -> int:
         return Exit.OK
     if args.action == "show":
         entry = dlq.show(args.id)
-        data = entry.model_dump(mode="json")
-        out.emit(data, json.dumps(data, indent=2, ensure_ascii=False))
+        out.emit(entry.model_dump(mode="json"), human_entry(entry))
         return Exit.OK
     if args.action == "discard":
-        entry = dlq.discard(args.id, args.reason)
-        out.emit(entry.summary(), f"{entry.id} discarded ({args.reason})")
+        if (args.id is None) == (args.match is None):
+            raise indexer.InvalidFilterError("discard takes an entry ID or --match FILTER (one of them)")
+        if args.id is not None:
+            if args.dry_run:
+                entry = dlq.show(args.id)
+                out.emit(entry.summary(), f"{entry.id} would be discarded ({entry.status} now)")
+                return Exit.OK
+            entry = dlq.discard(args.id, args.reason)
+            out.emit(entry.summary(), f"{entry.id} discarded ({args.reason})")
+            return Exit.OK
+        entries = dlq.discard_matching(DLQFilter.parse(args.match), args.reason, dry_run=args.dry_run)
+        verb = "would be discarded" if args.dry_run else f"discarded ({args.reason})"
+        for entry in entries:
+            s = entry.summary()
+            out.emit(s, f"{s['id']} {verb}: {s['handler']} {s['error_type']}: {s['message'][:80]}")
+        if not entries and not out.as_json:
+            out.emit(None, "no open dead letters match")
         return Exit.OK
     if (args.id is None) == (args.match is None):
         raise indexer.InvalidFilterError("replay takes an entry ID or --match FILTER (one of them)")

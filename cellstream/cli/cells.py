@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("init", parents=[common], help="create the instance (or check an existing one)")
     p.add_argument("--shards", type=int, default=None, help="shard count, fixed at creation (default 4096)")
-    p.set_defaults(run=cmd_init)
+    p.set_defaults(run=cmd_init, creates_store=True)
 
     p = sub.add_parser("put", parents=[common], help="write a cell (or --batch a JSON-lines file)")
     p.add_argument("row_key", nargs="?")
@@ -28,7 +28,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("ref_key", nargs="?")
     p.add_argument("body", nargs="?", help="JSON object; - reads it from stdin")
     p.add_argument("--batch", metavar="FILE", help="JSON lines of {row_key, column, ref_key, body}; - for stdin")
-    p.set_defaults(run=cmd_put)
+    p.set_defaults(run=cmd_put, creates_store=True)
 
     p = sub.add_parser("get", parents=[common], help="read a cell: the latest, or --ref REF")
     p.add_argument("row_key")

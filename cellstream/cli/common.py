@@ -28,17 +28,27 @@ class Parser(argparse.ArgumentParser):
     """An argparse parser whose errors are a :class:`UsageError` (one line, exit 2), not a usage dump."""
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message}")
+        # "cellstream: error: " prefixes every error once; the command's name (prog minus "cellstream") says where.
+        where = self.prog.removeprefix("cellstream").strip()
+        raise UsageError(f"{where}: {message}" if where else message)
 
 
-def common_options() -> Parser:
-    """The options every command takes: --store, --json, --verbose."""
-    common = Parser(add_help=False)
-    common.add_argument("--store", default=os.environ.get("CELLSTREAM_STORE"),
+def common_options(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The options every command takes: --store, --json, --verbose.
+
+    Given before the command they go on the top-level ``parser`` (with their defaults); after it, on every
+    command's parser, whose copies default to SUPPRESS so that not repeating one there keeps what was given
+    before. ``cellstream --json get ...`` and ``cellstream get ... --json`` mean the same.
+    """
+    common = parser or Parser(add_help=False)
+    top = parser is not None
+    common.add_argument("--store", default=os.environ.get("CELLSTREAM_STORE") if top else argparse.SUPPRESS,
                         help="sqlite:///dir, mysql://user:pw@host:port/db, a cluster file or a worker node's "
                         "http://host:port (env CELLSTREAM_STORE; a worker node's token: env CELLSTREAM_TOKEN)")
-    common.add_argument("--json", action="store_true", help="print JSON (JSON lines for streams)")
-    common.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
+    common.add_argument("--json", action="store_true", default=False if top else argparse.SUPPRESS,
+                        help="print JSON (JSON lines for streams)")
+    common.add_argument("-v", "--verbose", action="store_true", default=False if top else argparse.SUPPRESS,
+                        help="log to stderr")
     return common
 
 

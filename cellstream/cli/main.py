@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = common_options()
     parser = Parser(prog="cellstream", description="cellstream: log streaming over a sharded cell store")
     parser.add_argument("--version", action="version", version=f"cellstream {__version__}")
+    common_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in COMMANDS:
         command.register(sub, common)
@@ -49,7 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError("no store given: pass --store URL or set CELLSTREAM_STORE")
         import logstore
 
-        with logstore.open(args.store, shards=getattr(args, "shards", None)) as store:
+        # Only commands that write create a store; a read of a missing one is StoreNotFoundError (exit 4).
+        with logstore.open(args.store, shards=getattr(args, "shards", None),
+                           create=getattr(args, "creates_store", False)) as store:
             return int(args.run(store, args, out))
     except (CellstreamError, OSError, UnicodeDecodeError) as exc:
         return fail(exc)

@@ -39,7 +39,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="file holding the Bearer token every request must carry (default: env CELLSTREAM_TOKEN)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     p.add_argument("--threads", type=int, default=8, help="blocking store calls at once")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, creates_store=True)  # a worker node takes writes
 
 
 def _bind(text: str) -> tuple[str, int]:

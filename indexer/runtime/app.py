@@ -147,6 +147,18 @@ class App:
         return self._store
 
     @property
+    def store_target(self) -> str | Store:
+        """The store the app was given: a URL or path (opened on first use), or an open Store."""
+        return self._target
+
+    def open_existing_store(self) -> Store:
+        """Open the app's store now, refusing (StoreNotFoundError) to create it when there is none: for
+        commands that triage or resume an app, where a missing store means a wrong path, not a new app."""
+        if self._store is None:
+            self._store = logstore.open(str(self._target), create=False)
+        return self._store
+
+    @property
     def processor(self) -> Processor:
         if self._processor is None:
             if not self.triggers:

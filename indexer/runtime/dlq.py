@@ -131,6 +131,22 @@ class DeadLetterQueue:
         self._processor().entry_closed(entry.handler)
         return changed
 
+    def discard_matching(self, match: DLQFilter, reason: str, *, dry_run: bool = False) -> _List[DeadLetter]:
+        """Discard every open entry ``match`` matches (with ``dry_run``, only list them); the entries as they
+        are after (or would be). An entry another process changed meanwhile is left as it is, not discarded."""
+        if not reason or not reason.strip():
+            raise InvalidFilterError("discard needs a reason")
+        entries = [e for e in self.list(match) if e.status in OPEN_STATES]
+        if dry_run:
+            return entries
+        done = []
+        for entry in entries:
+            try:
+                done.append(self.discard(entry.id, reason))
+            except EntryStateError as exc:
+                logger.warning("dead letter %s not discarded: %s", entry.id, exc)
+        return done
+
     # -- replay -----------------------------------------------------------------
     def replay(self, entry_id: str | None = None, *, match: DLQFilter | None = None,
                dry_run: bool = False) -> _List[ReplayResult]:

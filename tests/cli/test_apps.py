@@ -85,6 +85,7 @@ def test_bad_input_is_one_line_and_a_documented_exit_code(sqlite_url: str, tmp_p
     module = tmp_path / "cliapp2.py"
     module.write_text(APP.format(url=sqlite_url, fixed=False))
     spec = f"{module}:app"
+    logstore.open(sqlite_url, shards=8).close()
     code, _, err = run(capsys, "dlq", "--app", spec, "show", str(uuid.uuid4()))
     assert code == 1 and err.count("\n") == 1 and "no dead letter" in err
     code, _, err = run(capsys, "dlq", "--app", spec, "replay", "--match", "color=red")

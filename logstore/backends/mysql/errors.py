@@ -13,6 +13,7 @@ from logstore.errors import (
     ShardMovedError,
     StorageError,
     StorageUnavailableError,
+    StoreNotFoundError,
 )
 
 # Connection lost, server gone or shutting down, network read/write errors, lock wait
@@ -22,6 +23,7 @@ UNAVAILABLE = {1040, 1053, 1158, 1159, 1160, 1161, 1205, 1213, 1317, 1927, 2002,
                2014, 2055, 4031}
 BAD_CONFIG = {1044, 1045, 1049, 1142, 1227}
 ACCESS_DENIED = 1045  # a wrong user or password, or a user that must connect with TLS
+UNKNOWN_DATABASE = 1049
 SSL_REQUIRED_UNSUPPORTED = 2026  # pymysql: TLS required but the server offers none
 NO_TABLE = 1146
 DUPLICATE = 1062
@@ -41,6 +43,8 @@ def translate(exc: pymysql.Error, node: str) -> LogstoreError:
         return ConfigurationError(f"{text} (TLS: check the URL's ssl_mode, ssl_ca, ssl_cert and ssl_key)")
     if number in UNAVAILABLE or isinstance(exc, pymysql.err.InterfaceError):
         return StorageUnavailableError(text)
+    if number == UNKNOWN_DATABASE:
+        return StoreNotFoundError(f"no store at storage node {node}: {message}")
     if number == ACCESS_DENIED:
         return AuthenticationError(text)
     if number in BAD_CONFIG:

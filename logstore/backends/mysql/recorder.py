@@ -41,11 +41,19 @@ from pymysql.constants import CLIENT, FIELD_TYPE
 from pymysql.converters import conversions
 
 from logstore.backends.mysql import pending as mysql_pending
-from logstore.backends.mysql.errors import DUPLICATE, NO_TABLE, NULL_COLUMN, code, retry_here, translate
+from logstore.backends.mysql.errors import (
+    DUPLICATE,
+    NO_TABLE,
+    NULL_COLUMN,
+    UNKNOWN_DATABASE,
+    code,
+    retry_here,
+    translate,
+)
 from logstore.backends.mysql.pool import Connection, Pool, ReadFallback, Statement, run_script
 from logstore.cell import Cell
 from logstore.config import MySQLTarget, StoreOptions
-from logstore.errors import ConfigurationError, CorruptCellError, ShardMovedError, StorageError
+from logstore.errors import ConfigurationError, CorruptCellError, ShardMovedError, StorageError, StoreNotFoundError
 from logstore.persistence import (
     FORMAT_VERSION,
     Coordinates,
@@ -212,6 +220,7 @@ class MySQLRecorder(NodeRecorder):
         self._quick_retry = options.retry.model_copy(update={"deadline": options.buffer_after or 2.0})
         self._deferred: NodeMeta | None = None
         self._deferred_lock = threading.Lock()
+        self._creating = False  # set by initialize(): only then may a connection create the database
         self._initializing: int | None = None  # the thread running the deferred initialization
         from logstore.backends.mysql.index_tables import (
             MySQLIndexRecorder,  # it uses this module's connections and scripts
@@ -233,9 +242,9 @@ class MySQLRecorder(NodeRecorder):
         try:
             conn = self._raw_connect(self._target.database)
         except pymysql.err.OperationalError as exc:
-            if code(exc) != 1049:
+            if code(exc) != UNKNOWN_DATABASE or not self._creating:
                 raise
-            # Unknown database: "creates if missing" covers the database too.
+            # Unknown database: initialize() creates the node, and the database with it.
             admin = self._raw_connect(None)
             try:
                 with admin.cursor() as cur:
@@ -283,7 +292,10 @@ class MySQLRecorder(NodeRecorder):
                 return fn(cur)
         except pymysql.Error as exc:
             error = translate(exc, where)
-            logger.log(logging.WARNING if error.retriable else logging.ERROR, "%s on %s failed: %s", what, where, error)
+            # A retriable error is retried (said here, once per attempt); any other is raised to the caller,
+            # who reports it: logging it too printed it twice on the command line.
+            logger.log(logging.WARNING if error.retriable else logging.DEBUG, "%s on %s failed: %s", what, where,
+                       error)
             raise error from exc
         except UnicodeError:
             # pymysql encodes host names (IDNA) and passwords (latin-1) itself.
@@ -297,7 +309,10 @@ class MySQLRecorder(NodeRecorder):
 
     # -- metadata -------------------------------------------------------------------
     def read_meta(self) -> NodeMeta | None:
-        rows = self._call("read metadata", _read_meta, read=True)
+        try:
+            rows = self._call("read metadata", _read_meta, read=True)
+        except StoreNotFoundError:
+            return None
         if not rows:
             return None
         _check_layout(self.name, rows)
@@ -324,6 +339,7 @@ class MySQLRecorder(NodeRecorder):
             logger.info("storage node %s answers again: initialized", self.name)
 
     def initialize(self, meta: NodeMeta) -> None:
+        self._creating = True
         def run(cur: pymysql.cursors.Cursor) -> None:
             # A node of another layout is refused before anything is created in it.
             _check_layout(self.name, _read_meta(cur) or {})

@@ -229,13 +229,12 @@ class SQLiteRecorder(NodeRecorder):
         self._write = self._db.write
         self._errors = _errors
         self.indexes = SQLiteIndexRecorder(name, self._index_db.write, self._index_db.read, options.retry)
-        try:
-            target.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigurationError(f"cannot create store directory {target.directory}: {exc.strerror}") from None
+        self._directory = target.directory
 
     # -- metadata ---------------------------------------------------------
     def read_meta(self) -> NodeMeta | None:
+        if not self._db.path.exists():  # connecting would create the file: a read must not
+            return None
         with self._errors("read metadata"):
             try:
                 rows = dict(self._conn().execute("SELECT name, value FROM cellstream_meta").fetchall())
@@ -250,6 +249,10 @@ class SQLiteRecorder(NodeRecorder):
         return NodeMeta(int(rows["shard_count"]), int(rows["first"]), int(rows["last"]))
 
     def initialize(self, meta: NodeMeta) -> None:
+        try:
+            self._directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigurationError(f"cannot create store directory {self._directory}: {exc.strerror}") from None
         with self._write() as conn:
             for statement in _SCHEMA:
                 conn.execute(statement)
