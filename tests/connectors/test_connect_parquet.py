@@ -187,6 +187,7 @@ def test_a_poison_cell_goes_to_the_dead_letter_queue(sqlite_url: str, tmp_path: 
 
 
 def test_a_bad_file_is_one_clear_line(sqlite_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logstore.open(sqlite_url, shards=SHARDS).close()  # the store exists: the file is what is wrong
     path = tmp_path / "sink.yaml"
     path.write_text("name: lake\ncolumns: [BASE]\nsink:\n  type: parquet\n  root: lake\n  max_rows: 0\n")
     assert main(["connect", "run", str(path), "--drain", "--store", sqlite_url]) == 4  # a configuration file

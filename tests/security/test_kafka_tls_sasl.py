@@ -149,6 +149,7 @@ def test_a_wrong_password_is_an_authentication_error_naming_the_user_and_never_t
         capsys: pytest.CaptureFixture[str]) -> None:
     wrong = "not-the-password-42"
     config = sasl(tmp_path, pki, "SCRAM-SHA-512", password=wrong)
+    logstore.open(sqlite_url, shards=SHARDS).close()
     code = main(["tail", "--store", sqlite_url, "--brokers", kafka.sasl_ssl_bootstrap, "--kafka-config", str(config),
                  "--offsets", str(tmp_path / "o.json"), "--name", "t"])
     err = capsys.readouterr().err

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import trustme
 
+import logstore
 from cellstream.cli.main import main
 from connectors.config import load_connector
 from indexer import App
@@ -109,6 +110,7 @@ def test_a_connector_takes_the_keys_or_a_file_relative_to_it_and_only_with_broke
 def test_the_cli_refuses_kafka_config_where_nothing_reads_kafka(
         tmp_path: Path, sqlite_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path / "k.properties", "security.protocol=SSL\n")
+    logstore.open(sqlite_url, shards=8).close()
     code = main(["tail", "--store", sqlite_url, "--out", str(tmp_path / "out"), "--offsets",
                  str(tmp_path / "o.json"), "--name", "t", "--kafka-config", str(path)])
     assert code == 2 and "--kafka-config is for --brokers" in capsys.readouterr().err

@@ -120,6 +120,7 @@ def test_a_worker_with_the_wrong_password_stops_with_an_authentication_error(
         authed.ensure_path(f"{root}/workers")  # the tailer's nodes, made by its rightful user
     wrong = tmp_path / "zk-auth"
     wrong.write_text(f"{USER}:not-the-password\n")
+    logstore.open(sqlite_url, shards=SHARDS).close()
     done = subprocess.run(cli("tail", "--store", sqlite_url, "--zookeeper", secured, "--out", str(tmp_path / "t"),
                               "--name", "secure", auth=wrong), capture_output=True, text=True, env=env(), timeout=90)
     assert done.returncode == 4, done.stderr

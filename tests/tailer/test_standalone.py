@@ -257,6 +257,7 @@ def test_cli_tail_stops_gracefully_on_sigterm_and_status_reports_it(
 
 
 def test_cli_tail_refuses_bad_options_with_one_line(sqlite_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    logstore.open(sqlite_url, shards=SHARDS).close()  # the store exists: the options are what is wrong
     assert main(["tail", "--store", sqlite_url, "--name", "x", "--out", "d"]) == 2
     assert "--zookeeper" in capsys.readouterr().err
     assert main(["tail", "--store", sqlite_url, "--name", "bad name!", "--out", "d", "--offsets", "f"]) == 2
