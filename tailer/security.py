@@ -133,7 +133,7 @@ class KafkaSecurity(BaseModel):
         return options
 
     def masked(self) -> dict[str, str]:
-        """The settings under their property names, secrets masked: for start-up lines and ``status``."""
+        """The settings under their property names, secrets masked: what may be shown or logged."""
         out = {}
         for key, value in self.model_dump(exclude_defaults=True, mode="json").items():
             out[key] = "**********" if key.endswith("password") else str(value)

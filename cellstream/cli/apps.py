@@ -1,9 +1,11 @@
 """``cellstream run`` and ``cellstream dlq``: run a stream-processing app, triage its dead letters.
 
   cellstream run MODULE:APP [--workers N] [--drain [--timeout S]] [--metrics-port PORT [--per-shard-metrics]]
+                 [--kafka-config FILE] [--zookeeper-auth-file FILE]
   cellstream dlq --app MODULE:APP list [--handler H] [--status S] [--error E] [--since T] [--until T]
-  cellstream dlq --app MODULE:APP stats | show ID | discard ID --reason TEXT
+  cellstream dlq --app MODULE:APP stats | show ID
   cellstream dlq --app MODULE:APP replay (ID | --match FILTER) [--dry-run]
+  cellstream dlq --app MODULE:APP discard (ID | --match FILTER) --reason TEXT [--dry-run]
 
 MODULE is an importable module (the current directory is on the path) or a file
 path; APP is the name of its :class:`indexer.App`. ``--app`` may also be a

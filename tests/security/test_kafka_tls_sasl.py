@@ -5,11 +5,6 @@ makes. kcat reads the topics back with the same properties file (``kcat -F``), a
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +17,7 @@ from indexer import App
 from logstore.errors import AuthenticationError, ConfigurationError
 from tailer.security import load_kafka_config
 from tests.connectors.test_connect_parquet import CONFIG, SHARDS, lake, source, trips
-from tests.harness import REPO
+from tests.harness.cli_process import run_until
 from tests.harness.kafka_support import cell_ids, kcat_read, publish
 from tests.harness.services import PrivateKafka, SecuredListeners
 from tests.harness.tls import PKI, make_pki
@@ -76,22 +71,11 @@ def test_cellstream_tail_with_kafka_config_publishes_and_never_prints_the_passwo
     prefix = f"t{uuid.uuid4().hex[:8]}"
     with logstore.open(sqlite_url, shards=SHARDS) as store:
         written = write(store, 30)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cellstream", "tail", "-v", "--store", sqlite_url, "--brokers", kafka.sasl_ssl_bootstrap,
-         "--kafka-config", str(config), "--offsets", str(tmp_path / "offsets.json"), "--name", prefix,
-         "--prefix", prefix, "--partitions", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    try:
-        deadline = time.monotonic() + 60
-        while set(cell_ids(kcat_read(kafka.sasl_ssl_bootstrap, f"{prefix}.BASE", str(config)))) != written:
-            assert proc.poll() is None, proc.communicate()[1].decode()
-            assert time.monotonic() < deadline, "the tailer did not publish every cell"
-            time.sleep(0.5)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err.decode()
-    assert PASSWORD not in (out + err).decode()
+    output = run_until(
+        ["tail", "-v", "--store", sqlite_url, "--brokers", kafka.sasl_ssl_bootstrap, "--kafka-config", str(config),
+         "--offsets", str(tmp_path / "offsets.json"), "--name", prefix, "--prefix", prefix, "--partitions", "2"],
+        lambda: set(cell_ids(kcat_read(kafka.sasl_ssl_bootstrap, f"{prefix}.BASE", str(config)))) == written)
+    assert PASSWORD not in output
 
 
 def test_a_kafka_mode_app_consumes_and_mirrors_dead_letters_over_sasl_ssl(

@@ -8,10 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +24,7 @@ from indexer import App
 from tailer.coordinators.zookeeper import tailer_path
 from tailer.publishers.directory import read_topic
 from tests.harness import REPO
+from tests.harness.cli_process import run_until
 
 USER, PASSWORD = "cellstream", "zk-s3cret"
 SHARDS = 8
@@ -68,21 +67,12 @@ def test_a_tailer_with_credentials_keeps_its_nodes_to_that_user(
         written = {(c.shard, c.added_id) for c in store.put_cells(
             [(uuid.uuid4(), "BASE", 1, {"n": n}) for n in range(30)])}
     out = tmp_path / "topics"
-    proc = subprocess.Popen(cli("tail", "-v", "--store", sqlite_url, "--zookeeper", secured, "--out", str(out),
-                                "--name", "secure", "--partitions", "2", auth=auth),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env())
-    try:
-        deadline = time.monotonic() + 60
-        while {(r["headers"]["shard"], r["headers"]["added_id"]) for _, r in read_topic(out, "cells.BASE")} \
-                != {(str(s), str(a)) for s, a in written}:
-            assert proc.poll() is None, proc.communicate()[1].decode()
-            assert time.monotonic() < deadline, "the tailer did not publish every cell"
-            time.sleep(0.2)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 0, stderr.decode()
-    assert PASSWORD not in (stdout + stderr).decode()
+    output = run_until(
+        ["tail", "-v", "--store", sqlite_url, "--zookeeper", secured, "--out", str(out), "--name", "secure",
+         "--partitions", "2", "--zookeeper-auth-file", str(auth)],
+        lambda: {(r["headers"]["shard"], r["headers"]["added_id"]) for _, r in read_topic(out, "cells.BASE")}
+        == {(str(s), str(a)) for s, a in written})
+    assert PASSWORD not in output
 
     hosts, root = tailer_path(secured, "secure")
     only_us = [make_digest_acl(USER, PASSWORD, all=True)]
