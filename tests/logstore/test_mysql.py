@@ -17,6 +17,7 @@ import logstore
 from logstore.config import parse_node_url
 from tests.contracts.logstore_contract import StoreContract, assert_no_skip, store_recorders
 from tests.harness.shared_servers import mysql_admin
+from tests.harness.stores import two_nodes
 
 
 def _connect(url: str) -> pymysql.connections.Connection:
@@ -69,9 +70,7 @@ def test_naive_auto_increment_tailing_does_skip(mysql_database: str) -> None:
 def test_no_skip_across_two_databases_and_many_shards(mysql_database_factory: Callable[[], str],
                                                      tmp_path: Path) -> None:
     a, b = mysql_database_factory(), mysql_database_factory()
-    cluster = tmp_path / "cluster.toml"
-    cluster.write_text(f'shards = 6\n[[nodes]]\nname = "a"\nurl = "{a}"\nshards = "0-2"\n'
-                       f'[[nodes]]\nname = "b"\nurl = "{b}"\nshards = "3-5"\n')
+    cluster = two_nodes(tmp_path / "cluster.toml", [a, b], 6)
     with logstore.open(cluster) as store:
         assert_no_skip(store, store_recorders(store), writers=10, per_writer=12)
 
@@ -79,9 +78,7 @@ def test_no_skip_across_two_databases_and_many_shards(mysql_database_factory: Ca
 def test_cluster_file_spreads_shards_over_two_databases(mysql_database_factory: Callable[[], str],
                                                         tmp_path: Path) -> None:
     a, b = mysql_database_factory(), mysql_database_factory()
-    cluster = tmp_path / "cluster.toml"
-    cluster.write_text(f'shards = 64\n[[nodes]]\nname = "a"\nurl = "{a}"\nshards = "0-31"\n'
-                       f'[[nodes]]\nname = "b"\nurl = "{b}"\nshards = "32-63"\n')
+    cluster = two_nodes(tmp_path / "cluster.toml", [a, b], 64)
     with logstore.open(cluster) as store:
         assert store.nodes == ["a", "b"] and store.shard_count == 64
         cells = store.put_cells([(uuid.uuid4(), "BASE", 1, {"i": i}) for i in range(200)])

@@ -15,6 +15,7 @@ import logstore
 from logstore.config import parse_node_url
 from logstore.errors import AuthenticationError, ConfigurationError
 from tests.harness.private_mariadb import PrivateMariaDB
+from tests.harness.stores import two_nodes
 from tests.harness.tls import PKI, Pem, make_pki
 
 PASSWORD = "tls-s3cret"
@@ -67,10 +68,7 @@ def test_a_url_with_ssl_ca_verifies_the_server_and_its_name_by_default(server: P
 
 def test_a_cluster_file_of_nodes_with_client_certificates(server: PrivateMariaDB, pki: PKI, tmp_path: Path) -> None:
     query = f"ssl_ca={pki.ca}&ssl_cert={pki.client.cert}&ssl_key={pki.client.key}"
-    path = tmp_path / "cluster.toml"
-    path.write_text(f'shards = 16\n[[nodes]]\nname = "a"\nurl = "{url(server, "x509", query)}"\nshards = "0-7"\n'
-                    f'[[nodes]]\nname = "b"\nurl = "{url(server, "x509", query)}"\nshards = "8-15"\n')
-    roundtrip(path)
+    roundtrip(two_nodes(tmp_path / "cluster.toml", [url(server, "x509", query), url(server, "x509", query)], 16))
     with pytest.raises(AuthenticationError, match="Access denied for user 'x509'"):
         roundtrip(url(server, "x509", f"ssl_ca={pki.ca}"))  # the same user without its certificate
 

@@ -64,6 +64,7 @@ from logstore.persistence import (
     PendingRecord,
     check_meta,
     decode_log,
+    decode_pages,
     make_cell,
     offset_record,
     split_existing,
@@ -546,14 +547,7 @@ class MySQLRecorder(NodeRecorder):
         by_shard: dict[int, list[tuple[Any, ...]]] = {shard: [] for shard, _ in locations}
         for row in self._read(sql, args):
             by_shard[row[0]].append(row)
-        out: dict[int, list[Cell] | CorruptCellError] = {}
-        for shard, page in by_shard.items():
-            page.sort(key=lambda row: row[1])  # neither form of the query promises an order
-            try:
-                out[shard] = decode_log(page, _log_row_to_cell)
-            except CorruptCellError as exc:
-                out[shard] = exc
-        return out
+        return decode_pages(by_shard, _log_row_to_cell, order=lambda row: row[1])
 
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         if not columns:  # dense ids: the cells after a location are the ids up to the head

@@ -34,6 +34,7 @@ from logstore.persistence import (
     PendingCell,
     check_meta,
     decode_log,
+    decode_pages,
     make_cell,
     offset_record,
     ordered_result,
@@ -342,14 +343,7 @@ class SQLiteRecorder(NodeRecorder):
             with self._errors("read log"):
                 for row in self._conn().execute(sql, args).fetchall():
                     by_shard[row[1]].append(row)
-        out: dict[int, list[Cell] | CorruptCellError] = {}
-        for shard, rows in by_shard.items():
-            rows.sort()  # by added_id; the join promises no order
-            try:
-                out[shard] = decode_log(rows, _row_to_cell)
-            except CorruptCellError as exc:
-                out[shard] = exc
-        return out
+        return decode_pages(by_shard, _row_to_cell, order=lambda row: row[0])  # row[0]: added_id
 
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         sql = "SELECT COUNT(*) FROM cells WHERE shard = ? AND added_id > ?"
