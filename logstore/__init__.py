@@ -149,21 +149,25 @@ def open(target: str | os.PathLike[str], shards: int | None = None, *,  # noqa: 
                 )
             for node in cluster.nodes:
                 recorders[node.name] = _recorder(node.name, node.target, opts, replicas=node.replica_targets)
+        # One node of several that does not answer soon is opened without (its writes are buffered on the
+        # others, its reads go to its replicas meanwhile); a store of one node must answer.
+        several = len(cluster.nodes) > 1
+        soon = opts.retry.model_copy(update={"deadline": opts.buffer_after or 2.0}) if several else None
         for node in cluster.nodes:
-            if not create and recorders[node.name].read_meta() is None:
-                where = node.target.redacted()
-                if "://" not in text:
-                    where = f"storage node {node.name} ({where}) of cluster file {text}"
-                raise StoreNotFoundError(f"no store at {where} (create one with `cellstream init`)")
+            recorder, meta = recorders[node.name], node_meta(cluster, node)
             try:
-                recorders[node.name].initialize(node_meta(cluster, node))
+                if not create and recorder.read_meta(soon) is None:
+                    where = node.target.redacted()
+                    if "://" not in text:
+                        where = f"storage node {node.name} ({where}) of cluster file {text}"
+                    raise StoreNotFoundError(f"no store at {where} (create one with `cellstream init`)")
+                recorder.initialize(meta, soon)
             except StorageUnavailableError as exc:
-                if len(cluster.nodes) == 1:
+                if not several:
                     raise
-                # Its writes are buffered on the others and its reads go to its replicas meanwhile.
                 logging.getLogger(__name__).warning("storage node %s does not answer (%s); opening without it",
                                                     node.name, exc)
-                recorders[node.name].defer_initialize(node_meta(cluster, node))
+                recorder.defer_initialize(meta)
     except BaseException:
         for recorder in recorders.values():
             recorder.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -149,9 +150,16 @@ class HttpTarget(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     url: str
+    ssl_ca: Path | None = Field(None, description="CA (PEM) an https:// node's certificate is checked against "
+                                                  "(default: the system's)")
 
     def redacted(self) -> str:
         return self.url
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if not self.url.startswith("https://"):
+            return None
+        return client_context(f"worker node {self.url}", ca=self.ssl_ca)
 
 
 NodeTarget = MySQLTarget | SQLiteTarget | HttpTarget
@@ -164,10 +172,17 @@ def parse_node_url(url: str) -> NodeTarget:
             parts.port  # noqa: B018  # raises on a bad port
         except ValueError:
             raise InvalidArgumentError(f"worker node URL {url!r} cannot be parsed: http://host:port") from None
-        if not parts.hostname or parts.query or parts.fragment or parts.username:
+        if not parts.hostname or parts.fragment or parts.username:
             raise InvalidArgumentError(f"worker node URL {url!r}: expected http://host:port (a token goes "
                                        "in the token argument, not the URL)")
-        return HttpTarget(url=url.rstrip("/"))
+        params = dict(parse_qsl(parts.query, keep_blank_values=True))
+        unknown = sorted(set(params) - {"ssl_ca"})
+        if unknown:
+            raise InvalidArgumentError(f"worker node URL: unknown parameter {unknown[0]!r} (it takes ssl_ca)")
+        if params and parts.scheme != "https":
+            raise InvalidArgumentError("worker node URL: ssl_ca needs an https:// URL")
+        base = parts._replace(query="").geturl().rstrip("/")
+        return HttpTarget(url=base, ssl_ca=Path(params["ssl_ca"]) if params.get("ssl_ca") else None)
     if url.startswith("sqlite:///"):
         path = url[len("sqlite:///"):]
         if not path:

@@ -37,13 +37,16 @@ class InvalidCellError(InvalidArgumentError):
     """A cell's coordinates or body are invalid; ``field`` names the bad part.
 
     ``field`` is ``row_key``, ``column``, ``ref_key`` or ``body`` followed by a
-    path into the body, e.g. ``body.items[3].price``.
+    path into the body, e.g. ``body.items[3].price``; ``index`` is the cell's place in
+    a batch (``put_cells``), None for a single cell.
     """
 
-    def __init__(self, field: str, problem: str) -> None:
+    def __init__(self, field: str, problem: str, index: int | None = None) -> None:
         self.field = field
         self.problem = problem
-        super().__init__(f"invalid cell {field}: {problem}")
+        self.index = index
+        where = "" if index is None else f" (cell #{index})"
+        super().__init__(f"invalid cell {field}: {problem}{where}")
 
 
 class CellConflictError(LogstoreError):

@@ -84,8 +84,9 @@ class NodeRecorder(ABC):
     indexes: IndexRecorder
 
     @abstractmethod
-    def read_meta(self) -> NodeMeta | None:
-        """The node's recorded metadata, or None when the node was never initialized."""
+    def read_meta(self, retry: RetryPolicy | None = None) -> NodeMeta | None:
+        """The node's recorded metadata, or None when the node was never initialized. ``retry`` replaces the
+        store's policy (a cluster does not wait long for one node when it opens)."""
 
     def defer_initialize(self, meta: NodeMeta) -> None:
         """Initialize later, before the first statement that reaches the node (it did not answer at open).
@@ -93,7 +94,7 @@ class NodeRecorder(ABC):
         raise ConfigurationError(f"storage node {getattr(self, 'name', '?')} must answer when the store opens")
 
     @abstractmethod
-    def initialize(self, meta: NodeMeta) -> None:
+    def initialize(self, meta: NodeMeta, retry: RetryPolicy | None = None) -> None:
         """Create the node's schema and metadata if missing; raise ConfigurationError on mismatch."""
 
     @abstractmethod

@@ -50,6 +50,19 @@ class PendingReport(NamedTuple):
     unreachable: list[str]  # nodes holding buffered cells that did not answer: their cells wait too
 
 
+class PendingCounts(NamedTuple):
+    """Buffered cells by the node they belong to (their home) and the node holding them meanwhile:
+    ``held[home][holder] = (waiting, failed)``. A holder in ``unreachable`` did not answer: what it holds
+    is not counted."""
+
+    held: dict[str, dict[str, tuple[int, int]]]
+    unreachable: list[str]
+
+    def by_home(self) -> dict[str, tuple[int, int]]:
+        return {home: (sum(w for w, _ in holders.values()), sum(f for _, f in holders.values()))
+                for home, holders in self.held.items()}
+
+
 class ShardInfo(NamedTuple):
     shard: int
     node: str
@@ -194,7 +207,7 @@ class Store:
             try:
                 out.append(self._pending(row_key, column, ref_key, body, allow_reserved))
             except InvalidCellError as exc:
-                raise InvalidCellError(exc.field, f"{exc.problem} (cell #{index})") from None
+                raise InvalidCellError(exc.field, exc.problem, index=index) from None
         return out
 
     def _put(self, pending: list[PendingCell]) -> list[Cell]:
@@ -330,18 +343,26 @@ class Store:
 
     def pending_stats(self) -> dict[str, tuple[int, int]]:
         """(waiting, failed) buffered cells by the node they belong to, summed over the nodes holding them
-        that answer (a holder that does not is logged)."""
-        out: dict[str, tuple[int, int]] = {}
+        that answer (:meth:`pending_counts` says which do not, and who holds what)."""
+        return self.pending_counts().by_home()
+
+    def pending_counts(self) -> PendingCounts:
+        """Buffered cells by home node and holder. Each node that can hold them is asked once, without
+        waiting for one that does not answer (it is named in ``unreachable``)."""
+        held: dict[str, dict[str, tuple[int, int]]] = {}
+        unreachable: list[str] = []
         for name, recorder in sorted(self._recorders.items()):
+            if not recorder.supports_pending:
+                continue
             try:
                 found = recorder.pending_counts()
             except StorageUnavailableError as exc:
-                logger.warning("cannot count the buffered cells on node %s: %s", name, exc)
+                logger.info("cannot count the buffered cells on node %s: %s", name, exc)
+                unreachable.append(name)
                 continue
-            for node, (waiting, bad) in found.items():
-                w, f = out.get(node, (0, 0))
-                out[node] = (w + waiting, f + bad)
-        return out
+            for home, counts in found.items():
+                held.setdefault(home, {})[name] = counts
+        return PendingCounts(held, unreachable)
 
     # -- random access ----------------------------------------------------
     def get_cell(self, row_key: uuid.UUID | str, column: str, ref_key: int) -> Cell | None:

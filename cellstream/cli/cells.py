@@ -65,7 +65,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     a.add_argument("shard", type=int, nargs="+")
     a.set_defaults(run=cmd_shards_drop)
 
-    p = sub.add_parser("pending", parents=[common], help="writes buffered while a primary was down")
+    p = sub.add_parser("pending", parents=[common],
+                       help="writes buffered while a primary was down, by the node they belong to and where they wait")
     p.add_argument("--replay", action="store_true", help="write them home now (a worker node does it every second)")
     p.add_argument("--wait", type=float, default=0.0, help="with --replay: keep trying this many seconds")
     p.set_defaults(run=cmd_pending)
@@ -222,8 +223,16 @@ def cmd_pending(store: Store, args: argparse.Namespace, out: Output) -> int:
             time.sleep(0.5)
         if report.waiting or report.unreachable:
             return Exit.UNAVAILABLE
-    stats = store.pending_stats()
-    out.emit({node: {"waiting": w, "failed": f} for node, (w, f) in stats.items()},
-             "\n".join(f"node {node}: {w} buffered cells waiting, {f} failed" for node, (w, f) in stats.items())
-             or "no buffered cells")
+    counts = store.pending_counts()
+    homes: dict[str, Any] = {}
+    lines = []
+    for home, (waiting, failed) in sorted(counts.by_home().items()):
+        holders = sorted(counts.held[home].items())
+        homes[home] = {"waiting": waiting, "failed": failed,
+                       "held_on": {holder: {"waiting": w, "failed": f} for holder, (w, f) in holders}}
+        where = ", ".join(f"{holder}: {w} waiting, {f} failed" for holder, (w, f) in holders)
+        lines.append(f"node {home}: {waiting} buffered cells waiting to go home, {failed} failed (held on {where})")
+    lines += [f"node {node} does not answer: the cells it holds for other nodes are not counted"
+              for node in counts.unreachable]
+    out.emit({"homes": homes, "unreachable": counts.unreachable}, "\n".join(lines) or "no buffered cells")
     return Exit.OK

@@ -1,11 +1,15 @@
 """``cellstream serve``: run a worker node, the logstore API over HTTP (:mod:`logstore.node.server`).
 
-  cellstream serve --store CLUSTER [--bind HOST:PORT] [--token-file FILE] [--max-body-bytes N] [--threads N]
+  cellstream serve --store CLUSTER [--bind HOST:PORT] [--token-file FILE] [--admin-token-file FILE]
+                   [--tls-cert PEM --tls-key PEM] [--max-body-bytes N] [--threads N]
+                   [--max-connections N] [--header-timeout S] [--body-timeout S]
 
 The token comes from ``--token-file`` or the CELLSTREAM_TOKEN environment variable,
 never from the command line (other users can read it there). Without one the node
-listens on loopback only, and says so. The first line printed is the node's URL
-(with ``--json``: ``{"url", "token_required"}``); it runs until SIGTERM or SIGINT.
+listens on loopback only, and says so. The admin token (``--admin-token-file`` or
+CELLSTREAM_ADMIN_TOKEN) is the only one that may write cellstream's own ``_`` columns
+(an app whose dead letters go through the node uses it). The first line printed is the
+node's URL (with ``--json``: ``{"url", "token_required", "admin_token"}``); it runs until SIGTERM or SIGINT.
 Clients: ``logstore.open("http://HOST:PORT", token=...)``, or any command's
 ``--store http://HOST:PORT``. Exit codes: 0 stopped by a signal, 2 a bad option,
 4 cannot listen there or the store's configuration is wrong, 5 a storage node
@@ -37,8 +41,17 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default="127.0.0.1:8080", metavar="HOST:PORT", help="where to listen")
     p.add_argument("--token-file", type=Path, default=None,
                    help="file holding the Bearer token every request must carry (default: env CELLSTREAM_TOKEN)")
+    p.add_argument("--admin-token-file", type=Path, default=None,
+                   help="file holding the token that may also write cellstream's own _ columns "
+                        "(default: env CELLSTREAM_ADMIN_TOKEN)")
+    p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate (chain): serve HTTPS")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     p.add_argument("--threads", type=int, default=8, help="blocking store calls at once")
+    p.add_argument("--max-connections", type=int, default=1024, help="connections at once; more get 503")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds for a request's head and a TLS handshake; slower clients get 408")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds for a request's body")
     p.set_defaults(run=run, creates_store=True)  # a worker node takes writes
 
 
@@ -49,32 +62,43 @@ def _bind(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _token(args: argparse.Namespace) -> str | None:
-    if args.token_file is not None:
+def _token(file: Path | None, option: str, variable: str) -> str | None:
+    if file is not None:
         try:
-            token = args.token_file.read_text().strip()
+            token = file.read_text().strip()
         except OSError as exc:
-            raise InvalidArgumentError(f"--token-file {args.token_file}: {exc.strerror}") from None
+            raise InvalidArgumentError(f"{option} {file}: {exc.strerror}") from None
         if not token:
-            raise InvalidArgumentError(f"--token-file {args.token_file} is empty")
+            raise InvalidArgumentError(f"{option} {file} is empty")
         return str(token)
-    return os.environ.get("CELLSTREAM_TOKEN") or None
+    return os.environ.get(variable) or None
 
 
 def run(store: Store, args: argparse.Namespace, out: Output) -> int:
     from logstore.extras import require
 
     require("server", "cellstream serve")
+    from pydantic import ValidationError
+
     from logstore.node.server import ServerConfig, check_bind
 
     host, port = _bind(args.bind)
-    token = _token(args)
+    token = _token(args.token_file, "--token-file", "CELLSTREAM_TOKEN")
+    admin = _token(args.admin_token_file, "--admin-token-file", "CELLSTREAM_ADMIN_TOKEN")
     check_bind(host, token)
     try:
-        config = ServerConfig(host=host, port=port, token=token, max_body_bytes=args.max_body_bytes,
-                              threads=args.threads)
-    except ValueError as exc:  # pydantic's, for --max-body-bytes or --threads
-        raise InvalidArgumentError(str(exc).splitlines()[-1].strip()) from None
+        config = ServerConfig(host=host, port=port, token=token, admin_token=admin, tls_cert=args.tls_cert,
+                              tls_key=args.tls_key, max_body_bytes=args.max_body_bytes, threads=args.threads,
+                              max_connections=args.max_connections, header_timeout=args.header_timeout,
+                              body_timeout=args.body_timeout)
+    except ValueError as exc:  # pydantic's: the option's name and the problem
+        error = exc.errors()[0] if isinstance(exc, ValidationError) else None
+        if error is None:
+            raise InvalidArgumentError(str(exc)) from None
+        problem = error["msg"].removeprefix("Value error, ")
+        if error["loc"]:
+            problem = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-") + ": " + problem
+        raise InvalidArgumentError(problem) from None
     return _run(_serve(store, config, out))
 
 
@@ -98,7 +122,8 @@ async def _serve(store: Store, config: ServerConfig, out: Output) -> int:
         async with WorkerNode(store, config) as node:
             required = config.token is not None
             if out.as_json:
-                out.emit({"url": node.url, "token_required": required}, "")
+                out.emit({"url": node.url, "token_required": required, "admin_token": config.admin_token is not None},
+                         "")
             else:
                 print(node.url, file=out.out, flush=True)
                 if not required:

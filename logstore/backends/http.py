@@ -19,6 +19,7 @@ import datetime as dt
 import http.client
 import json
 import logging
+import ssl
 import threading
 import uuid
 from collections.abc import Sequence
@@ -44,6 +45,7 @@ class HttpRecorder(NodeRecorder):
         self.target = target
         parts = urlsplit(target.url)
         self._https = parts.scheme == "https"
+        self._tls = target.ssl_context()
         self._host = parts.hostname or "127.0.0.1"
         self._port = parts.port or (443 if self._https else 80)
         self._prefix = parts.path.rstrip("/")
@@ -66,8 +68,8 @@ class HttpRecorder(NodeRecorder):
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if conn is not None:
             return conn, True
-        kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        conn = kind(self._host, self._port, timeout=self._timeout)
+        conn = (http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout, context=self._tls)
+                if self._https else http.client.HTTPConnection(self._host, self._port, timeout=self._timeout))
         self._local.conn = conn
         with self._lock:
             self._all.append(conn)
@@ -95,6 +97,9 @@ class HttpRecorder(NodeRecorder):
                 if reused and isinstance(exc, (http.client.RemoteDisconnected, ConnectionResetError,
                                                BrokenPipeError, http.client.BadStatusLine)):
                     continue
+                if isinstance(exc, ssl.SSLCertVerificationError):  # retrying cannot help: a setting is wrong
+                    raise ConfigurationError(f"worker node {self.target.url}: its TLS certificate is not trusted "
+                                             f"({exc.verify_message}; give its CA as ?ssl_ca=FILE)") from None
                 raise StorageUnavailableError(f"worker node {self.target.url}: {method} {path}: "
                                               f"{type(exc).__name__}: {exc}") from None
         if response.getheader("Connection", "").lower() == "close":
@@ -111,12 +116,12 @@ class HttpRecorder(NodeRecorder):
         raise error_from_json(response.status, doc)
 
     # -- instance -------------------------------------------------------------------
-    def read_meta(self) -> NodeMeta | None:
+    def read_meta(self, retry: RetryPolicy | None = None) -> NodeMeta | None:
         info = self._request("GET", "/v1/info")
         self._meta = NodeMeta(int(info["shards"]), 0, int(info["shards"]) - 1)
         return self._meta
 
-    def initialize(self, meta: NodeMeta) -> None:
+    def initialize(self, meta: NodeMeta, retry: RetryPolicy | None = None) -> None:
         # logstore.open read the node's metadata just before: checked against it, not fetched again.
         check_meta(self.name, self._meta or self.read_meta() or meta, meta)
 

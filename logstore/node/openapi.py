@@ -1,14 +1,18 @@
-"""The worker node's OpenAPI 3.1 document, served at ``/openapi.json``: request bodies from the pydantic
-models of :mod:`logstore.node.wire`, every response a documented JSON shape (the tests run schemathesis on it)."""
+"""The worker node's OpenAPI 3.1 document, served at ``/openapi.json``: built from the route table
+(:mod:`logstore.node.routes`) and the request models the server validates with (:mod:`logstore.node.models`),
+for the node's shard count. The tests run schemathesis on it, both ways: what it allows is accepted, what
+it forbids is refused."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from logstore.node.wire import COLUMN_PATTERN, CONSUMER_PATTERN, MAX_LOCATION, REQUESTS, UUID_PATTERN
+from pydantic import BaseModel, TypeAdapter
+
+from logstore.node.models import JSON_VALUE, SCHEMAS, models
+from logstore.node.routes import ROUTES, Route, ref
 
 _REF = "#/components/schemas/{model}"
-
 _CELL = {
     "type": "object", "additionalProperties": False,
     "required": ["row_key", "column", "ref_key", "added_id", "shard", "created_at", "body"],
@@ -25,139 +29,92 @@ _ERROR = {
         "properties": {"type": {"type": "string"}, "message": {"type": "string"}, "retriable": {"type": "boolean"},
                        "field": {"type": "string"}, "problem": {"type": "string"},
                        "coordinates": {"type": "object"},
-                       "cells_before": {"type": "array", "items": {"$ref": "#/components/schemas/Cell"}}},
+                       "cells_before": {"type": "array", "items": ref("Cell")}},
     }},
 }
-_OFFSETS = {
-    "type": "object", "required": ["offsets"],
-    "properties": {"offsets": {"type": "object", "additionalProperties": {
-        "type": "object", "required": ["shard", "location", "owner", "doc"],
-        "properties": {"shard": {"type": "integer"}, "location": {"type": ["integer", "null"]},
-                       "owner": {"type": "string"}, "doc": {"type": "object"}}}}},
-}
+_MEANINGS = {400: "bad input: the error names the field", 401: "missing or wrong Bearer token",
+             403: "the token does not allow this (the admin token does)", 404: "not found",
+             409: "a different cell exists at these coordinates", 413: "request body too large",
+             503: "a storage node is unavailable, or the node is at its connection limit (retriable)"}
 
 
-def _schema(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"content": {"application/json": {"schema": schema}}}
+def _content(schema: dict[str, Any], media: str = "application/json") -> dict[str, Any]:
+    return {"content": {media: {"schema": schema}}}
 
 
-def _ref(name: str) -> dict[str, Any]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _responses(ok: dict[str, Any], *errors: int) -> dict[str, Any]:
-    meanings = {400: "bad input: the error names the field", 401: "missing or wrong Bearer token",
-                404: "not found", 409: "a different cell exists at these coordinates",
-                413: "request body too large", 503: "a storage node is unavailable (retriable)"}
-    out: dict[str, Any] = {"200": {"description": "done", **_schema(ok)}}
-    for status in (400, 401, *errors, 503):
-        out[str(status)] = {"description": meanings[status], **_schema(_ref("Error"))}
+def _responses(route: Route) -> dict[str, Any]:
+    out: dict[str, Any] = {"200": {"description": "done", **_content(route.ok, route.media)}}
+    if route.path == "/readyz":
+        out["503"] = {"description": "a storage node does not answer", **_content(route.ok)}
+        return out
+    statuses = (400, *route.errors, 503) if route.access == "open" else (400, 401, *route.errors, 503)
+    for status in sorted(set(statuses)):
+        out[str(status)] = {"description": _MEANINGS[status], **_content(ref("Error"))}
     return out
 
 
-def _path_param(name: str, schema: dict[str, Any]) -> dict[str, Any]:
-    return {"name": name, "in": "path", "required": True, "schema": schema}
-
-
-def _query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
-
-
-def _body(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"required": True, **_schema(schema)}
-
-
-def document() -> dict[str, Any]:
-    row_key = _path_param("row_key", {"type": "string", "pattern": UUID_PATTERN})
-    column = _path_param("column", {"type": "string", "pattern": COLUMN_PATTERN})
-    ref_key = _path_param("ref_key", {"type": "integer", "minimum": 0, "maximum": MAX_LOCATION})
-    shard = _path_param("shard", {"type": "integer", "minimum": 0, "maximum": 65535})
-    consumer = _path_param("consumer", {"type": "string", "pattern": CONSUMER_PATTERN})
-    after = _query("after", {"type": "integer", "minimum": 0, "maximum": MAX_LOCATION},
-                   "location to read after (default 0)")
-    name = COLUMN_PATTERN.strip("^$")
-    columns = _query("columns", {"type": "string", "pattern": f"^{name}(,{name})*$"}, "comma-separated column names")
-    cells = {"type": "object", "required": ["cells"], "properties": {"cells": {"type": "array", "items": _ref("Cell")}}}
-    paths: dict[str, Any] = {
-        "/healthz": {"get": {"summary": "the process answers", "security": [],
-                             "responses": {"200": {"description": "alive", **_schema({"type": "object"})}}}},
-        "/readyz": {"get": {"summary": "every storage node answers", "security": [], "responses": {
-            "200": {"description": "ready", **_schema({"type": "object"})},
-            "503": {"description": "a storage node does not answer", **_schema({"type": "object"})}}}},
-        "/v1/info": {"get": {"summary": "shard count and storage nodes", "responses": _responses({
-            "type": "object", "required": ["shards", "nodes"],
-            "properties": {"shards": {"type": "integer"}, "nodes": {"type": "array", "items": {"type": "string"}},
-                           "max_body_bytes": {"type": "integer"}}})}},
-        "/v1/cells": {"post": {"summary": "write cells (atomic per storage node; idempotent)",
-                               "requestBody": _body(_ref("PutCells")), "responses": _responses(cells, 409, 413)}},
-        "/v1/system/cells": {"post": {"summary": "write cells, cellstream's own _-prefixed columns allowed",
-                                      "requestBody": _body(_ref("PutCells")),
-                                      "responses": _responses(cells, 409, 413)}},
-        "/v1/rows/{row_key}": {"get": {"summary": "the latest cell of every column of the row",
-                                       "parameters": [row_key], "responses": _responses({
-                                           "type": "object", "required": ["cells"], "properties": {
-                                               "cells": {"type": "object", "additionalProperties": _ref("Cell")}}})}},
-        "/v1/rows/{row_key}/{column}": {"get": {"summary": "the cell of the highest ref_key",
-                                                "parameters": [row_key, column],
-                                                "responses": _responses(_ref("Cell"), 404)}},
-        "/v1/rows/{row_key}/{column}/{ref_key}": {
-            "get": {"summary": "one cell", "parameters": [row_key, column, ref_key],
-                    "responses": _responses(_ref("Cell"), 404)},
-            "put": {"summary": "write one cell; the request body is the cell's body",
-                    "parameters": [row_key, column, ref_key], "requestBody": _body({"type": "object"}),
-                    "responses": _responses(_ref("Cell"), 409, 413)}},
-        "/v1/shards": {"get": {"summary": "cells per shard and the node holding it", "responses": _responses({
-            "type": "object", "required": ["shards"], "properties": {"shards": {"type": "array", "items": {
-                "type": "object", "properties": {"shard": {"type": "integer"}, "node": {"type": "string"},
-                                                 "cells": {"type": "integer"}}}}}})}},
-        "/v1/shards/{shard}": {"get": {"summary": "the shard's node and head location", "parameters": [shard],
-                                       "responses": _responses({"type": "object", "required": ["shard", "head"],
-                                                                "properties": {"shard": {"type": "integer"},
-                                                                               "node": {"type": "string"},
-                                                                               "head": {"type": "integer"}}})}},
-        "/v1/shards/{shard}/log": {"get": {
-            "summary": "a page of the shard's log: cells after a location, in added_id order",
-            "parameters": [shard, after, _query("limit", {"type": "integer", "minimum": 1, "maximum": 100_000},
-                                                 "cells at most (default 1000)"), columns],
-            "responses": _responses({"type": "object", "required": ["cells", "next"], "properties": {
-                "cells": {"type": "array", "items": _ref("Cell")}, "next": {"type": "integer"}}})}},
-        "/v1/shards/{shard}/count": {"get": {
-            "summary": "cells after a location", "parameters": [shard, after, columns],
-            "responses": _responses({"type": "object", "required": ["count"],
-                                     "properties": {"count": {"type": "integer"}}})}},
-        "/v1/shards/{shard}/location": {"get": {
-            "summary": "a location from which paging yields every cell created at or after a time",
-            "parameters": [shard, {"name": "at", "in": "query", "required": True,
-                                   "schema": {"type": "string", "format": "date-time"}}],
-            "responses": _responses({"type": "object", "required": ["location"],
-                                     "properties": {"location": {"type": "integer"}}})}},
-        "/v1/logs": {"post": {
-            "summary": "pages of many shards' logs at once", "requestBody": _body(_ref("LogsQuery")),
-            "responses": _responses({"type": "object", "required": ["pages"], "properties": {"pages": {
-                "type": "object", "additionalProperties": {"oneOf": [cells, _ref("Error")]}}}}, 413)}},
-        "/v1/offsets/{consumer}": {"get": {"summary": "a consumer's committed positions", "parameters": [consumer],
-                                           "responses": _responses(_OFFSETS)}},
-        "/v1/offsets/{consumer}/claim": {"post": {
-            "summary": "take over a consumer's positions (the previous holder's commits are refused from then on)",
-            "parameters": [consumer], "requestBody": _body(_ref("ClaimOffsets")),
-            "responses": _responses(_OFFSETS, 413)}},
-        "/v1/offsets/{consumer}/commit": {"post": {
-            "summary": "store positions while holding them; answers the shards no longer held",
-            "parameters": [consumer], "requestBody": _body(_ref("CommitOffsets")),
-            "responses": _responses({"type": "object", "required": ["fenced"], "properties": {
-                "fenced": {"type": "array", "items": {"type": "integer"}}}}, 413)}},
-    }
-    schemas: dict[str, Any] = {"Cell": _CELL, "Error": _ERROR}
-    for model in REQUESTS:
+def _schema_of(model: Any, schemas: dict[str, Any]) -> dict[str, Any]:
+    """The model's JSON Schema, its definitions moved to the document's components."""
+    if isinstance(model, type) and issubclass(model, BaseModel):
         found = model.model_json_schema(ref_template=_REF)
         schemas.update(found.pop("$defs", {}))
         schemas[model.__name__] = found
-    return {
+        return ref(model.__name__)
+    return TypeAdapter(model).json_schema(ref_template=_REF)
+
+
+def _parameters(model: type[BaseModel], where: str) -> list[dict[str, Any]]:
+    schema = model.model_json_schema(ref_template=_REF)
+    required = set(schema.get("required", []))
+    out = []
+    for name, prop in schema["properties"].items():
+        prop = {k: v for k, v in prop.items() if k != "title"}
+        description = prop.pop("description", None)
+        if "anyOf" in prop:  # X | None: an absent parameter is the None
+            prop = next(p for p in prop["anyOf"] if p.get("type") != "null")
+        param = {"name": name, "in": where, "required": where == "path" or name in required, "schema": prop}
+        if description:
+            param["description"] = description
+        out.append(param)
+    return out
+
+
+def _refs(doc: Any) -> Any:
+    """``doc`` with each JSON_VALUE marker replaced by its "$ref"."""
+    if isinstance(doc, dict):
+        return ref(str(doc["x-cellstream-schema"])) if doc == JSON_VALUE else {k: _refs(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_refs(v) for v in doc]
+    return doc
+
+
+def document(shard_count: int) -> dict[str, Any]:
+    built = models(shard_count)
+    schemas: dict[str, Any] = {"Cell": _CELL, "Error": _ERROR, **SCHEMAS}
+    paths: dict[str, Any] = {}
+    for route in ROUTES:
+        operation: dict[str, Any] = {"summary": route.summary, "responses": _responses(route)}
+        if route.access == "open":
+            operation["security"] = []
+        parameters = []
+        if route.path_model:
+            parameters += _parameters(getattr(built, route.path_model), "path")
+        if route.query_model:
+            parameters += _parameters(getattr(built, route.query_model), "query")
+        if parameters:
+            operation["parameters"] = parameters
+        if route.body_model:
+            operation["requestBody"] = {"required": True,
+                                        **_content(_schema_of(getattr(built, route.body_model), schemas))}
+        paths.setdefault(route.path, {})[route.method.lower()] = operation
+    doc: dict[str, Any] = _refs({
         "openapi": "3.1.0",
         "info": {"title": "cellstream worker node", "version": "1",
-                 "description": "The logstore API: cells, rows, shard logs and consumer offsets."},
+                 "description": f"The logstore API over {shard_count} shards: cells, rows, shard logs and consumer "
+                                "offsets. Every error is the Error document."},
         "paths": paths,
         "components": {"schemas": schemas,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
-    }
+    })
+    return doc

@@ -2,18 +2,23 @@
 
 Stateless: it holds a :class:`~logstore.store.Store` on the cluster file and runs its
 blocking calls in a bounded thread pool, so one slow storage node ties up threads,
-never the event loop. JSON in and out (:mod:`logstore.node.wire`); the OpenAPI document is
-at ``/openapi.json`` (:mod:`logstore.node.openapi`).
+never the event loop. JSON in and out (:mod:`logstore.node.wire`); every route, its
+models and its answer are in :mod:`logstore.node.routes`, from which the server
+validates and :mod:`logstore.node.openapi` writes ``/openapi.json``.
 
 - ``/healthz``: the process answers. ``/readyz``: every storage node answers (503
   naming the ones that do not). Both are open; everything else needs
-  ``Authorization: Bearer <token>`` when a token is configured.
+  ``Authorization: Bearer <token>`` when a token is configured. Writing cellstream's
+  own ``_`` columns (``/v1/system/cells``: dead letters, the index catalog) needs the
+  separate admin token, which every other route takes too; a node without one refuses it.
 - Without a token the node refuses to bind anything but a loopback address.
 - A request body over ``max_body_bytes`` gets 413; any bad input a 400 naming the
   field; an unknown path 404; a storage node that is down 503 (retriable). Errors are
-  always a JSON document, never a traceback: an unexpected failure is logged here and
-  answered with a 500 that says only that.
-- ``/metrics``: requests by route and status, their latency, cells written, buffered cells.
+  always a JSON document, never a traceback (the HTTP parser's too:
+  :mod:`logstore.node.connections`, which also holds the header deadline and the
+  connection cap); an unexpected failure is logged here and answered with a 500 that says only that.
+- TLS when ``tls_cert`` and ``tls_key`` are given (``https://``).
+- ``/metrics``: requests by route and status, their latency, cells written, buffered cells, connections.
 - When the store buffers writes (a cluster whose nodes can hold each other's writes while a
   primary is down), the node runs the replayer every ``replay_interval`` seconds.
 """
@@ -22,33 +27,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import hmac
 import ipaddress
 import logging
-import re
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError, model_validator
 
 from logstore.errors import ConfigurationError, InvalidArgumentError, LogstoreError
 from logstore.node import openapi, wire
+from logstore.node.connections import Connection, Limits, protocol_factory
+from logstore.node.models import models
+from logstore.node.routes import ROUTES, Route
 from logstore.store import Store
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-_QUERY = {"/v1/shards/{shard}/log": frozenset({"after", "limit", "columns"}),
-          "/v1/shards/{shard}/count": frozenset({"after", "columns"}),
-          "/v1/shards/{shard}/location": frozenset({"at"})}
+Endpoint = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})  # others are "other" in metrics
 
 
 class ServerConfig(BaseModel):
@@ -59,9 +66,38 @@ class ServerConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535, description="0 picks a free port")
     token: SecretStr | None = Field(None, description="required as a Bearer token on every request when set")
+    admin_token: SecretStr | None = Field(None, description="the Bearer token for /v1/system/cells (and the rest)")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="larger request bodies get 413")
     threads: int = Field(8, ge=1, le=512, description="blocking store calls at once (the MySQL pool holds 8)")
     replay_interval: float = Field(1.0, gt=0, description="seconds between passes of the buffered-write replayer")
+    header_timeout: float = Field(10.0, gt=0, description="seconds for a request's head (and a TLS handshake)")
+    body_timeout: float = Field(30.0, gt=0, description="seconds for a request's body")
+    idle_timeout: float = Field(60.0, gt=0, description="seconds a kept-alive connection may idle")
+    max_connections: int = Field(1024, ge=1, description="connections at once; more are answered 503")
+    tls_cert: Path | None = Field(None, description="PEM certificate (chain) to serve HTTPS with")
+    tls_key: Path | None = Field(None, description="its PEM private key")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServerConfig:
+        if self.admin_token is not None and self.token is None:
+            raise ValueError("an admin token needs a token: without one every route is open anyway")
+        if self.admin_token is not None and self.token is not None and \
+                self.admin_token.get_secret_value() == self.token.get_secret_value():
+            raise ValueError("the admin token must differ from the token")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and its key")
+        return self
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        if self.tls_cert is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(self.tls_cert, self.tls_key)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigurationError(f"the TLS certificate {str(self.tls_cert)!r} and key {str(self.tls_key)!r} "
+                                     f"cannot be loaded: {exc}") from None
+        return context
 
 
 def is_loopback(host: str) -> bool:
@@ -87,6 +123,10 @@ class _Metrics:
                                 "buffered cells written home by this node's replayer", registry=registry)
         self.pending = Gauge("cellstream_worker_buffered_cells_waiting",
                              "buffered cells waiting for their primary, after the last replay pass", registry=registry)
+        self.connections = Gauge("cellstream_worker_connections", "client connections open", registry=registry)
+        self.refused = Counter("cellstream_worker_connection_errors_total",
+                               "requests answered before reaching a route: unparsable (400), too slow (408), "
+                               "over the connection limit (503)", ["status"], registry=registry)
 
 
 def _json(doc: Any, status: int = 200) -> web.Response:
@@ -103,44 +143,53 @@ class WorkerNode:
         if self.config.token is None and not is_loopback(self.config.host):
             raise ConfigurationError(f"no token configured: the worker node binds only to loopback, "
                                      f"not {self.config.host} (set a token to listen there)")
+        self._tls = self.config.tls_context()
         self.metrics = _Metrics(registry or CollectorRegistry())
+        self.metrics.connections.set_function(self._open_connections)
         self._pool: ThreadPoolExecutor | None = None
         self._runner: web.AppRunner | None = None
+        self._server: asyncio.AbstractServer | None = None
         self._port = self.config.port
         self._replayer: asyncio.Task[None] | None = None
         self._first_shard = {store.node_of(s): s for s in reversed(range(store.shard_count))}
-        self._openapi = wire.dumps(openapi.document())
+        self._models = models(store.shard_count)
+        self._openapi = wire.dumps(openapi.document(store.shard_count))
+        self._routes: dict[tuple[str, str], Route] = {(r.method, r.path): r for r in ROUTES}
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self._port}"
+        return f"{'https' if self._tls else 'http'}://{self.config.host}:{self._port}"
 
     # -- lifecycle ------------------------------------------------------------------
     def application(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes,
-                              middlewares=[self._errors, self._auth, self._query])
-        r = app.router
-        r.add_get("/healthz", self.healthz)
-        r.add_get("/readyz", self.readyz)
-        r.add_get("/metrics", self.prometheus)
-        r.add_get("/openapi.json", self.openapi)
-        r.add_get("/v1/info", self.info)
-        r.add_post("/v1/cells", self.put_cells)
-        r.add_post("/v1/system/cells", self.put_system_cells)
-        r.add_get("/v1/rows/{row_key}", self.get_row)
-        r.add_get("/v1/rows/{row_key}/{column}", self.get_latest)
-        r.add_get("/v1/rows/{row_key}/{column}/{ref_key}", self.get_cell)
-        r.add_put("/v1/rows/{row_key}/{column}/{ref_key}", self.put_cell)
-        r.add_get("/v1/shards", self.shards)
-        r.add_get("/v1/shards/{shard}", self.shard)
-        r.add_get("/v1/shards/{shard}/log", self.log)
-        r.add_get("/v1/shards/{shard}/count", self.count)
-        r.add_get("/v1/shards/{shard}/location", self.location)
-        r.add_post("/v1/logs", self.logs)
-        r.add_get("/v1/offsets/{consumer}", self.read_offsets)
-        r.add_post("/v1/offsets/{consumer}/claim", self.claim_offsets)
-        r.add_post("/v1/offsets/{consumer}/commit", self.commit_offsets)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors, self._auth])
+        for route in ROUTES:
+            app.router.add_route(route.method, route.path, self._endpoint(route))
         return app
+
+    def _endpoint(self, route: Route) -> Endpoint:
+        """The route's handler behind validation of its path, query and body by the route's models."""
+        handler: Callable[[Got], Awaitable[web.StreamResponse]] = getattr(self, route.handler)
+        built = self._models
+
+        def adapter(name: str | None) -> TypeAdapter[Any] | None:
+            return None if name is None else TypeAdapter(getattr(built, name))
+
+        path, query, body = adapter(route.path_model), adapter(route.query_model), adapter(route.body_model)
+        known = ", ".join(getattr(built, route.query_model).model_fields) if route.query_model else ""
+
+        async def endpoint(request: web.Request) -> web.StreamResponse:
+            shards = self.store.shard_count
+            got_path = _validated(path, dict(request.match_info), "path", shards) if path else None
+            if query is None and request.query:
+                raise _BadInput(next(iter(request.query)), "unknown query parameter (this route takes none)")
+            got_query = _validated(query, dict(request.query), "query", shards, known) if query else None
+            got_body = None
+            if body is not None:
+                got_body = _validated(body, await _json_body(request, self.config.body_timeout), "body", shards)
+            return await handler(Got(request, route, got_path, got_query, got_body))
+
+        return endpoint
 
     async def start(self) -> None:
         if self._runner is not None:
@@ -148,9 +197,16 @@ class WorkerNode:
         self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="worker-node")
         runner = web.AppRunner(self.application(), access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port, reuse_address=True)
+        assert runner.server is not None
+        limits = Limits(self.config.header_timeout, self.config.idle_timeout, self.config.max_connections,
+                        linger=min(2.0, self.config.body_timeout))
+        factory = protocol_factory(runner.server, limits, self._connection_error)
+        loop = asyncio.get_running_loop()
         try:
-            await site.start()
+            self._server = await loop.create_server(factory, self.config.host, self.config.port, ssl=self._tls,
+                                                    reuse_address=True,
+                                                    ssl_handshake_timeout=self.config.header_timeout
+                                                    if self._tls else None)
         except OSError as exc:
             await runner.cleanup()
             self._pool.shutdown(wait=False)
@@ -158,15 +214,20 @@ class WorkerNode:
             where = f"{self.config.host}:{self.config.port}"
             raise ConfigurationError(f"cannot listen on {where}: {exc.strerror}") from None
         self._runner = runner
+        self._port = self._server.sockets[0].getsockname()[1]  # the port bound when 0 was asked for
         await self._warm()
         if self.store.buffers_writes:
             self._replayer = asyncio.create_task(self._replay(), name="worker-node-replayer")
-        server = site._server  # the bound socket tells the port when 0 was asked for
-        sockets = getattr(server, "sockets", None) or []
-        if sockets:
-            self._port = sockets[0].getsockname()[1]
-        logger.info("worker node on %s (%s)", self.url,
-                    "token required" if self.config.token else "no token: loopback only, unauthenticated")
+        access = ("token required" + (", admin token for system cells" if self.config.admin_token else "")
+                  if self.config.token else "no token: loopback only, unauthenticated")
+        logger.info("worker node on %s (%s)", self.url, access)
+
+    def _open_connections(self) -> float:
+        runner = self._runner
+        return float(len(runner.server.connections)) if runner is not None and runner.server is not None else 0.0
+
+    def _connection_error(self, status: int) -> None:
+        self.metrics.refused.labels(str(status)).inc()
 
     async def _warm(self) -> None:
         """Open the pool's connections now, not on the first requests (a MySQL connect takes far longer than
@@ -205,9 +266,14 @@ class WorkerNode:
             replayer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await replayer
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()  # no new connections; the runner's cleanup closes the open ones
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+        if server is not None:
+            await server.wait_closed()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
@@ -229,6 +295,9 @@ class WorkerNode:
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         started = time.perf_counter()
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+        connection = request.protocol
+        if isinstance(connection, Connection):
+            connection.request_started()
         try:
             response = await handler(request)
         except LogstoreError as exc:
@@ -237,6 +306,9 @@ class WorkerNode:
                 response.headers["Retry-After"] = "1"
         except _BadInput as exc:
             response = _json(wire.bad_request(exc.field, exc.problem), 400)
+        except _SlowBody as exc:
+            response = _json({"error": {"type": "RequestTimeout", "message": str(exc), "retriable": False}}, 408)
+            response.force_close()
         except web.HTTPException as exc:
             response = _json({"error": {"type": "HTTPError", "message": exc.reason, "retriable": False}},
                              exc.status)
@@ -247,40 +319,41 @@ class WorkerNode:
             logger.exception("worker node: %s %s failed", request.method, request.path)
             response = _json({"error": {"type": "InternalError", "retriable": False,
                                         "message": "the worker node failed unexpectedly; its log says why"}}, 500)
-        self.metrics.requests.labels(route, request.method, str(response.status)).inc()
+        finally:
+            if isinstance(connection, Connection):
+                connection.request_finished()
+        method = request.method if request.method in METHODS else "other"
+        self.metrics.requests.labels(route, method, str(response.status)).inc()
         self.metrics.seconds.labels(route).observe(time.perf_counter() - started)
         return response
 
     @web.middleware
-    async def _query(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """An API route refuses query parameters it does not know: a misspelt ``limit`` is an error, not ignored."""
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else ""
-        if route.startswith("/v1/"):
-            allowed = _QUERY.get(route, frozenset())
-            unknown = sorted(set(request.query) - allowed)
-            if unknown:
-                raise _BadInput(unknown[0], f"unknown query parameter (this route takes: "
-                                            f"{', '.join(sorted(allowed)) or 'none'})")
-        return await handler(request)
-
-    @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        token = self.config.token
-        if token is not None and request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            scheme, _, value = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(),
-                                                                      token.get_secret_value().encode()):
-                raise web.HTTPUnauthorized(reason="a valid Authorization: Bearer token is required",
-                                           headers={"WWW-Authenticate": 'Bearer realm="cellstream"'})
+        token, admin = self.config.token, self.config.admin_token
+        resource = request.match_info.route.resource
+        route = self._routes.get((request.method, resource.canonical)) if resource is not None else None
+        access = route.access if route is not None else "token"
+        if token is None or access == "open":
+            return await handler(request)
+        given = request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        presented = value.strip().encode() if scheme.lower() == "bearer" else b""
+        is_admin = admin is not None and hmac.compare_digest(presented, admin.get_secret_value().encode())
+        if not is_admin and not hmac.compare_digest(presented, token.get_secret_value().encode()):
+            raise web.HTTPUnauthorized(reason="a valid Authorization: Bearer token is required",
+                                       headers={"WWW-Authenticate": 'Bearer realm="cellstream"'})
+        if access == "admin" and not is_admin:
+            reason = ("writing cellstream's own _ columns needs the admin token" if admin is not None else
+                      "this node takes no writes of cellstream's own _ columns: it has no admin token "
+                      "(cellstream serve --admin-token-file)")
+            raise web.HTTPForbidden(reason=reason)
         return await handler(request)
 
     # -- service --------------------------------------------------------------------
-    async def healthz(self, request: web.Request) -> web.Response:
+    async def healthz(self, got: Got) -> web.Response:
         return _json({"status": "ok"})
 
-    async def readyz(self, request: web.Request) -> web.Response:
+    async def readyz(self, got: Got) -> web.Response:
         nodes: dict[str, str] = {}
         for node, shard in self._first_shard.items():
             try:
@@ -291,105 +364,77 @@ class WorkerNode:
         ready = all(v == "ok" for v in nodes.values())
         return _json({"ready": ready, "nodes": nodes}, 200 if ready else 503)
 
-    async def prometheus(self, request: web.Request) -> web.Response:
+    async def prometheus(self, got: Got) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def openapi(self, request: web.Request) -> web.Response:
+    async def openapi(self, got: Got) -> web.Response:
         return web.Response(body=self._openapi, content_type="application/json")
 
-    async def info(self, request: web.Request) -> web.Response:
+    async def info(self, got: Got) -> web.Response:
         return _json({"shards": self.store.shard_count, "nodes": self.store.nodes,
                       "max_body_bytes": self.config.max_body_bytes})
 
     # -- cells ----------------------------------------------------------------------
-    async def put_cells(self, request: web.Request, system: bool = False) -> web.Response:
-        put = _model(wire.PutCells, await _body(request))
-        cells = [(c.row_key, c.column, c.ref_key, c.body) for c in put.cells]
-        stored = await self._call(self.store.put_system_cells if system else self.store.put_cells, cells)
+    async def put_cells(self, got: Got) -> web.Response:
+        cells = [(c.row_key, c.column, c.ref_key, c.body) for c in got.body.cells]
+        put = self.store.put_system_cells if got.route.access == "admin" else self.store.put_cells
+        stored = await self._call(put, cells)
         self.metrics.cells.inc(len(stored))
         return _json({"cells": [c.to_json() for c in stored]})
 
-    async def put_system_cells(self, request: web.Request) -> web.Response:
-        return await self.put_cells(request, system=True)
+    put_system_cells = put_cells
 
-    async def put_cell(self, request: web.Request) -> web.Response:
-        body = await _body(request)
-        if not isinstance(body, dict):
-            raise _BadInput("body", f"expected a JSON object, got {type(body).__name__}")
-        m = request.match_info
-        cell = await self._call(self.store.put_cell, m["row_key"], m["column"], _int(m["ref_key"], "ref_key"), body)
+    async def put_cell(self, got: Got) -> web.Response:
+        at = got.path
+        cell = await self._call(self.store.put_cell, at.row_key, at.column, at.ref_key, got.body)
         self.metrics.cells.inc()
         return _json(cell.to_json())
 
-    async def get_cell(self, request: web.Request) -> web.Response:
-        m = request.match_info
-        cell = await self._call(self.store.get_cell, m["row_key"], m["column"], _int(m["ref_key"], "ref_key"))
+    async def get_cell(self, got: Got) -> web.Response:
+        at = got.path
+        cell = await self._call(self.store.get_cell, at.row_key, at.column, at.ref_key)
         if cell is None:
             return _not_found("no cell at these coordinates")
         return _json(cell.to_json())
 
-    async def get_latest(self, request: web.Request) -> web.Response:
-        m = request.match_info
-        cell = await self._call(self.store.get_cell_latest, m["row_key"], m["column"])
+    async def get_latest(self, got: Got) -> web.Response:
+        cell = await self._call(self.store.get_cell_latest, got.path.row_key, got.path.column)
         if cell is None:
             return _not_found("no cell in this row and column")
         return _json(cell.to_json())
 
-    async def get_row(self, request: web.Request) -> web.Response:
-        row = await self._call(self.store.get_row, request.match_info["row_key"])
+    async def get_row(self, got: Got) -> web.Response:
+        row = await self._call(self.store.get_row, got.path.row_key)
         return _json({"cells": {column: cell.to_json() for column, cell in row.items()}})
 
     # -- shards and logs --------------------------------------------------------------
-    def _shard(self, text: str, field: str) -> int:
-        shard = _int(text, field)
-        if shard >= self.store.shard_count:
-            raise _BadInput(field, f"{shard} is out of range: the shards are 0 to {self.store.shard_count - 1}")
-        return shard
-
-    async def shards(self, request: web.Request) -> web.Response:
+    async def shards(self, got: Got) -> web.Response:
         stats = await self._call(self.store.shard_stats)
         return _json({"shards": [{"shard": s.shard, "node": s.node, "cells": s.cells} for s in stats]})
 
-    async def shard(self, request: web.Request) -> web.Response:
-        shard = self._shard(request.match_info["shard"], "shard")
+    async def shard(self, got: Got) -> web.Response:
+        shard = got.path.shard
         head = await self._call(self.store.head, shard)
         return _json({"shard": shard, "node": self.store.node_of(shard), "head": head})
 
-    async def log(self, request: web.Request) -> web.Response:
-        shard = self._shard(request.match_info["shard"], "shard")
-        after, limit = _query_int(request, "after", 0), _query_int(request, "limit", 1000)
-        if limit < 1:
-            raise _BadInput("limit", "must be at least 1")
-        cells, next_location = await self._call(self.store.get_cells_for_shard, shard, after, limit,
-                                                columns=_columns(request))
+    async def log(self, got: Got) -> web.Response:
+        query = got.query
+        cells, next_location = await self._call(self.store.get_cells_for_shard, got.path.shard, query.after,
+                                                query.limit, columns=_columns(query.columns))
         return _json({"cells": [c.to_json() for c in cells], "next": next_location})
 
-    async def count(self, request: web.Request) -> web.Response:
-        shard = self._shard(request.match_info["shard"], "shard")
-        count = await self._call(self.store.count_after, shard, _query_int(request, "after", 0),
-                                 columns=_columns(request))
+    async def count(self, got: Got) -> web.Response:
+        count = await self._call(self.store.count_after, got.path.shard, got.query.after,
+                                 columns=_columns(got.query.columns))
         return _json({"count": count})
 
-    async def location(self, request: web.Request) -> web.Response:
-        shard = self._shard(request.match_info["shard"], "shard")
-        text = request.query.get("at")
-        if text is None:
-            raise _BadInput("at", "required: an ISO 8601 time with a UTC offset")
-        try:
-            when = dt.datetime.fromisoformat(text)
-        except ValueError:
-            raise _BadInput("at", f"{text!r} is not an ISO 8601 time") from None
-        if when.utcoffset() is None:
-            raise _BadInput("at", f"{text!r} has no UTC offset (e.g. 2026-11-24T10:00:00Z)")
-        return _json({"location": await self._call(self.store.location_at, shard, when)})
+    async def location(self, got: Got) -> web.Response:
+        return _json({"location": await self._call(self.store.location_at, got.path.shard, got.query.at)})
 
-    async def logs(self, request: web.Request) -> web.Response:
-        query = _model(wire.LogsQuery, await _body(request))
-        locations = {self._shard(k, f"locations.{k}"): v for k, v in query.locations.items()}
-        for k, v in query.locations.items():
-            if v < 0:
-                raise _BadInput(f"locations.{k}", f"{v} is not a location (an added_id, 0 or more)")
+    async def logs(self, got: Got) -> web.Response:
+        query = got.body
+        locations = {int(k): v for k, v in query.locations.items()}
         pages = await self._call(self.store.get_cells_for_shards, locations, query.limit, columns=query.columns)
         out: dict[str, Any] = {}
         for shard, page in pages.items():
@@ -398,24 +443,32 @@ class WorkerNode:
         return _json({"pages": out})
 
     # -- offsets --------------------------------------------------------------------
-    async def read_offsets(self, request: web.Request) -> web.Response:
-        records = await self._call(self.store.read_offsets, _consumer(request))
+    async def read_offsets(self, got: Got) -> web.Response:
+        records = await self._call(self.store.read_offsets, got.path.consumer)
         return _json({"offsets": {str(s): r._asdict() for s, r in records.items()}})
 
-    async def claim_offsets(self, request: web.Request) -> web.Response:
-        claim = _model(wire.ClaimOffsets, await _body(request))
-        records = await self._call(self.store.claim_offsets, _consumer(request), claim.owner,
-                                   claim.shards)
+    async def claim_offsets(self, got: Got) -> web.Response:
+        records = await self._call(self.store.claim_offsets, got.path.consumer, got.body.owner, got.body.shards)
         return _json({"offsets": {str(s): r._asdict() for s, r in records.items()}})
 
-    async def commit_offsets(self, request: web.Request) -> web.Response:
-        commit = _model(wire.CommitOffsets, await _body(request))
-        offsets = {_int(k, f"offsets.{k}"): (v.location, v.doc) for k, v in commit.offsets.items()}
-        fenced = await self._call(self.store.commit_offsets, _consumer(request), commit.owner, offsets)
+    async def commit_offsets(self, got: Got) -> web.Response:
+        offsets = {int(k): (v.location, v.doc) for k, v in got.body.offsets.items()}
+        fenced = await self._call(self.store.commit_offsets, got.path.consumer, got.body.owner, offsets)
         return _json({"fenced": sorted(fenced)})
 
 
 # -- input ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Got:
+    """A request as its route's models validated it."""
+
+    request: web.Request
+    route: Route
+    path: Any
+    query: Any
+    body: Any
+
+
 class _BadInput(Exception):
     def __init__(self, field: str, problem: str) -> None:
         self.field = field
@@ -423,8 +476,32 @@ class _BadInput(Exception):
         super().__init__(f"{field}: {problem}")
 
 
-async def _body(request: web.Request) -> Any:
-    raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge (413)
+def _validated(adapter: TypeAdapter[Any], doc: Any, where: str, shards: int, known: str = "") -> Any:
+    """``doc`` as ``adapter`` takes it, or _BadInput naming the first bad field as the request named it."""
+    try:
+        return adapter.validate_python(doc)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = [str(p) for p in first["loc"]]
+        problem = first["msg"]
+        if loc and loc[-1] == "[key]":  # only shard numbers key an object
+            loc.pop()
+            problem = f"not a shard: the shards are 0 to {shards - 1}, in ASCII digits without leading zeros"
+        field = ".".join(loc) or where
+        if first["type"] == "number_range":  # the place inside a body: the validator's context says it
+            inside = str(first.get("ctx", {}).get("where", ""))
+            field = field + ("" if inside.startswith("[") else ".") + inside if inside else field
+            problem = problem.split(": ", 1)[-1]
+        elif first["type"] == "extra_forbidden" and where == "query":
+            problem = f"unknown query parameter (this route takes: {known or 'none'})"
+        raise _BadInput(field, problem) from None
+
+
+async def _json_body(request: web.Request, timeout: float) -> Any:
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout)  # over client_max_size: 413
+    except TimeoutError:
+        raise _SlowBody(timeout) from None
     if not raw:
         raise _BadInput("body", "a JSON document is required")
     try:
@@ -433,46 +510,13 @@ async def _body(request: web.Request) -> Any:
         raise _BadInput("body", f"not JSON: {exc}") from None
 
 
-def _model(model: type[wire.BaseModelT], doc: Any) -> wire.BaseModelT:
-    try:
-        return model.model_validate(doc)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "body"
-        raise _BadInput(field, first["msg"]) from None
+class _SlowBody(Exception):
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"the request's body did not arrive within {timeout:g} s")
 
 
-# ASCII only: int() would also take "+7", "1_000", " 3" and the digits of other scripts.
-_DIGITS = re.compile(r"0|[1-9][0-9]{0,18}")
-
-
-def _int(text: str, field: str) -> int:
-    """A path or query integer: ASCII digits, no sign, no leading zero, below 2**63."""
-    if not _DIGITS.fullmatch(text) or int(text) >= 1 << 63:
-        raise _BadInput(field, f"{text!r} is not an integer from 0 to 2**63-1 in ASCII digits")
-    return int(text)
-
-
-def _query_int(request: web.Request, name: str, default: int) -> int:
-    text = request.query.get(name)
-    return default if text is None else _int(text, name)
-
-
-def _columns(request: web.Request) -> list[str] | None:
-    text = request.query.get("columns")
-    if text is None:
-        return None
-    names = text.split(",")
-    if not all(names):
-        raise _BadInput("columns", f"{text!r}: expected column names separated by single commas")
-    return names
-
-
-def _consumer(request: web.Request) -> str:
-    name = request.match_info["consumer"]
-    if not re.fullmatch(wire.CONSUMER_PATTERN, name):
-        raise _BadInput("consumer", f"{name!r} does not match {wire.CONSUMER_PATTERN}")
-    return name
+def _columns(text: str | None) -> list[str] | None:
+    return None if text is None else text.split(",")
 
 
 def _not_found(message: str) -> web.Response:

@@ -1,5 +1,5 @@
 """The worker node's wire format, shared by the server (:mod:`logstore.node.server`) and the client
-(:mod:`logstore.backends.http`): cells and errors as JSON, the request bodies, and the OpenAPI document.
+(:mod:`logstore.backends.http`): cells and errors as JSON. (What requests may hold: :mod:`logstore.node.models`.)
 
 A cell travels as :meth:`Cell.to_json` gives it. An error travels as
 ``{"error": {"type", "message", "retriable", "field"?, "coordinates"?, "cells_before"?}}``
@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import uuid
-from typing import Any, TypeVar
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from logstore.cell import Cell
 from logstore.errors import (
@@ -27,11 +26,6 @@ from logstore.errors import (
     StorageError,
     StorageUnavailableError,
 )
-
-MAX_LOCATION = (1 << 63) - 1
-UUID_PATTERN = r"^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$"
-COLUMN_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
-CONSUMER_PATTERN = r"^[A-Za-z0-9_.:@-]{1,200}$"  # over HTTP; a local store takes any printable name
 
 # The status of each error kind; the first match in this order wins (subclasses first).
 STATUS: list[tuple[type[LogstoreError], int]] = [
@@ -65,14 +59,18 @@ def loads(raw: bytes) -> Any:
 
 
 # -- errors -----------------------------------------------------------------------------
+_BATCH_FIELD = re.compile(r"cells\.([0-9]+)\.(.+)", re.DOTALL)
+_CELL_FIELD = re.compile(r"(?:cells\.[0-9]+\.)?(?:row_key|column|ref_key|body)(?:[.\[].*)?", re.DOTALL)
+
+
 def error_status(exc: LogstoreError) -> int:
     return next(status for kind, status in STATUS if isinstance(exc, kind))
 
 
 def error_json(exc: LogstoreError) -> dict[str, Any]:
     doc: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc), "retriable": exc.retriable}
-    if isinstance(exc, InvalidCellError):
-        doc["field"] = exc.field
+    if isinstance(exc, InvalidCellError):  # a batch's cell is named as the request named it: cells.N.<field>
+        doc["field"] = exc.field if exc.index is None else f"cells.{exc.index}.{exc.field}"
         doc["problem"] = exc.problem
     if isinstance(exc, CellConflictError):
         doc["coordinates"] = {"row_key": str(exc.row_key), "column": exc.column, "ref_key": exc.ref_key}
@@ -87,8 +85,10 @@ def error_json(exc: LogstoreError) -> dict[str, Any]:
 
 
 def bad_request(field: str, problem: str) -> dict[str, Any]:
-    """A request the server refuses before it reaches the store (the field is named as sent)."""
-    return {"error": {"type": "InvalidArgumentError", "message": f"{field}: {problem}", "retriable": False,
+    """A request the server refuses before it reaches the store (the field is named as sent). A cell's
+    coordinates or body are an InvalidCellError, as the store would have raised."""
+    kind = "InvalidCellError" if _CELL_FIELD.fullmatch(field) else "InvalidArgumentError"
+    return {"error": {"type": kind, "message": f"{field}: {problem}", "retriable": False,
                       "field": field, "problem": problem}}
 
 
@@ -99,7 +99,11 @@ def error_from_json(status: int, doc: Any) -> LogstoreError:
         return StorageError(f"worker node answered HTTP {status} without an error document")
     kind, message = str(error.get("type")), str(error.get("message"))
     if kind == "InvalidCellError" and "field" in error:
-        return InvalidCellError(str(error["field"]), str(error.get("problem", message)))
+        field, problem = str(error["field"]), str(error.get("problem", message))
+        batch = _BATCH_FIELD.fullmatch(field)
+        if batch:
+            return InvalidCellError(batch[2], problem, index=int(batch[1]))
+        return InvalidCellError(field, problem)
     if status == 400:
         return InvalidArgumentError(message)
     if kind == "CellConflictError":
@@ -122,44 +126,3 @@ def error_from_json(status: int, doc: Any) -> LogstoreError:
     if kind == "ConfigurationError":
         return ConfigurationError(f"worker node: {message}")
     return StorageError(f"worker node answered HTTP {status}: {message}")
-
-
-# -- request bodies -----------------------------------------------------------------------
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class CellIn(_Strict):
-    row_key: str = Field(pattern=UUID_PATTERN, description="the row's UUID")
-    column: str = Field(pattern=COLUMN_PATTERN)
-    ref_key: int = Field(ge=0, le=MAX_LOCATION)
-    body: dict[str, Any] = Field(description="a JSON object")
-
-
-class PutCells(_Strict):
-    cells: list[CellIn] = Field(min_length=1, max_length=10_000)
-
-
-class LogsQuery(_Strict):
-    locations: dict[str, int] = Field(min_length=1, description="shard (as a string) -> location to read after")
-    limit: int = Field(1000, ge=1, le=100_000)
-    columns: list[str] | None = None
-
-
-class ClaimOffsets(_Strict):
-    owner: str = Field(min_length=1, max_length=200)
-    shards: list[int] | None = None
-
-
-class OffsetIn(_Strict):
-    location: int = Field(ge=0, le=MAX_LOCATION)
-    doc: dict[str, Any] = Field(default_factory=dict)
-
-
-class CommitOffsets(_Strict):
-    owner: str = Field(min_length=1, max_length=200)
-    offsets: dict[str, OffsetIn] = Field(description="shard (as a string) -> position")
-
-
-BaseModelT = TypeVar("BaseModelT", bound=BaseModel)
-REQUESTS: list[type[BaseModel]] = [CellIn, PutCells, LogsQuery, ClaimOffsets, OffsetIn, CommitOffsets]

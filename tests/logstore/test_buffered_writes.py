@@ -171,7 +171,9 @@ def test_a_worker_node_buffers_and_its_replayer_writes_home(mysql_database: str,
             db.start()
             capsys.readouterr()
             assert main(["pending", "--store", str(cluster), "--json"]) == 0
-            assert json.loads(capsys.readouterr().out) == {"a": {"waiting": 2, "failed": 0}}
+            assert json.loads(capsys.readouterr().out) == {
+                "homes": {"a": {"waiting": 2, "failed": 0, "held_on": {"b": {"waiting": 2, "failed": 0}}}},
+                "unreachable": []}
             assert main(["pending", "--store", str(cluster), "--replay", "--wait", "30"]) == 0
             assert "replayed 2, failed 0, waiting 0" in capsys.readouterr().out
             assert all(store.get_cell(k, "BASE", 1).added_id > 0 for k in keys[3:])  # type: ignore[union-attr]

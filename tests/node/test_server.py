@@ -84,7 +84,7 @@ BAD_INPUT = [
     ("GET", "/v1/shards/0/log?limit=%2B5", None, 400, "limit"),
     ("GET", "/v1/shards/0/log?after=-1", None, 400, "after"),
     ("GET", "/v1/shards/007/log", None, 400, "shard"),
-    ("GET", "/v1/shards/0/log?columns=9x", None, 400, "column"),
+    ("GET", "/v1/shards/0/log?columns=9x", None, 400, "columns"),
     ("GET", "/v1/shards/0/log?limt=5", None, 400, "limt"),
     ("GET", f"/v1/rows/{ROW}/BASE?ref=1", None, 400, "ref"),
     ("GET", "/v1/shards/0/location?at=yesterday", None, 400, "at"),

@@ -293,9 +293,9 @@ class MySQLRecorder(NodeRecorder):
                 return fn(cur)
         except pymysql.Error as exc:
             error = translate(exc, where)
-            # A retriable error is retried (said here, once per attempt); any other is raised to the caller,
-            # who reports it: logging it too printed it twice on the command line.
-            logger.log(logging.WARNING if error.retriable else logging.DEBUG, "%s on %s failed: %s", what, where,
+            # Raised to the caller, who reports what finally failed: a retried attempt is said at INFO (at
+            # WARNING, a command waiting on a down node printed it once per attempt), any other at DEBUG.
+            logger.log(logging.INFO if error.retriable else logging.DEBUG, "%s on %s failed: %s", what, where,
                        error)
             raise error from exc
         except UnicodeError:
@@ -309,9 +309,9 @@ class MySQLRecorder(NodeRecorder):
         return self._call("read", run, read=True)
 
     # -- metadata -------------------------------------------------------------------
-    def read_meta(self) -> NodeMeta | None:
+    def read_meta(self, retry: RetryPolicy | None = None) -> NodeMeta | None:
         try:
-            rows = self._call("read metadata", _read_meta, read=True)
+            rows = self._call("read metadata", _read_meta, read=True, policy=retry)
         except StoreNotFoundError:
             return None
         if not rows:
@@ -333,13 +333,15 @@ class MySQLRecorder(NodeRecorder):
                 return
             self._initializing = threading.get_ident()
             try:
-                self.initialize(meta)  # raises StorageUnavailableError while the primary is still down
+                # Raises StorageUnavailableError while the primary is still down: soon, as the statement
+                # that brought it here retries under its own policy.
+                self.initialize(meta, self._quick_retry)
             finally:
                 self._initializing = None
             self._deferred = None
             logger.info("storage node %s answers again: initialized", self.name)
 
-    def initialize(self, meta: NodeMeta) -> None:
+    def initialize(self, meta: NodeMeta, retry: RetryPolicy | None = None) -> None:
         self._creating = True
         def run(cur: pymysql.cursors.Cursor) -> None:
             # A node of another layout is refused before anything is created in it.
@@ -357,8 +359,8 @@ class MySQLRecorder(NodeRecorder):
                                 [(s,) for s in range(meta.first, meta.last + 1)])
                 logger.info("created storage node %s with shards %d-%d", self.name, meta.first, meta.last)
             cur.execute("COMMIT")
-        self._call("initialize", run)
-        stored = self.read_meta()
+        self._call("initialize", run, policy=retry)
+        stored = self.read_meta(retry)
         assert stored is not None
         check_meta(self.name, stored, meta)
 

@@ -233,7 +233,7 @@ class SQLiteRecorder(NodeRecorder):
         self._directory = target.directory
 
     # -- metadata ---------------------------------------------------------
-    def read_meta(self) -> NodeMeta | None:
+    def read_meta(self, retry: RetryPolicy | None = None) -> NodeMeta | None:
         if not self._db.path.exists():  # connecting would create the file: a read must not
             return None
         with self._errors("read metadata"):
@@ -249,7 +249,7 @@ class SQLiteRecorder(NodeRecorder):
             raise ConfigurationError(f"storage node {self.name} has unknown format {rows.get('format_version')}")
         return NodeMeta(int(rows["shard_count"]), int(rows["first"]), int(rows["last"]))
 
-    def initialize(self, meta: NodeMeta) -> None:
+    def initialize(self, meta: NodeMeta, retry: RetryPolicy | None = None) -> None:
         try:
             self._directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -1,0 +1,104 @@
+"""The worker node's routes, one table for the server and its OpenAPI document: each route's method, path,
+handler, who may call it, the :mod:`~logstore.node.models` its path, query and body are validated with,
+and the shape of its answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Access = Literal["open", "token", "admin"]
+
+
+def ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: str  # the WorkerNode method answering it
+    summary: str
+    ok: dict[str, Any]  # the JSON Schema of a 200 answer
+    errors: tuple[int, ...] = ()  # statuses besides 400, 401 and 503
+    path_model: str | None = None  # attribute names of models.Models
+    query_model: str | None = None
+    body_model: str | None = None
+    access: Access = "token"
+    media: str = "application/json"
+
+
+_CELLS = {"type": "object", "required": ["cells"], "additionalProperties": False,
+          "properties": {"cells": {"type": "array", "items": ref("Cell")}}}
+_OFFSETS = {"type": "object", "required": ["offsets"], "properties": {"offsets": {
+    "type": "object", "additionalProperties": {
+        "type": "object", "required": ["shard", "location", "owner", "doc"],
+        "properties": {"shard": {"type": "integer"}, "location": {"type": ["integer", "null"]},
+                       "owner": {"type": "string"}, "doc": {"type": "object"}}}}}}
+_PROBE = {"type": "object"}
+
+ROUTES: list[Route] = [
+    Route("GET", "/healthz", "healthz", "the process answers", _PROBE, access="open"),
+    Route("GET", "/readyz", "readyz", "every storage node answers (503 naming the ones that do not)", {
+        "type": "object", "required": ["ready", "nodes"],
+        "properties": {"ready": {"type": "boolean"},
+                       "nodes": {"type": "object", "additionalProperties": {"type": "string"}}}}, access="open"),
+    Route("GET", "/metrics", "prometheus", "Prometheus metrics (text exposition format)", {"type": "string"},
+          media="text/plain"),
+    Route("GET", "/openapi.json", "openapi", "this document", {"type": "object"}),
+    Route("GET", "/v1/info", "info", "shard count and storage nodes", {
+        "type": "object", "required": ["shards", "nodes", "max_body_bytes"],
+        "properties": {"shards": {"type": "integer"}, "nodes": {"type": "array", "items": {"type": "string"}},
+                       "max_body_bytes": {"type": "integer"}}}),
+    Route("POST", "/v1/cells", "put_cells", "write cells (atomic per storage node; idempotent)", _CELLS,
+          (409, 413), body_model="PutCells"),
+    Route("POST", "/v1/system/cells", "put_system_cells",
+          "write cells of any column, cellstream's own `_` ones (dead letters, offsets, the index catalog) too; "
+          "needs the admin token", _CELLS, (403, 409, 413), body_model="PutSystemCells", access="admin"),
+    Route("GET", "/v1/rows/{row_key}", "get_row", "the latest cell of every column of the row", {
+        "type": "object", "required": ["cells"],
+        "properties": {"cells": {"type": "object", "additionalProperties": ref("Cell")}}}, path_model="Row"),
+    Route("GET", "/v1/rows/{row_key}/{column}", "get_latest", "the cell of the highest ref_key", ref("Cell"), (404,),
+          path_model="RowColumn"),
+    Route("GET", "/v1/rows/{row_key}/{column}/{ref_key}", "get_cell", "one cell", ref("Cell"), (404,),
+          path_model="CellAt"),
+    Route("PUT", "/v1/rows/{row_key}/{column}/{ref_key}", "put_cell",
+          "write one cell; the request body is the cell's body", ref("Cell"), (409, 413),
+          path_model="CellWrite", body_model="CellBody"),
+    Route("GET", "/v1/shards", "shards", "cells per shard and the node holding it", {
+        "type": "object", "required": ["shards"], "properties": {"shards": {"type": "array", "items": {
+            "type": "object", "required": ["shard", "node", "cells"],
+            "properties": {"shard": {"type": "integer"}, "node": {"type": "string"},
+                           "cells": {"type": "integer"}}}}}}),
+    Route("GET", "/v1/shards/{shard}", "shard", "the shard's node and head location", {
+        "type": "object", "required": ["shard", "node", "head"],
+        "properties": {"shard": {"type": "integer"}, "node": {"type": "string"}, "head": {"type": "integer"}}},
+          path_model="Shard"),
+    Route("GET", "/v1/shards/{shard}/log", "log",
+          "a page of the shard's log: cells after a location, in added_id order", {
+              "type": "object", "required": ["cells", "next"],
+              "properties": {"cells": {"type": "array", "items": ref("Cell")}, "next": {"type": "integer"}}},
+          path_model="Shard", query_model="LogQuery"),
+    Route("GET", "/v1/shards/{shard}/count", "count", "cells after a location", {
+        "type": "object", "required": ["count"], "properties": {"count": {"type": "integer"}}},
+          path_model="Shard", query_model="CountQuery"),
+    Route("GET", "/v1/shards/{shard}/location", "location",
+          "a location from which paging yields every cell created at or after a time", {
+              "type": "object", "required": ["location"], "properties": {"location": {"type": "integer"}}},
+          path_model="Shard", query_model="LocationQuery"),
+    Route("POST", "/v1/logs", "logs", "pages of many shards' logs at once (a shard that cannot be read: its error)", {
+        "type": "object", "required": ["pages"], "properties": {"pages": {
+            "type": "object", "additionalProperties": {"oneOf": [_CELLS, ref("Error")]}}}},
+          (413,), body_model="LogsQuery"),
+    Route("GET", "/v1/offsets/{consumer}", "read_offsets", "a consumer's committed positions", _OFFSETS,
+          path_model="Consumer"),
+    Route("POST", "/v1/offsets/{consumer}/claim", "claim_offsets",
+          "take over a consumer's positions (the previous holder's commits are refused from then on)", _OFFSETS,
+          (413,), path_model="Consumer", body_model="ClaimOffsets"),
+    Route("POST", "/v1/offsets/{consumer}/commit", "commit_offsets",
+          "store positions while holding them; answers the shards no longer held", {
+              "type": "object", "required": ["fenced"],
+              "properties": {"fenced": {"type": "array", "items": {"type": "integer"}}}},
+          (413,), path_model="Consumer", body_model="CommitOffsets"),
+]
