@@ -168,8 +168,13 @@ def test_a_worker_node_buffers_and_its_replayer_writes_home(mysql_database: str,
             # Without a worker node, `cellstream pending --replay` does the same.
             db.kill()
             assert [store.put_cell(k, "BASE", 1, {"via": "store"}).added_id for k in keys[3:]] == [0, 0]
-            db.start()
             capsys.readouterr()
+            # While node a is down: what waits for it, where, and that a itself could not be asked.
+            assert main(["pending", "--store", str(cluster), "--json"]) == 0
+            assert json.loads(capsys.readouterr().out) == {
+                "homes": {"a": {"waiting": 2, "failed": 0, "held_on": {"b": {"waiting": 2, "failed": 0}}}},
+                "unreachable": ["a"]}
+            db.start()
             assert main(["pending", "--store", str(cluster), "--json"]) == 0
             assert json.loads(capsys.readouterr().out) == {
                 "homes": {"a": {"waiting": 2, "failed": 0, "held_on": {"b": {"waiting": 2, "failed": 0}}}},
