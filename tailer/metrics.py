@@ -14,6 +14,8 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from logstore.build_info import register_build_info
+
 Lag = tuple[int, float]  # (cells after the acknowledged position, age in seconds of the oldest of them)
 
 
@@ -24,6 +26,8 @@ class TailerMetrics:
         self.registry = registry or CollectorRegistry()
         self.name = name
         r = self.registry
+        if registry is None:
+            register_build_info(r, "tailer")
         self.lag_cells = Gauge("cellstream_tailer_lag_cells",
                                "Cells after the acknowledged positions, summed over the owned shards",
                                ["tailer"], registry=r)

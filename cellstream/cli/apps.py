@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cellstream.cli import logs
 from cellstream.cli.common import Output, add_kafka_config, add_zookeeper_auth, kafka_override, zookeeper_auth
 from cellstream.cli.exits import Exit
 from cellstream.errors import UsageError
@@ -137,6 +138,8 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     if args.workers > 1 and not (app.brokers or app.config.zookeeper):
         raise indexer.ConfigurationError(
             "--workers > 1 needs shared coordination: give the app zookeeper=... (direct mode) or brokers=...")
+    logs.starting("run", args, app=app.name, mode="kafka" if app.brokers else "direct",
+                  kafka_security=app.config.kafka.masked() if app.brokers and app.config.kafka else None)
     if args.drain:
         counts = app.drain(args.timeout)
         out.emit(counts._asdict(), f"processed {counts.processed}, retried {counts.retried}, "

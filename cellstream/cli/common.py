@@ -34,7 +34,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def common_options(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The options every command takes: --store, --json, --verbose.
+    """The options every command takes: --store, --json, --verbose, --log-format.
 
     Given before the command they go on the top-level ``parser`` (with their defaults); after it, on every
     command's parser, whose copies default to SUPPRESS so that not repeating one there keeps what was given
@@ -48,7 +48,11 @@ def common_options(parser: argparse.ArgumentParser | None = None) -> argparse.Ar
     common.add_argument("--json", action="store_true", default=False if top else argparse.SUPPRESS,
                         help="print JSON (JSON lines for streams)")
     common.add_argument("-v", "--verbose", action="store_true", default=False if top else argparse.SUPPRESS,
-                        help="log to stderr")
+                        help="log INFO too (long-running commands always do)")
+    common.add_argument("--log-format", choices=["text", "json"],
+                        default=os.environ.get("CELLSTREAM_LOG_FORMAT", "text") if top else argparse.SUPPRESS,
+                        help="log lines on stderr as text or JSON objects, each with its time and level "
+                             "(env CELLSTREAM_LOG_FORMAT)")
     return common
 
 

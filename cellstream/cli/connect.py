@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cellstream.cli import logs
 from cellstream.cli.common import Output, add_kafka_config, kafka_override
 from cellstream.cli.exits import Exit
 
@@ -72,6 +73,8 @@ def _run(store: Store, config: ConnectorConfig, args: argparse.Namespace, out: O
     from connectors.runtime import connector_app
 
     app, applier = connector_app(config, store)
+    logs.starting("connect run", args, connector=config.name, columns=config.columns, sink=config.sink.type,
+                  brokers=config.brokers)  # the sink's URL may hold a password: not shown
     try:
         if not args.drain:
             app.run(metrics_port=args.metrics_port)

@@ -11,12 +11,11 @@ are reported in one line and mapped to exit codes by one table,
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
 from cellstream import __version__
-from cellstream.cli import apps, cells, connect, demo, indexes, serve, tail
+from cellstream.cli import apps, cells, connect, demo, indexes, logs, serve, tail
 from cellstream.cli.common import Output, Parser, common_options
 from cellstream.cli.exits import Exit, fail
 from cellstream.errors import UsageError
@@ -39,8 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        if args.verbose:
-            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logs.configure(args.log_format, args.verbose)
         out = Output(args.json, sys.stdout)
         if getattr(args, "limit", None) is not None and args.limit < 1:
             raise UsageError("--limit must be at least 1")

@@ -27,6 +27,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cellstream.cli import logs
 from cellstream.cli.common import Output
 from cellstream.cli.exits import Exit
 from logstore.errors import InvalidArgumentError
@@ -99,7 +100,7 @@ def run(store: Store, args: argparse.Namespace, out: Output) -> int:
         if error["loc"]:
             problem = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-") + ": " + problem
         raise InvalidArgumentError(problem) from None
-    return _run(_serve(store, config, out))
+    return _run(_serve(store, config, out, args))
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:
@@ -111,7 +112,7 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(main)
 
 
-async def _serve(store: Store, config: ServerConfig, out: Output) -> int:
+async def _serve(store: Store, config: ServerConfig, out: Output, args: argparse.Namespace) -> int:
     from logstore.node.server import WorkerNode
 
     stop = asyncio.Event()
@@ -120,6 +121,8 @@ async def _serve(store: Store, config: ServerConfig, out: Output) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         async with WorkerNode(store, config) as node:
+            logs.starting("serve", args, url=node.url, token_required=config.token is not None,
+                          admin_token=config.admin_token is not None)
             required = config.token is not None
             if out.as_json:
                 out.emit({"url": node.url, "token_required": required, "admin_token": config.admin_token is not None},

@@ -19,6 +19,7 @@ import os
 import signal
 from typing import TYPE_CHECKING, Any
 
+from cellstream.cli import logs
 from cellstream.cli.common import Output, add_kafka_config, add_zookeeper_auth, columns_arg, zookeeper_auth
 from cellstream.cli.exits import Exit
 from cellstream.errors import UsageError
@@ -126,8 +127,13 @@ def _parts(store: Store, args: argparse.Namespace, config: TailerConfig) -> tupl
 def _run(store: Store, args: argparse.Namespace) -> int:
     config = _config(args)
     coordinator, publisher = _parts(store, args, config)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kafka = None
+    if args.brokers:
+        from tailer.security import resolve_kafka_config
+
+        security = resolve_kafka_config(args.kafka_config)
+        kafka = security.masked() if security is not None else None
+    logs.starting("tail", args, tailer=config.model_dump(mode="json"), kafka_security=kafka)
     from tailer.metrics import TailerMetrics
     from tailer.worker import Tailer
 

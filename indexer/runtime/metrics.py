@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from logstore.build_info import register_build_info
+
 
 class AppMetrics:
     """The app's handler metrics; ``serve(port)`` exposes them (and the source's) on ``/metrics``."""
 
     def __init__(self, app: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
+        if registry is None:
+            register_build_info(r, "app")
         self.app = app
         labels = ["app", "handler"]
         self.processed = Counter("cellstream_app_processed", "Cells a handler processed successfully", labels,

@@ -44,6 +44,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError, model_validator
 
+from logstore.build_info import register_build_info
 from logstore.errors import ConfigurationError, InvalidArgumentError, LogstoreError
 from logstore.node import openapi, wire
 from logstore.node.connections import Connection, Limits, protocol_factory
@@ -145,6 +146,8 @@ class WorkerNode:
                                      f"not {self.config.host} (set a token to listen there)")
         self._tls = self.config.tls_context()
         self.metrics = _Metrics(registry or CollectorRegistry())
+        if registry is None:
+            register_build_info(self.metrics.registry, "worker-node")
         self.metrics.connections.set_function(self._open_connections)
         self._pool: ThreadPoolExecutor | None = None
         self._runner: web.AppRunner | None = None

@@ -194,6 +194,7 @@ def test_metrics_count_requests_by_route_and_status(node: NodeThread) -> None:
     assert 'route="/v1/rows/{row_key}/{column}",status="404"} 1.0' in text
     assert 'route="/v1/shards/{shard}/log",status="400"} 1.0' in text
     assert "cellstream_worker_cells_written_total 3.0" in text
+    assert 'cellstream_build_info{component="worker-node"' in text
     assert 'cellstream_worker_request_seconds_bucket{le="0.005",route="/v1/cells"}' in text
 
 
