@@ -1,8 +1,8 @@
 """Running a connector: the stream-processing runtime of :mod:`indexer` with a sink as its batch handler.
 
 The app named like the connector tails the logstore (direct mode: the embedded
-default) or, given ``brokers``, consumes the tailer's Kafka topics as a faust app
-(Kafka mode: a consumer group, commits only through the checkpoint). Each column's
+default) or, given ``brokers``, consumes the tailer's Kafka topics (Kafka mode: a consumer
+group, commits only through the checkpoint). Each column's
 cells reach the sink in batches, in per-shard order: ``convert`` on the way in (a
 cell that cannot convert goes to the app's dead-letter queue with the reason, like
 any handler's; `cellstream dlq` triages it), then ``write``. Before the source

@@ -13,7 +13,8 @@ from logstore.errors import MissingExtraError
 # extra -> the modules it installs (the top-level import names, as find_spec wants them)
 EXTRAS: dict[str, tuple[str, ...]] = {
     "mysql": ("pymysql",),
-    "kafka": ("aiokafka", "faust"),
+    "kafka": ("aiokafka",),
+    "faust": ("aiokafka", "faust"),
     "zookeeper": ("kazoo",),
     "server": ("aiohttp",),
     "parquet": ("pyarrow",),

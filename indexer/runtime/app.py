@@ -8,7 +8,7 @@ Counts(processed=..., retried=..., dead_lettered=...)
 
 Direct mode (no ``brokers``) tails the logstore (:mod:`indexer.runtime.direct`), embedded
 (offsets in the store) or shared between processes through ZooKeeper. Kafka mode
-(``brokers="host:port"``) consumes the tailer's topics as a faust-streaming app
+(``brokers="host:port"``) consumes the tailer's topics with aiokafka's consumer group
 (:mod:`indexer.runtime.kafka`), sharing partitions through the consumer group ``app.<name>``;
 the store is still needed there, for the dead letters. Every mode runs the same
 :class:`~indexer.runtime.handlers.Processor`, so retries, dead letters and the stall
@@ -176,7 +176,7 @@ class App:
         processor = self.processor
         if self.brokers is not None:
             require("kafka", "an app in Kafka mode")
-            from indexer.runtime.kafka import KafkaRunner  # faust is imported only in Kafka mode
+            from indexer.runtime.kafka import KafkaRunner  # aiokafka is imported only in Kafka mode
 
             return KafkaRunner(self.config, self.brokers, processor, self.metrics)
         from indexer.runtime.direct import DirectRunner

@@ -60,7 +60,7 @@ class AppConfig(BaseModel):
         return load_kafka_config(value) if isinstance(value, str | PathLike) else value
 
     def commit_every(self, kafka: bool) -> float:
-        """The commit interval in effect. In Kafka mode each commit holds up faust's fetching for a moment
+        """The commit interval in effect. In Kafka mode each commit holds up the consumer's fetching for a moment
         (measured: a 1 s interval put the p99 latency near 100 ms, 3 s near 55 ms)."""
         if self.commit_interval is not None:
             return self.commit_interval

@@ -1,26 +1,32 @@
-"""Kafka mode: the app consumes the tailer's topics as a faust-streaming app.
+"""Kafka mode: the app consumes the tailer's topics with aiokafka's consumer group, directly.
 
-The faust app (id ``app.<name>``, which is also its consumer group) subscribes to
-``<prefix>.<column>`` for every column with a handler, and to the tailer's
-``<prefix>-deadletter`` topic so that a cell the tailer could not publish reaches
-the DLQ of each handler of its column instead of vanishing. Processes started with
-the same app name share the partitions through the consumer group.
+The consumer group ``app.<name>`` subscribes to ``<prefix>.<column>`` for every column with a handler, and to
+the tailer's ``<prefix>-deadletter`` topic so that a cell the tailer could not publish reaches the DLQ of each
+handler of its column instead of vanishing. Processes started with the same app name share the partitions.
 
-faust acknowledges a message whose agent raised and moves past it, so the agent
-never raises and never acknowledges itself: it reads with ``stream.noack()`` and
-queues each event by topic partition; one task per partition runs the cells through
-the :class:`~indexer.runtime.handlers.Processor` in offset order (no two cells of a partition
-at once, partitions in parallel) and acknowledges an event only after every handler
-succeeded or dead-lettered it. faust commits the highest offset below which every
-event was acknowledged, so a crash re-delivers from the first unacknowledged cell.
-When a cell cannot be settled (the store is down while dead-lettering) the task
-waits and handles it again instead of moving on; when a handler stalls the
-partition stops there, unacknowledged.
+``getmany`` fetches batches; each partition's records queue in offset order and one task per partition runs
+them through the :class:`~indexer.runtime.handlers.Processor` a page at a time (partitions in parallel, no two
+cells of a partition at once). A partition whose queue is full is paused (no more fetches for it) until its
+task has worked the queue down: memory stays bounded by ``max_in_flight``. A record is *settled* once every
+handler succeeded or dead-lettered it; the consumer's position is never committed past an unsettled record, so
+a crash re-delivers from the first of them. When a cell cannot be settled (the store is down while
+dead-lettering) the task waits and handles it again instead of moving on; when a handler stalls, its
+partition stops there.
 
-Each dead letter is recorded in the logstore (the source of truth, see
-:mod:`indexer.runtime.deadletters`) and mirrored to the ``<name>.dlq`` topic (key: entry id;
-value: the entry as JSON; its scalar fields, traceback included, in headers), with
-acks=all, before the cell is acknowledged.
+Offsets are committed (manually: auto-commit is off) every ``commit_every`` seconds, on revocation and on stop,
+always in this order: note the settled offsets, flush the handlers that buffer (a connector's sink), commit the
+noted offsets. A partition being revoked is not handed over until its task has finished the page it is on and
+its offset is committed (aiokafka runs the rebalance listener inside the rebalance), so no partition is
+handled by two processes at once; the records queued behind that page are dropped, to be fetched by the
+new owner from the committed offset.
+
+Each dead letter is recorded in the logstore (the source of truth, see :mod:`indexer.runtime.deadletters`) and
+mirrored to the ``<name>.dlq`` topic (key: entry id; value: the entry as JSON; its scalar fields, traceback
+included, in headers), with acks=all, before the cell is settled.
+
+faust-streaming was the engine before: about 100 µs per event through its conductor, channel and stream
+iterator, and overrides of its private methods to get manual commits; a team's faust app can still consume
+cellstream topics with :mod:`indexer.faust`.
 """
 
 from __future__ import annotations
@@ -30,19 +36,15 @@ import contextlib
 import itertools
 import json
 import logging
-import shutil
-import tempfile
 import time
 import traceback
-import warnings
 from collections import deque
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import faust
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
-from faust.transport.drivers import aiokafka as faust_aiokafka
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
 from indexer.errors import ConfigurationError, SourceUnavailableError
 from indexer.runtime.config import AppConfig
@@ -64,35 +66,11 @@ TP = tuple[str, int]
 _WATCH_INTERVAL = 1.0  # positions for the lag metric
 _DRAIN_WATCH_INTERVAL = 0.1  # while drain() waits for the end
 FETCH_MAX_WAIT_MS = 100  # measured against 5, 20 and 50 ms (bench/app_kafka_bench.py): the lowest p99
+_FETCH_TIMEOUT_MS = 100  # getmany's wait when nothing is fetched: how soon a paused partition is resumed
+_METADATA_MAX_AGE_MS = 3000
 _UNSETTLED = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)  # until it works or the app stops
 _POSITIONS_RETRY = RetryPolicy(initial=0.1, maximum=1.0, deadline=30.0)  # aiokafka's retriable errors only
 _HEADER_TEXT = 8_000  # characters of one text header (messages, tracebacks) in the DLQ topic
-
-
-class _ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
-    def _create_worker_consumer(self, transport: Any) -> AIOKafkaConsumer:
-        consumer = super()._create_worker_consumer(transport)
-        # faust passes fetch_max_wait_ms=1500 (no setting). aiokafka leaves a partition whose records are
-        # waiting to be consumed out of the next fetch, so once they are consumed the partition waits for
-        # the fetch under way, which the broker holds up to fetch_max_wait_ms when the partitions in it are
-        # quiet (the tailer's dead-letter topic always is): a second of latency. Set before start(), where
-        # aiokafka reads it, exactly as the constructor argument would be.
-        consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS
-        return consumer
-
-
-class _Consumer(faust_aiokafka.Consumer):
-    def _new_consumer_thread(self) -> _ConsumerThread:
-        return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
-
-    async def _commit(self, offsets: Any) -> bool:
-        """Every commit (periodic, on rebalance, on stop) first runs the app's checkpoint: handlers that only
-        buffered what they acknowledged flush it. If that fails nothing is committed (tried again later)."""
-        checkpoint = getattr(self.app, "cellstream_checkpoint", None)
-        if checkpoint is not None and not await checkpoint():
-            return False
-        done: bool = await super()._commit(offsets)
-        return done
 
 
 class _View(NamedTuple):
@@ -145,19 +123,8 @@ async def _unavailable(brokers: str, security: KafkaSecurity, exc: BaseException
     return cause or SourceUnavailableError(f"Kafka at {brokers}: {type(exc).__name__}: {exc}")
 
 
-def faust_credentials(security: KafkaSecurity) -> Any:
-    """faust's ``broker_credentials`` for ``security`` (None for plaintext)."""
-    context = security.ssl_context()
-    if security.sasl_mechanism is not None:
-        assert security.sasl_password is not None
-        return faust.SASLCredentials(
-            username=security.sasl_username, password=security.sasl_password.get_secret_value(),
-            mechanism=security.sasl_mechanism, ssl_context=context)
-    return faust.SSLCredentials(context) if context is not None else None
-
-
 def group_id(app: str) -> str:
-    """The consumer group (and faust app id) of ``app`` in Kafka mode."""
+    """The consumer group of ``app`` in Kafka mode."""
     return f"app.{app}"
 
 
@@ -180,6 +147,58 @@ def deadletter_headers(entry: DeadLetter) -> list[tuple[str, bytes]]:
     return [*headers, ("content-type", CONTENT_TYPES["json"])]
 
 
+async def mirror_deadletter(publisher: KafkaPublisher, topic: str, entry: DeadLetter,
+                            stopping: Callable[[], bool] = lambda: False) -> None:
+    """Send the entry to the DLQ ``topic`` and wait for acks=all; retried until it is taken or ``stopping()``.
+    If the broker refuses it as too large, the body and history are left out (the store has them)."""
+    value = entry.model_dump_json().encode()
+    headers = deadletter_headers(entry)
+    delays = _UNSETTLED.delays()
+    while True:
+        try:
+            future = await publisher.send(topic, 0, entry.id.encode(), value, headers)
+            await future
+            return
+        except PublishError as exc:
+            if stopping():
+                raise
+            if not exc.retriable:
+                smaller = entry.model_copy(update={"body": None, "history": [], "traceback": ""})
+                smaller_value = smaller.model_dump_json().encode()
+                if smaller_value == value:
+                    raise
+                value = smaller_value
+                headers = [*deadletter_headers(smaller), ("omitted", b"body,history,traceback")]
+                logger.warning("dead letter %s is too large for %s; mirrored without its body", entry.id, topic)
+                continue
+            delay = next(delays)
+            logger.warning("dead letter %s not mirrored to %s (%s); again in %.1fs", entry.id, topic, exc, delay)
+            await asyncio.sleep(delay)
+
+
+class _Partition:
+    """One assigned partition: its fetched records not yet settled, and how far it is settled and committed."""
+
+    def __init__(self) -> None:
+        self.queue: deque[ConsumerRecord[bytes, bytes]] = deque()
+        self.task: asyncio.Task[None] | None = None
+        self.handling = 0  # records at the head of the queue being handled now
+        self.settled = -1  # the offset after the last settled record (-1: none yet)
+        self.committed = -1  # the last offset this process committed
+        self.paused = False
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is untyped
+    def __init__(self, runner: KafkaRunner) -> None:
+        self.runner = runner
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        await self.runner._revoked({(tp.topic, tp.partition) for tp in revoked})
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        self.runner._assigned({(tp.topic, tp.partition) for tp in assigned})
+
+
 class KafkaRunner:
     """One process of an app in Kafka mode (see the module docstring); start() and stop() are safe twice."""
 
@@ -193,19 +212,17 @@ class KafkaRunner:
         self.tailer_deadletters = f"{config.topic_prefix}-deadletter"
         self.dlq_topic = dlq_topic(config.name)
         self.publisher = KafkaPublisher(KafkaOptions(brokers=brokers, client_id=self.group, security=config.kafka))
-        self._app: Any = None  # the faust.App, built by start()
-        self._datadir: str | None = None
+        self._consumer: AIOKafkaConsumer | None = None
         self._probe: AIOKafkaConsumer | None = None
         self._admin: AIOKafkaAdminClient | None = None
+        self._fetcher: asyncio.Task[None] | None = None
+        self._committer: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
-        self._queues: dict[TP, deque[Any]] = {}
-        self._tasks: dict[TP, asyncio.Task[None]] = {}
-        self._queued = 0
-        self._room = asyncio.Event()
-        self._settled: dict[TP, int] = {}  # next offset after the last acknowledged event
-        self._handling: dict[TP, int] = {}  # events at the head of a queue being handled now
+        self._parts: dict[TP, _Partition] = {}
+        self._commit_lock = asyncio.Lock()
         self._view: _View | None = None
         self._assigned_once = False
+        self._rebalancing = False
         self._draining = False
         self._wake = asyncio.Event()
         self._error: BaseException | None = None
@@ -236,23 +253,20 @@ class KafkaRunner:
         self._admin = AIOKafkaAdminClient(bootstrap_servers=self.brokers, client_id=f"{self.group}.probe",
                                           **security)
         await self._admin.start()
-        self._datadir = tempfile.mkdtemp(prefix=f"cellstream-{self.config.name}-")
-        app = faust.App(
-            self.group, broker=f"kafka://{self.brokers}", web_enabled=False, datadir=self._datadir,
-            autodiscover=False, topic_disable_leader=True, stream_wait_empty=True,
-            consumer_auto_offset_reset="earliest" if self.config.start_from == "beginning" else "latest",
-            broker_commit_interval=self.config.commit_every(kafka=True),
-            broker_session_timeout=self.config.session_timeout,
-            broker_credentials=faust_credentials(self.config.kafka),
-        )
-        app.transport.Consumer = _Consumer  # type: ignore[misc]  # read when faust builds its consumer
-        app.cellstream_checkpoint = self._checkpoint  # type: ignore[attr-defined]  # read by _Consumer._commit
-        source = app.topic(*self.topics, self.tailer_deadletters, value_serializer="raw", key_serializer="raw")
-        app.agent(source, name=f"{self.group}.cells")(self._agent)
-        app.on_partitions_assigned.connect(self._on_assigned)
-        self._app = app
+        session_ms = int(self.config.session_timeout * 1000)
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.brokers, group_id=self.group, client_id=self.group, enable_auto_commit=False,
+            auto_offset_reset="earliest" if self.config.start_from == "beginning" else "latest",
+            session_timeout_ms=session_ms, heartbeat_interval_ms=max(1000, session_ms // 3),
+            fetch_max_wait_ms=FETCH_MAX_WAIT_MS, max_partition_fetch_bytes=1 << 20,
+            # The tailer creates its topics after an app may have subscribed: see them within seconds, not the
+            # default five minutes.
+            metadata_max_age_ms=_METADATA_MAX_AGE_MS, **security)
+        self._consumer.subscribe([*self.topics, self.tailer_deadletters], listener=_Rebalance(self))
         self.processor.on_deadletter = self._mirror
-        await app.start()  # events may arrive before it returns: they are handled like any other
+        await self._consumer.start()
+        self._fetcher = asyncio.create_task(self._fetch(), name=f"{self.group}-fetch")
+        self._committer = asyncio.create_task(self._commit_every(), name=f"{self.group}-commit")
         self._watcher = asyncio.create_task(self._watch(), name=f"{self.group}-watch")
 
     async def stop(self) -> None:
@@ -260,37 +274,178 @@ class KafkaRunner:
         if self._state in ("stopping", "stopped"):
             return
         self._state = "stopping"
-        for tp in list(self._queues):
-            self._abandon(tp)
-        tasks = [t for t in self._tasks.values() if not t.done()]
+        for task in (self._fetcher, self._committer, self._watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        await self._finish(set(self._parts))
+        with contextlib.suppress(Exception):
+            await self._commit(set(self._parts))
+        if self.processor.on_deadletter == self._mirror:
+            self.processor.on_deadletter = None
+        for close in (self._consumer.stop if self._consumer is not None else None,
+                      self._probe.stop if self._probe is not None else None,
+                      self._admin.close if self._admin is not None else None, self.publisher.stop):
+            if close is not None:
+                try:
+                    await close()
+                except Exception as exc:  # stopping goes on: what was settled is committed or re-delivered
+                    logger.warning("%s: while stopping: %s: %s", self.group, type(exc).__name__, exc)
+        self._state = "stopped"
+
+    async def _finish(self, tps: set[TP]) -> None:
+        """Drop the queued records of ``tps`` and wait (up to stop_timeout) for the pages being handled."""
+        tasks = []
+        for tp in tps:
+            part = self._parts.get(tp)
+            if part is None:
+                continue
+            self._abandon(part)
+            if part.task is not None and not part.task.done():
+                tasks.append(part.task)
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=self.config.stop_timeout)
             for task in late:
                 logger.warning("%s: a handler did not finish within %ss; its cell will be delivered again",
                                task.get_name(), self.config.stop_timeout)
                 task.cancel()
-        if self._watcher is not None:
-            self._watcher.cancel()
-        if self._app is not None:
-            # What is unacknowledged now was abandoned: faust is to commit what was acknowledged and stop,
-            # not wait for the rest (it would wait forever). During a rebalance it does wait, so a revoked
-            # partition's cells are finished here before another process gets them.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self._app.conf.stream_wait_empty = False
-        if self.processor.on_deadletter == self._mirror:
-            self.processor.on_deadletter = None
-        for close in (self._app.stop if self._app is not None else None,
-                      self._probe.stop if self._probe is not None else None,
-                      self._admin.close if self._admin is not None else None, self.publisher.stop):
-            if close is not None:
+
+    @property
+    def _stopping(self) -> bool:
+        return self._state in ("stopping", "stopped")
+
+    def failed(self) -> BaseException | None:
+        return self._error
+
+    def lost_shards(self) -> frozenset[int]:
+        return frozenset()  # a consumer group moves partitions by rebalancing, never by fencing this process
+
+    def caught_up(self, since: float) -> bool:
+        """Every partition this process is assigned is handled up to the end it had after ``since``."""
+        if not self._draining:
+            self._draining = True
+            self._wake.set()
+        view = self._view
+        if view is None or view.taken < since or not self._assigned_once or self._rebalancing:
+            return False
+        if view.assigned != self._assignment() or any(p.queue for p in self._parts.values()):
+            return False
+        return all(max(self._parts[tp].settled if tp in self._parts else 0, view.committed.get(tp, 0)) >= end
+                   for tp, end in view.ends.items())
+
+    # -- the consumer group ---------------------------------------------------------
+    def _assignment(self) -> frozenset[TP]:
+        return frozenset(self._parts)
+
+    def _assigned(self, tps: set[TP]) -> None:
+        for tp in tps:
+            self._parts.setdefault(tp, _Partition())
+        self._assigned_once = True
+        self._rebalancing = False
+
+    async def _revoked(self, tps: set[TP]) -> None:
+        """Before another process may take them: finish the pages under way, commit, forget the rest."""
+        self._rebalancing = True
+        mine = tps & set(self._parts)
+        await self._finish(mine)
+        try:
+            await self._commit(mine)
+        except Exception as exc:  # the new owner starts from the last commit: re-delivery, never a gap
+            logger.warning("%s: offsets of revoked partitions not committed (%s: %s)", self.group,
+                           type(exc).__name__, exc)
+        for tp in mine:
+            del self._parts[tp]
+
+    async def _fetch(self) -> None:
+        assert self._consumer is not None
+        consumer = self._consumer
+        try:
+            while not self._stopping:
+                batches = await consumer.getmany(timeout_ms=_FETCH_TIMEOUT_MS)
+                for tp, records in batches.items():
+                    part = self._parts.get((tp.topic, tp.partition))
+                    if part is None or not records:
+                        continue  # revoked while the fetch was under way: its new owner reads them
+                    part.queue.extend(records)
+                    if part.task is None or part.task.done():
+                        key = (tp.topic, tp.partition)
+                        part.task = asyncio.create_task(self._work(key, part), name=f"handlers-{key[0]}-{key[1]}")
+                self._flow()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the consumer cannot go on (refused credentials, a fatal broker error)
+            logger.error("%s: fetching stopped: %s: %s", self.group, type(exc).__name__, exc)
+            self._error = SourceUnavailableError(f"Kafka consumer of {self.group}: {type(exc).__name__}: {exc}")
+
+    def _flow(self) -> None:
+        """Pause a partition whose queue is full, resume it once worked down to half (back-pressure)."""
+        assert self._consumer is not None
+        cap = max(self.config.page_size, self.config.max_in_flight // max(1, len(self._parts)))
+        for (topic, partition), part in self._parts.items():
+            # IllegalStateError: a partition being revoked is no longer the consumer's to pause
+            if not part.paused and len(part.queue) >= cap:
+                with contextlib.suppress(IllegalStateError):
+                    self._consumer.pause(TopicPartition(topic, partition))
+                part.paused = True
+            elif part.paused and len(part.queue) < cap // 2:
+                with contextlib.suppress(IllegalStateError):
+                    self._consumer.resume(TopicPartition(topic, partition))
+                part.paused = False
+
+    def _abandon(self, part: _Partition) -> None:
+        keep = part.handling if part.task is not None and not part.task.done() else 0  # those finish
+        while len(part.queue) > keep:
+            part.queue.pop()
+
+    async def _work(self, tp: TP, part: _Partition) -> None:
+        queue = part.queue
+        try:
+            while queue and self.processor.stalled is None:
+                # Consecutive records are handled together (an index applies them in one transaction); the
+                # page stays at the head of the queue, so stop() and revocation abandon only what comes after it.
+                batch = list(itertools.islice(queue, self.config.page_size))
+                part.handling = len(batch)
                 try:
-                    await close()
-                except Exception as exc:  # stopping goes on: what was acknowledged is committed or re-delivered
-                    logger.warning("%s: while stopping: %s: %s", self.group, type(exc).__name__, exc)
-        if self._datadir is not None:
-            shutil.rmtree(self._datadir, ignore_errors=True)
-        self._state = "stopped"
+                    settled = await self._settle(batch)
+                finally:
+                    part.handling = 0
+                if not settled:
+                    return  # stalled: the records stay unsettled; the app stops
+                for _ in batch:
+                    queue.popleft()
+                part.settled = batch[-1].offset + 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug of the runtime: stop the app rather than skip or reorder cells
+            logger.exception("%s partition %s: cannot go on", self.group, tp)
+            self._error = exc
+
+    # -- commits --------------------------------------------------------------------
+    async def _commit_every(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.commit_every(kafka=True))
+            try:
+                await self._commit(set(self._parts))
+            except Exception as exc:
+                logger.warning("%s: commit failed (%s: %s); tried again in %ss", self.group, type(exc).__name__,
+                               exc, self.config.commit_every(kafka=True))
+
+    async def _commit(self, tps: set[TP]) -> None:
+        """Note the settled offsets of ``tps``, flush the buffering handlers, commit the noted offsets."""
+        async with self._commit_lock:
+            noted = {tp: self._parts[tp].settled for tp in tps
+                     if tp in self._parts and self._parts[tp].settled > self._parts[tp].committed}
+            if not noted or self._consumer is None or not await self._checkpoint():
+                return
+            try:
+                await self._consumer.commit({TopicPartition(*tp): offset for tp, offset in noted.items()})
+            except (CommitFailedError, IllegalStateError) as exc:  # a rebalance took them: their revocation commits
+                logger.info("%s: commit refused during a rebalance (%s)", self.group, exc)
+                return
+            for tp, offset in noted.items():
+                if tp in self._parts:
+                    self._parts[tp].committed = offset
 
     async def _checkpoint(self) -> bool:
         """Flush the buffering handlers before a commit; False skips the commit. A flush that fails for good
@@ -306,89 +461,7 @@ class KafkaRunner:
             return False
         return True
 
-    @property
-    def _stopping(self) -> bool:
-        return self._state in ("stopping", "stopped")
-
-    def failed(self) -> BaseException | None:
-        if self._error is None and self._app is not None and self._app.crash_reason is not None:
-            reason = self._app.crash_reason
-            self._error = SourceUnavailableError(f"the faust app stopped: {type(reason).__name__}: {reason}")
-        return self._error
-
-    def lost_shards(self) -> frozenset[int]:
-        return frozenset()  # a consumer group moves partitions by rebalancing, never by fencing this process
-
-    def caught_up(self, since: float) -> bool:
-        """Every partition this process is assigned is handled up to the end it had after ``since``."""
-        if not self._draining:
-            self._draining = True
-            self._wake.set()
-        view = self._view
-        if view is None or view.taken < since or not self._assigned_once or self._app.rebalancing:
-            return False
-        if view.assigned != self._assignment() or self._queued:
-            return False
-        return all(max(self._settled.get(tp, 0), view.committed.get(tp, 0)) >= end for tp, end in view.ends.items())
-
-    # -- the faust side -------------------------------------------------------------
-    async def _on_assigned(self, sender: Any, /, *args: Any, **kwargs: Any) -> None:
-        self._assigned_once = True
-
-    def _assignment(self) -> frozenset[TP]:
-        return frozenset((tp.topic, tp.partition) for tp in self._app.consumer.assignment())
-
-    async def _agent(self, stream: Any) -> None:
-        async for event in stream.noack().events():
-            if self._stopping:
-                continue  # not acknowledged: delivered again after the restart
-            while self._queued >= self.config.max_in_flight:
-                self._room.clear()
-                await self._room.wait()
-            message = event.message
-            tp = (message.topic, message.partition)
-            self._queues.setdefault(tp, deque()).append(event)
-            self._queued += 1
-            task = self._tasks.get(tp)
-            if task is None or task.done():
-                self._tasks[tp] = asyncio.create_task(self._work(tp), name=f"handlers-{tp[0]}-{tp[1]}")
-
-    def _abandon(self, tp: TP) -> None:
-        queue = self._queues.get(tp)
-        if not queue:
-            return
-        task = self._tasks.get(tp)
-        keep = self._handling.get(tp, 0) if task is not None and not task.done() else 0  # those finish
-        self._queued -= len(queue) - keep
-        while len(queue) > keep:
-            queue.pop()
-        self._room.set()
-
-    async def _work(self, tp: TP) -> None:
-        queue = self._queues[tp]
-        try:
-            while queue and self.processor.stalled is None:
-                # Consecutive events are handled together (an index applies them in one transaction); the
-                # batch stays at the head of the queue, so stop() abandons only what comes after it.
-                batch = list(itertools.islice(queue, self.config.page_size))
-                self._handling[tp] = len(batch)
-                try:
-                    settled = await self._settle(batch)
-                finally:
-                    self._handling[tp] = 0
-                if not settled:
-                    return  # stalled: the events stay unacknowledged; the app stops
-                for event in batch:
-                    queue.popleft()
-                    event.ack()
-                self._queued -= len(batch)
-                self._room.set()
-                self._settled[tp] = batch[-1].message.offset + 1
-        except Exception as exc:  # a bug of the runtime: stop the app rather than skip or reorder cells
-            logger.exception("%s partition %s: cannot go on", self.group, tp)
-            self._error = exc
-
-    async def _settle(self, batch: list[Any]) -> bool:
+    async def _settle(self, batch: list[ConsumerRecord[bytes, bytes]]) -> bool:
         """Run the handlers on the events until they succeed or dead-letter them; False when one stalled."""
         delays = _UNSETTLED.delays()
         while True:
@@ -400,16 +473,15 @@ class KafkaRunner:
                 if not getattr(exc, "retriable", False):
                     raise  # not a passing outage: the runner fails rather than retry a bug forever
                 delay = next(delays)
-                m = batch[0].message
+                m = batch[0]
                 logger.warning("%s/%d@%d+%d not settled (%s: %s); handling them again in %.1fs", m.topic,
                                m.partition, m.offset, len(batch), type(exc).__name__, exc, delay)
                 await asyncio.sleep(delay)
 
-    async def _handle(self, batch: list[Any]) -> bool:
+    async def _handle(self, batch: list[ConsumerRecord[bytes, bytes]]) -> bool:
         """Runs of decodable cells go to the processor together; anything else is dead-lettered in its place."""
         cells: list[tuple[Cell, dict[str, Any]]] = []
-        for event in batch:
-            m = event.message
+        for m in batch:
             source = {"mode": "kafka", "topic": m.topic, "partition": m.partition, "offset": m.offset}
             cell, where, failure = self._decode(m)
             if cell is not None:
@@ -423,7 +495,7 @@ class KafkaRunner:
                 return False
         return not cells or await self.processor.process_many(cells)
 
-    def _decode(self, m: Any) -> tuple[Cell | None, dict[str, Any], Failure | None]:
+    def _decode(self, m: ConsumerRecord[bytes, bytes]) -> tuple[Cell | None, dict[str, Any], Failure | None]:
         where = {name: value.decode(errors="replace") for name, value in m.headers or ()
                  if name in ("shard", "added_id", "column", "ref_key", "created_at")}
         where["row_key"] = (m.key or b"").decode(errors="replace")
@@ -452,33 +524,7 @@ class KafkaRunner:
         return True
 
     async def _mirror(self, entry: DeadLetter) -> None:
-        """Send the entry to the DLQ topic and wait for acks=all; retried until it is taken or the app stops.
-        If the broker refuses it as too large, the body and history are left out (the store has them)."""
-        value = entry.model_dump_json().encode()
-        headers = deadletter_headers(entry)
-        delays = _UNSETTLED.delays()
-        while True:
-            try:
-                future = await self.publisher.send(self.dlq_topic, 0, entry.id.encode(), value, headers)
-                await future
-                return
-            except PublishError as exc:
-                if self._stopping:
-                    raise
-                if not exc.retriable:
-                    smaller = entry.model_copy(update={"body": None, "history": [], "traceback": ""})
-                    smaller_value = smaller.model_dump_json().encode()
-                    if smaller_value == value:
-                        raise
-                    value = smaller_value
-                    headers = [*deadletter_headers(smaller), ("omitted", b"body,history,traceback")]
-                    logger.warning("dead letter %s is too large for %s; mirrored without its body", entry.id,
-                                   self.dlq_topic)
-                    continue
-                delay = next(delays)
-                logger.warning("dead letter %s not mirrored to %s (%s); again in %.1fs", entry.id, self.dlq_topic,
-                               exc, delay)
-                await asyncio.sleep(delay)
+        await mirror_deadletter(self.publisher, self.dlq_topic, entry, lambda: self._stopping)
 
     # -- positions, for drain and the lag metric ----------------------------------------
     async def _watch(self) -> None:
@@ -498,7 +544,8 @@ class KafkaRunner:
                                  if meta is not None and meta.offset >= 0}
                 self._view = _View(taken, assigned, ends, committed)
                 for (topic, partition), end in ends.items():
-                    done = max(self._settled.get((topic, partition), 0), committed.get((topic, partition), 0))
+                    part = self._parts.get((topic, partition))
+                    done = max(part.settled if part is not None else 0, committed.get((topic, partition), 0))
                     self.metrics.lag.labels(self.config.name, topic, str(partition)).set(max(0, end - done))
             except (KafkaError, OSError) as exc:
                 logger.debug("%s: positions not read (%s: %s)", self.group, type(exc).__name__, exc)

@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -146,11 +146,12 @@ async def aiokafka_read(brokers: str, topic: str, partitions: int, expect: int, 
 
 
 def publish(store: logstore.Store, prefix: str, partitions: int = 4, timeout: float = 60,
-            brokers: str = KAFKA, security: KafkaSecurity = PLAINTEXT) -> None:
+            brokers: str = KAFKA, security: KafkaSecurity = PLAINTEXT,
+            value_format: Literal["json", "msgpack"] = "json") -> None:
     """Run the tailer until every cell now in the store is on Kafka (topics <prefix>.<column>)."""
     async def run() -> None:
         config = TailerConfig(name=f"{prefix}-tailer", topic_prefix=prefix, partitions=partitions,
-                              commit_interval=0.2)
+                              commit_interval=0.2, value_format=value_format)
         publisher = KafkaPublisher(KafkaOptions(brokers=brokers, security=security))
         tailer = Tailer(store, config, StoreCoordinator(store, config.name), publisher)
         await tailer.start()

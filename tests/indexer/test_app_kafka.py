@@ -1,8 +1,8 @@
 """The stream-processing runtime in Kafka mode, against the real Kafka of `make test`.
 
 The whole pipeline runs: cells are written to a SQLite store, the tailer publishes
-them to Kafka (offsets in the store), and the app consumes the topics as a faust
-app. The DLQ topic and the group's committed offsets are read back with kcat and
+them to Kafka (offsets in the store), and the app consumes the topics with its
+aiokafka consumer group. The DLQ topic and the group's committed offsets are read back with kcat and
 aiokafka's admin client, not through the runtime.
 """
 
@@ -361,3 +361,73 @@ def test_an_index_kept_in_kafka_mode_equals_the_brute_force_index(store: logstor
     assert letter.handler == "index:driver_partner_index.v1" and letter.source["topic"] == f"{topic_prefix}.BASE"
     assert actual(store, seed()) == expected(store, seed())
     assert actual(store, seed())[rows[0]][1]["driver_partner_uuid"] == drivers[1]
+
+
+def test_a_rebalance_hands_a_partition_over_at_its_settled_offset_never_to_two_processes_at_once(
+    store: logstore.Store, sqlite_url: str, tmp_path: Path, topic_prefix: str
+) -> None:
+    # Worker A is busy when B joins: A finishes the page it is on, commits where it got to and lets go; B
+    # starts there. No cell is handled twice (A's periodic commits are too rare to help: only the commit on
+    # revocation can do it) and no partition is in two handlers' hands at once.
+    write(store, 1)
+    publish(store, topic_prefix)
+    log = tmp_path / "log"
+    module = tmp_path / "slowapp.py"
+    module.write_text(
+        "import os, time\n"
+        "from indexer import App\n"
+        f"app = App({topic_prefix + '-handover'!r}, store={sqlite_url!r}, brokers={KAFKA!r}, "
+        f"topic_prefix={topic_prefix!r}, commit_interval=600, page_size=10)\n"
+        "@app.trigger('BASE')\n"
+        "def record(cell):\n"
+        "    started = time.time()\n"
+        "    time.sleep(0.01)\n"
+        f"    with open({str(log)!r}, 'a') as fh:\n"
+        "        fh.write(f'{os.getpid()} {cell.shard} {cell.added_id} {started} {time.time()}\\n')\n"
+    )
+    cells = write(store, 2400)  # 10 ms each, 4 partitions at once: about 6 s of work
+    publish(store, topic_prefix)
+    want = {(c.shard, c.added_id) for c in cells}
+
+    def lines() -> list[list[str]]:
+        return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+    def worker() -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "cellstream", "run", f"{module}:app"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    first = worker()
+    second: subprocess.Popen[str] | None = None
+    try:
+        deadline = time.monotonic() + 90
+        while len(lines()) < 60:  # A is under way
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-2000:]
+            time.sleep(0.05)
+        second = worker()
+        while not want <= {(int(s), int(a)) for _, s, a, _, _ in lines()}:
+            assert first.poll() is None and second.poll() is None, "a worker died"
+            assert time.monotonic() < deadline, "some cells were never handled"
+            time.sleep(0.2)
+        for proc in (first, second):
+            proc.send_signal(signal.SIGTERM)
+        for proc in (first, second):
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err[-2000:]
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    handled = [(pid, int(s), int(a), float(t0), float(t1)) for pid, s, a, t0, t1 in lines()
+               if (int(s), int(a)) in want]
+    assert len({pid for pid, *_ in handled}) == 2, "B never got a partition"
+    assert len(handled) == len(want), "a cell was handled twice: the handover was not at the settled offset"
+    spans: dict[int, dict[str, tuple[float, float]]] = defaultdict(dict)
+    for pid, shard, _, t0, t1 in handled:
+        low, high = spans[shard % P].get(pid, (t0, t1))
+        spans[shard % P][pid] = (min(low, t0), max(high, t1))
+    for partition, by_pid in spans.items():
+        if len(by_pid) == 2:
+            (_, first_end), (second_start, _) = sorted(by_pid.values())
+            assert first_end <= second_start, f"partition {partition} was handled by both processes at once"

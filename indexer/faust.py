@@ -1,0 +1,124 @@
+"""faust-streaming apps on cellstream's topics: a team with a faust app of its own consumes the tailer's topics
+with it, and gives its agents cellstream's dead-lettering.
+
+    import faust
+    from indexer.faust import DeadLetters, register_codec
+
+    register_codec()                                      # the "cellstream" value serializer
+    app = faust.App("rides", broker="kafka://localhost:9092")
+    cells = app.topic("cells.BASE", value_serializer="cellstream")
+    dead = DeadLetters("rides", store="mysql://...", brokers="localhost:9092")
+
+    @app.agent(cells)
+    async def bill(stream):
+        async for event in stream.events():
+            cell = event.value                            # a logstore.Cell
+            try:
+                ...
+            except Exception as exc:
+                await dead.deadletter("bill", event, exc)  # the entry in the store, then <app>.dlq
+
+The codec turns a tailer message's value (JSON or MessagePack, told apart by its first byte: a JSON object
+starts with ``{``, a MessagePack map never does) into a :class:`logstore.Cell`. :func:`tailer_deadletter`
+gives the coordinates and the failure in a record of the tailer's ``<prefix>-deadletter`` topic. A dead
+letter written here is an entry like any an :class:`~indexer.App` of the same name writes: ``cellstream dlq
+--app`` lists, shows and discards it, and it is mirrored to the ``<app>.dlq`` topic with acks=all before
+:meth:`DeadLetters.deadletter` returns (so acknowledge the event after it). cellstream's own Kafka mode does
+not run on faust (:mod:`indexer.runtime.kafka` says why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import traceback
+from typing import Any
+
+import faust
+from faust.serializers import codecs
+
+from indexer.runtime.deadletters import DeadLetter, DeadLetterStore
+from indexer.runtime.handlers import tailer_deadletter as _tailer_deadletter
+from indexer.runtime.kafka import dlq_topic, mirror_deadletter
+from indexer.runtime.policy import Failure, Outcome, fingerprint, is_retriable, qualified_name
+from logstore import Cell, Store
+from tailer.config import KafkaOptions
+from tailer.messages import coordinates, decode_cell, encode_cell
+from tailer.publishers.kafka import KafkaPublisher
+from tailer.security import PLAINTEXT, KafkaSecurity
+
+CODEC = "cellstream"
+_MSGPACK = [("content-type", b"application/msgpack")]
+
+
+class CellCodec(codecs.Codec):
+    """A tailer message's value <-> :class:`logstore.Cell`."""
+
+    def _loads(self, s: bytes) -> Cell:
+        return decode_cell(s, None if s[:1] == b"{" else _MSGPACK)
+
+    def _dumps(self, s: Any) -> bytes:
+        if not isinstance(s, Cell):
+            raise TypeError(f"the cellstream codec encodes logstore.Cell values, not {type(s).__name__}")
+        return encode_cell(s).value
+
+
+def register_codec(name: str = CODEC) -> None:
+    """Make ``value_serializer=name`` decode tailer messages into cells (safe twice)."""
+    codecs.register(name, CellCodec())
+
+
+def tailer_deadletter(value: bytes) -> tuple[dict[str, Any], Failure]:
+    """The cell coordinates and the failure in a record of the tailer's ``<prefix>-deadletter`` topic."""
+    record = json.loads(value)
+    if not isinstance(record, dict):
+        raise ValueError(f"not a tailer dead-letter record: {type(record).__name__}")
+    return _tailer_deadletter(record)
+
+
+class DeadLetters:
+    """cellstream's dead-letter queue of the app ``app`` (in ``store``), for faust agents; ``close()`` when done."""
+
+    def __init__(self, app: str, store: str | Store, brokers: str, security: KafkaSecurity = PLAINTEXT) -> None:
+        import logstore
+
+        self._own_store = not isinstance(store, Store)
+        self.store = logstore.open(store, create=False) if isinstance(store, str) else store
+        self.entries = DeadLetterStore(self.store, app)
+        self.topic = dlq_topic(app)
+        self.publisher = KafkaPublisher(KafkaOptions(brokers=brokers, client_id=f"{app}.faust-dlq",
+                                                     security=security))
+        self._started = False
+
+    async def deadletter(self, handler: str, event: faust.types.EventT[Any], exc: BaseException,
+                         attempts: int = 1) -> DeadLetter:
+        """Record ``event`` as ``handler``'s dead letter (its cell when its value is one, else its position),
+        and mirror the entry to the ``<app>.dlq`` topic."""
+        if not self._started:
+            await self.publisher.start()
+            await self.publisher.prepare_topic(self.topic, 1, 1)
+            self._started = True
+        message = event.message
+        source = {"mode": "faust", "topic": message.topic, "partition": message.partition, "offset": message.offset}
+        value = event.value
+        cell: dict[str, Any] = coordinates(value) if isinstance(value, Cell) else {}
+        column = value.column if isinstance(value, Cell) else str(message.topic).rsplit(".", 1)[-1]
+        now = dt.datetime.now(dt.UTC)
+        failure = Failure(qualified_name(type(exc)), str(exc), "".join(traceback.format_exception(exc)),
+                          fingerprint(exc), is_retriable(exc))
+        outcome = Outcome(False, attempts, failure, now, now)
+        body = value.body if isinstance(value, Cell) else None
+        entry = await asyncio.to_thread(self.entries.record, handler, column, source, cell, body, outcome)
+        await mirror_deadletter(self.publisher, self.topic, entry)
+        return entry
+
+    async def close(self) -> None:
+        if self._started:
+            await self.publisher.stop()
+            self._started = False
+        if self._own_store:
+            self.store.close()
+
+
+__all__ = ["CODEC", "CellCodec", "DeadLetters", "register_codec", "tailer_deadletter"]
