@@ -26,7 +26,8 @@ class Scratch(NamedTuple):
 def drop_database(url: str) -> None:
     """Drop the database of a mysql:// URL, if it exists."""
     target = parse_node_url(url)
-    conn = pymysql.connect(**{k: v for k, v in target.model_dump().items() if k != "database"})
+    fields = target.model_dump()
+    conn = pymysql.connect(**{k: fields[k] for k in ("host", "port", "user", "password")})
     with conn.cursor() as cur:
         cur.execute(f"DROP DATABASE IF EXISTS `{target.database}`")  # type: ignore[union-attr]
     conn.close()

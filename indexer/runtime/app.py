@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import signal
 import time
@@ -33,10 +34,10 @@ from indexer.errors import ConfigurationError, DrainTimeoutError, TakenOverError
 from indexer.runtime.config import AppConfig
 from indexer.runtime.deadletters import DeadLetterStore
 from indexer.runtime.dlq import DeadLetterQueue
-from indexer.runtime.handlers import BatchApplier, Counts, Handler, Processor, Trigger
+from indexer.runtime.handlers import BatchApplier, BatchHandler, Counts, Handler, Processor, Trigger
 from indexer.runtime.hooks import Hook
 from indexer.runtime.metrics import AppMetrics
-from logstore import InvalidCellError, Store
+from logstore import Cell, InvalidCellError, Store
 from logstore.cell import check_column
 from logstore.extras import require
 from tailer.metrics import TailerMetrics
@@ -103,6 +104,37 @@ class App:
             if self._processor is not None:
                 raise ConfigurationError("add triggers before the app starts")
             self.triggers.append(Trigger(handler, column, fn, max_attempts))
+            return fn
+        return register
+
+    def batch_trigger(self, column: str, *, max_attempts: int = 5,
+                      name: str | None = None) -> Callable[[BatchHandler], BatchHandler]:
+        """Run the decorated function (sync or async) on the cells written to ``column``, a list at a time: the
+        consecutive cells of one shard (direct mode) or partition (Kafka mode), in order, up to ``page_size``.
+        A sync one takes one trip to the thread pool per list. The list is retried whole under the retry
+        policy; if it still fails, its cells are passed one at a time (``[cell]``), so only the cells that
+        fail are dead-lettered (and a dead letter's replay passes its one cell)."""
+        try:
+            check_column(column)
+        except InvalidCellError as exc:
+            raise ConfigurationError(f"batch trigger column: {exc}") from None
+        if type(max_attempts) is not int or max_attempts < 1:
+            raise ConfigurationError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+
+        def register(fn: BatchHandler) -> BatchHandler:
+            handler = name or getattr(fn, "__name__", None) or repr(fn)
+            if any(t.name == handler for t in self.triggers):
+                raise ConfigurationError(f"app {self.name} already has a handler named {handler}")
+            if self._processor is not None:
+                raise ConfigurationError("add triggers before the app starts")
+            one: Handler
+            if inspect.iscoroutinefunction(fn):
+                async def one(cell: Cell) -> None:
+                    await fn([cell])
+            else:
+                def one(cell: Cell) -> None:
+                    fn([cell])
+            self.triggers.append(Trigger(handler, column, one, max_attempts, batch=fn))
             return fn
         return register
 

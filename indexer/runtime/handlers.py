@@ -1,11 +1,18 @@
 """Handlers and the processor that runs them: retries, dead letters and the stall threshold.
 
 The processor is the same for both modes and for replays; the modes only differ in
-where cells come from and how a position is acknowledged. For each cell it runs every
-handler of the cell's column in turn (each with its own retries and dead letters), and
-returns only when each handler has either succeeded or dead-lettered the cell: only
-then may the source advance past it. The one exception is a stall, which leaves the
-cell unacknowledged and stops the app.
+where cells come from and how a position is acknowledged. It takes a page of a shard's
+(or partition's) cells and runs each handler of their columns over them in order (each
+with its own retries and dead letters), and returns only when each handler has either
+succeeded or dead-lettered every cell: only then may the source advance past them. The
+one exception is a stall, which leaves the cells unacknowledged and stops the app.
+
+A synchronous handler runs over the page in one trip to the thread pool, cell after
+cell, until a cell fails; that cell then gets the retry policy (the failure counts as
+its first attempt) and the next trip goes on after it. A batch handler
+(:meth:`~indexer.App.batch_trigger`) takes the page's cells of its column in one call;
+when the call still fails after its attempts, the cells are handled one by one, so only
+the cells that fail are dead-lettered.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from tailer.messages import coordinates
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[Cell], Any]
+BatchHandler = Callable[[list[Cell]], Any]  # sync, or async
 
 
 def tailer_deadletter(record: dict[str, Any]) -> tuple[dict[str, Any], Failure]:
@@ -61,14 +69,15 @@ class BatchApplier(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Trigger:
-    """A handler subscribed to one column; with an ``applier``, batches go to it and ``fn`` takes one cell
-    (replays, and the cells of a batch that failed, one by one)."""
+    """A handler subscribed to one column; with an ``applier`` or a ``batch`` function, batches go to it and
+    ``fn`` takes one cell (replays, and the cells of a batch that failed, one by one)."""
 
     name: str
     column: str
     fn: Handler
     max_attempts: int
     applier: BatchApplier | None = None
+    batch: BatchHandler | None = None
 
     @property
     def is_async(self) -> bool:
@@ -93,6 +102,9 @@ class Processor:
                  metrics: AppMetrics) -> None:
         self.config = config
         self.triggers = triggers
+        # The appliers (indexes, sinks) first on a page: what they applied a re-delivery skips (their positions
+        # say so) even when a handler after them fails or the process dies there.
+        self._in_turn = sorted(triggers, key=lambda t: t.applier is None)
         self.by_column: dict[str, list[Trigger]] = {}
         for trigger in triggers:
             self.by_column.setdefault(trigger.column, []).append(trigger)
@@ -127,21 +139,96 @@ class Processor:
         """Run the handlers on consecutive cells of one source partition: batch handlers take them at
         once, the others one cell after another. True when every handler succeeded or dead-lettered every
         cell; False when one stalled; a RetriableError when a batch could not be settled (handle it again)."""
-        for trigger in self.triggers:
+        for trigger in self._in_turn:
+            mine = [(c, s) for c, s in items if c.column == trigger.column]
+            if not mine:
+                continue
             if trigger.applier is not None:
-                mine = [(c, s) for c, s in items if c.column == trigger.column]
-                if mine and not await self._apply_batch(trigger, trigger.applier, mine):
-                    return False
+                settled = await self._apply_batch(trigger, trigger.applier, mine)
+            elif trigger.batch is not None:
+                settled = await self._run_batch(trigger, trigger.batch, mine)
+            else:
+                settled = await self._run_cells(trigger, mine)
+            if not settled:
+                return False
+        return True
+
+    async def _run_cells(self, trigger: Trigger, items: Sequence[tuple[Cell, dict[str, Any]]]) -> bool:
+        """``trigger`` on each cell in order; a synchronous handler a run of cells per trip to the pool."""
+        at = 0
+        while at < len(items):
+            if self.stalled is not None:
+                return False
+            failed: BaseException | None = None
+            if not trigger.is_async:
+                done, failed = await self._sync_run(trigger, [cell for cell, _ in items[at:]])
+                at += done
+                if failed is None:
+                    return True
+            cell, source = items[at]
+            at += 1
+            outcome = await self.run(trigger, cell, failed)
+            if not outcome.ok and not await self._deadletter(trigger, source, coordinates(cell), cell.body, outcome):
+                return False
+        return True
+
+    async def _sync_run(self, trigger: Trigger, cells: list[Cell]) -> tuple[int, BaseException | None]:
+        """One trip to the pool: ``trigger.fn`` on each cell until one raises. (cells done, what it raised)."""
+        def work() -> tuple[list[float], BaseException | None]:
+            took: list[float] = []
+            for cell in cells:
+                started = time.perf_counter()
+                try:
+                    trigger.fn(cell)
+                except Exception as exc:  # the cell's first attempt: the policy goes on from there
+                    return took, exc
+                took.append(time.perf_counter() - started)
+            return took, None
+
+        took, failed = await asyncio.get_running_loop().run_in_executor(self._pool, work)
+        if took:
+            labels = (self.config.name, trigger.name)
+            self.counts = self.counts._replace(processed=self.counts.processed + len(took))
+            self.metrics.processed.labels(*labels).inc(len(took))
+            seconds = self.metrics.seconds.labels(*labels)
+            for one in took:
+                seconds.observe(one)
+        return len(took), failed
+
+    async def _run_batch(self, trigger: Trigger, batch: BatchHandler,
+                         items: Sequence[tuple[Cell, dict[str, Any]]]) -> bool:
+        """The cells in one call of ``batch``, under the retry policy; past it, one by one."""
+        cells = [cell for cell, _ in items]
+        labels = (self.config.name, trigger.name)
+
+        async def call() -> None:
+            if inspect.iscoroutinefunction(batch):
+                await batch(cells)
+            else:
+                await asyncio.get_running_loop().run_in_executor(self._pool, batch, cells)
+
+        def retrying(exc: BaseException, attempt: int, delay: float) -> None:
+            self.counts = self.counts._replace(retried=self.counts.retried + 1)
+            self.metrics.retried.labels(*labels).inc()
+            logger.warning("%s: attempt %d at a batch of %d cells failed (%s: %s); retrying in %.2fs", trigger.name,
+                           attempt, len(cells), qualified_name(type(exc)), exc, delay)
+
+        started = time.perf_counter()
+        outcome = await deliver(call, trigger.max_attempts, self.config.backoff, on_retry=retrying)
+        if outcome.ok:
+            self.counts = self.counts._replace(processed=self.counts.processed + len(cells))
+            self.metrics.processed.labels(*labels).inc(len(cells))
+            self.metrics.seconds.labels(*labels).observe(time.perf_counter() - started)
+            return True
+        assert outcome.failure is not None
+        logger.warning("%s: a batch of %d cells failed (%s: %s); handling its cells one by one", trigger.name,
+                       len(cells), outcome.failure.error_type, outcome.failure.message)
         for cell, source in items:
-            for trigger in self.by_column.get(cell.column, ()):
-                if trigger.applier is not None:
-                    continue
-                if self.stalled is not None:
-                    return False
-                outcome = await self.run(trigger, cell)
-                if not outcome.ok and not await self._deadletter(trigger, source, coordinates(cell), cell.body,
-                                                                 outcome):
-                    return False
+            if self.stalled is not None:
+                return False
+            one = await self.run(trigger, cell)
+            if not one.ok and not await self._deadletter(trigger, source, coordinates(cell), cell.body, one):
+                return False
         return True
 
     async def _apply_batch(self, trigger: Trigger, applier: BatchApplier,
@@ -213,8 +300,9 @@ class Processor:
                 return False
         return True
 
-    async def run(self, trigger: Trigger, cell: Cell) -> Outcome:
-        """The handler's attempts at ``cell`` under the retry policy."""
+    async def run(self, trigger: Trigger, cell: Cell, failed: BaseException | None = None) -> Outcome:
+        """The handler's attempts at ``cell`` under the retry policy (``failed``: its first attempt, made
+        already, raised this)."""
         labels = (self.config.name, trigger.name)
 
         def retrying(exc: BaseException, attempt: int, delay: float) -> None:
@@ -225,7 +313,7 @@ class Processor:
 
         started = time.perf_counter()
         outcome = await deliver(functools.partial(self._call, trigger, cell), trigger.max_attempts,
-                                self.config.backoff, on_retry=retrying)
+                                self.config.backoff, on_retry=retrying, failed=failed)
         if outcome.ok:
             self.counts = self.counts._replace(processed=self.counts.processed + 1)
             self.metrics.processed.labels(*labels).inc()

@@ -80,14 +80,19 @@ async def deliver(
     *,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     on_retry: Callable[[BaseException, int, float], None] | None = None,
+    failed: BaseException | None = None,
 ) -> Outcome:
-    """Call until it succeeds, the error is not retriable, or ``max_attempts`` calls failed."""
+    """Call until it succeeds, the error is not retriable, or ``max_attempts`` calls failed. ``failed``: the
+    first attempt was made already (a run of cells in one trip to a thread) and raised this."""
     delays = backoff.delays()
     first: dt.datetime | None = None
     attempt = 0
     while True:
         attempt += 1
         try:
+            if failed is not None:
+                raised, failed = failed, None
+                raise raised
             await call()
         except Exception as exc:  # the handler's own errors: never let one escape the runtime
             now = dt.datetime.now(dt.UTC)

@@ -1,0 +1,104 @@
+"""Handlers that take cells a list at a time (``@app.batch_trigger``) and synchronous handlers run a page per
+trip to the thread pool, in direct mode on the embedded default (Kafka mode: tests/indexer/test_app_kafka.py)."""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+import logstore
+from indexer import App
+from logstore.retry import RetryPolicy
+
+SHARDS = 8
+FAST = RetryPolicy(initial=0.001, maximum=0.005, deadline=None)
+
+
+@pytest.fixture
+def store(sqlite_url: str) -> Any:
+    with logstore.open(sqlite_url, shards=SHARDS) as store:
+        yield store
+
+
+def write(store: logstore.Store, n: int, **extra: Any) -> list[logstore.Cell]:
+    return store.put_cells([(uuid.uuid4(), "BASE", 1, {"n": i, **extra}) for i in range(n)])
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_batch_handler_gets_each_shards_cells_in_order_a_list_at_a_time(store: logstore.Store, kind: str) -> None:
+    cells = write(store, 300)
+    lists: list[list[logstore.Cell]] = []
+    app = App(f"batches-{kind}", store=store, page_size=50)
+    if kind == "sync":
+        app.batch_trigger("BASE")(lists.append)
+    else:
+        async def handle(batch: list[logstore.Cell]) -> None:
+            lists.append(batch)
+        app.batch_trigger("BASE", name="handle")(handle)
+    assert app.drain(30) == (300, 0, 0)
+    assert sorted(c.added_id for batch in lists for c in batch) == sorted(c.added_id for c in cells)
+    assert all(len({c.shard for c in batch}) == 1 and len(batch) <= 50 for batch in lists)
+    assert len(lists) < len(cells) / 4  # lists, not cells one by one
+    by_shard: dict[int, list[int]] = defaultdict(list)
+    for batch in lists:
+        by_shard[batch[0].shard] += [c.added_id for c in batch]
+    assert all(ids == sorted(ids) for ids in by_shard.values())
+
+
+def test_a_failing_batch_is_handled_cell_by_cell_and_only_the_bad_cell_is_dead_lettered(store: logstore.Store) -> None:
+    cells = write(store, 40)
+    poison = store.put_cell(uuid.uuid4(), "BASE", 1, {"poison": True})
+    handled: list[int] = []
+    calls: list[int] = []
+
+    def charge(batch: list[logstore.Cell]) -> None:
+        calls.append(len(batch))
+        if any(c.body.get("poison") for c in batch):
+            raise ValueError("cannot charge a poisoned ride")
+        handled.extend(c.added_id for c in batch)
+
+    app = App("charges", store=store, backoff=FAST)
+    app.batch_trigger("BASE", max_attempts=3)(charge)
+    counts = app.drain(30)
+    assert counts.dead_lettered == 1 and counts.processed == 40
+    assert sorted(handled) == sorted(c.added_id for c in cells)
+    [entry] = app.dlq.list()
+    assert entry.cell["added_id"] == poison.added_id and entry.attempts == 3 and entry.handler == "charge"
+    assert entry.body == {"poison": True} and "cannot charge" in entry.message
+    assert 1 in calls and max(calls) > 1  # whole lists first, single cells after the failure
+    [replayed] = app.dlq.replay(entry.id)  # a replay passes the one cell, which still fails
+    assert replayed.after == "open" and "cannot charge" in (replayed.error or "")
+
+
+def test_a_sync_handler_runs_a_page_per_trip_to_the_pool_and_a_failure_keeps_its_attempts(
+        store: logstore.Store) -> None:
+    write(store, 200)
+    flaky = store.put_cell(uuid.uuid4(), "BASE", 1, {"flaky": True})
+    attempts: list[int] = []
+
+    def handle(cell: logstore.Cell) -> None:
+        if cell.body.get("flaky"):
+            attempts.append(cell.added_id)
+            raise ConnectionError("the billing service is down")  # retriable
+
+    app = App("trips", store=store, backoff=FAST, page_size=100)
+    app.trigger("BASE", max_attempts=4)(handle)
+    trips = 0
+    pool = app.processor._pool  # the handlers' thread pool: count the work handed to it
+    submit = pool.submit
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal trips
+        trips += 1
+        return submit(*args, **kwargs)
+
+    pool.submit = counted  # type: ignore[method-assign]
+    counts = app.drain(30)
+    assert counts == (200, 3, 1)
+    assert attempts == [flaky.added_id] * 4  # the first, made within the page's trip, counts as one of four
+    assert trips < 201 / 4, f"{trips} trips to the pool for 201 cells"
+    [entry] = app.dlq.list()
+    assert entry.attempts == 4
