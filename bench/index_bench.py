@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 drop_database(url)
     name = "index_mysql.json" if result["store"] == "mysql" else "index.json"
     out = Path(args.out or Path(__file__).with_name("results") / name)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

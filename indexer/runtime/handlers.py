@@ -7,9 +7,9 @@ with its own retries and dead letters), and returns only when each handler has e
 succeeded or dead-lettered every cell: only then may the source advance past them. The
 one exception is a stall, which leaves the cells unacknowledged and stops the app.
 
-A synchronous handler runs over the page in one trip to the thread pool, cell after
-cell, until a cell fails; that cell then gets the retry policy (the failure counts as
-its first attempt) and the next trip goes on after it. A batch handler
+A handler runs over the page cell after cell (a synchronous one in one trip to the
+thread pool) until a cell fails; that cell then gets the retry policy (the failure
+counts as its first attempt) and the next run goes on after it. A batch handler
 (:meth:`~indexer.App.batch_trigger`) takes the page's cells of its column in one call;
 when the call still fails after its attempts, the cells are handled one by one, so only
 the cells that fail are dead-lettered.
@@ -159,12 +159,10 @@ class Processor:
         while at < len(items):
             if self.stalled is not None:
                 return False
-            failed: BaseException | None = None
-            if not trigger.is_async:
-                done, failed = await self._sync_run(trigger, [cell for cell, _ in items[at:]])
-                at += done
-                if failed is None:
-                    return True
+            done, failed = await self._fast_run(trigger, [cell for cell, _ in items[at:]])
+            at += done
+            if failed is None:
+                return True
             cell, source = items[at]
             at += 1
             outcome = await self.run(trigger, cell, failed)
@@ -172,20 +170,35 @@ class Processor:
                 return False
         return True
 
-    async def _sync_run(self, trigger: Trigger, cells: list[Cell]) -> tuple[int, BaseException | None]:
-        """One trip to the pool: ``trigger.fn`` on each cell until one raises. (cells done, what it raised)."""
+    async def _fast_run(self, trigger: Trigger, cells: list[Cell]) -> tuple[int, BaseException | None]:
+        """``trigger.fn`` on each cell until one raises, without the retry policy's bookkeeping per cell (a
+        sync handler in one trip to the pool). (cells done, what the next one raised: its first attempt)."""
         def work() -> tuple[list[float], BaseException | None]:
             took: list[float] = []
             for cell in cells:
                 started = time.perf_counter()
                 try:
                     trigger.fn(cell)
-                except Exception as exc:  # the cell's first attempt: the policy goes on from there
+                except Exception as exc:
                     return took, exc
                 took.append(time.perf_counter() - started)
             return took, None
 
-        took, failed = await asyncio.get_running_loop().run_in_executor(self._pool, work)
+        async def work_async() -> tuple[list[float], BaseException | None]:
+            took: list[float] = []
+            for cell in cells:
+                started = time.perf_counter()
+                try:
+                    await trigger.fn(cell)
+                except Exception as exc:
+                    return took, exc
+                took.append(time.perf_counter() - started)
+            return took, None
+
+        if trigger.is_async:
+            took, failed = await work_async()
+        else:
+            took, failed = await asyncio.get_running_loop().run_in_executor(self._pool, work)
         if took:
             labels = (self.config.name, trigger.name)
             self.counts = self.counts._replace(processed=self.counts.processed + len(took))

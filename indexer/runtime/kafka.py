@@ -496,9 +496,6 @@ class KafkaRunner:
         return not cells or await self.processor.process_many(cells)
 
     def _decode(self, m: ConsumerRecord[bytes, bytes]) -> tuple[Cell | None, dict[str, Any], Failure | None]:
-        where = {name: value.decode(errors="replace") for name, value in m.headers or ()
-                 if name in ("shard", "added_id", "column", "ref_key", "created_at")}
-        where["row_key"] = (m.key or b"").decode(errors="replace")
         try:
             if m.topic == self.tailer_deadletters:  # a cell the tailer gave up on: no attempt, straight to the DLQ
                 record = json.loads(m.value)
@@ -506,10 +503,13 @@ class KafkaRunner:
                     raise ValueError(f"not a tailer dead-letter record: {type(record).__name__}")
                 where, failure = tailer_deadletter(record)
                 return None, where, failure
-            return decode_cell(m.value, m.headers), where, None
+            return decode_cell(m.value, m.headers), {}, None  # (its coordinates are the cell's)
         except Exception as exc:  # anything a foreign producer wrote: dead-letter it, never skip it
             text = "".join(traceback.format_exception(exc))
             failure = Failure(qualified_name(type(exc)), f"undecodable message: {exc}", text, fingerprint(exc), False)
+            where = {name: value.decode(errors="replace") for name, value in m.headers or ()
+                     if name in ("shard", "added_id", "column", "ref_key", "created_at")}
+            where["row_key"] = (m.key or b"").decode(errors="replace")
             if m.topic != self.tailer_deadletters:
                 where["column"] = m.topic[len(self.config.topic_prefix) + 1:]
             return None, where, failure
