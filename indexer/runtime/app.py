@@ -90,20 +90,10 @@ class App:
     # -- handlers -------------------------------------------------------------
     def trigger(self, column: str, *, max_attempts: int = 5, name: str | None = None) -> Callable[[Handler], Handler]:
         """Run the decorated function (sync or async) on every cell written to ``column``."""
-        try:
-            check_column(column)
-        except InvalidCellError as exc:
-            raise ConfigurationError(f"trigger column: {exc}") from None
-        if type(max_attempts) is not int or max_attempts < 1:
-            raise ConfigurationError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+        self._check_trigger("trigger", column, max_attempts)
 
         def register(fn: Handler) -> Handler:
-            handler = name or getattr(fn, "__name__", None) or repr(fn)
-            if any(t.name == handler for t in self.triggers):
-                raise ConfigurationError(f"app {self.name} already has a handler named {handler}")
-            if self._processor is not None:
-                raise ConfigurationError("add triggers before the app starts")
-            self.triggers.append(Trigger(handler, column, fn, max_attempts))
+            self._add_trigger(Trigger(self._handler_name(name, fn), column, fn, max_attempts))
             return fn
         return register
 
@@ -114,19 +104,9 @@ class App:
         A sync one takes one trip to the thread pool per list. The list is retried whole under the retry
         policy; if it still fails, its cells are passed one at a time (``[cell]``), so only the cells that
         fail are dead-lettered (and a dead letter's replay passes its one cell)."""
-        try:
-            check_column(column)
-        except InvalidCellError as exc:
-            raise ConfigurationError(f"batch trigger column: {exc}") from None
-        if type(max_attempts) is not int or max_attempts < 1:
-            raise ConfigurationError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+        self._check_trigger("batch trigger", column, max_attempts)
 
         def register(fn: BatchHandler) -> BatchHandler:
-            handler = name or getattr(fn, "__name__", None) or repr(fn)
-            if any(t.name == handler for t in self.triggers):
-                raise ConfigurationError(f"app {self.name} already has a handler named {handler}")
-            if self._processor is not None:
-                raise ConfigurationError("add triggers before the app starts")
             one: Handler
             if inspect.iscoroutinefunction(fn):
                 async def one(cell: Cell) -> None:
@@ -134,9 +114,29 @@ class App:
             else:
                 def one(cell: Cell) -> None:
                     fn([cell])
-            self.triggers.append(Trigger(handler, column, one, max_attempts, batch=fn))
+            self._add_trigger(Trigger(self._handler_name(name, fn), column, one, max_attempts, batch=fn))
             return fn
         return register
+
+    @staticmethod
+    def _check_trigger(what: str, column: str, max_attempts: int) -> None:
+        try:
+            check_column(column)
+        except InvalidCellError as exc:
+            raise ConfigurationError(f"{what} column: {exc}") from None
+        if type(max_attempts) is not int or max_attempts < 1:
+            raise ConfigurationError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+
+    @staticmethod
+    def _handler_name(name: str | None, fn: Callable[..., Any]) -> str:
+        return name or getattr(fn, "__name__", None) or repr(fn)
+
+    def _add_trigger(self, trigger: Trigger) -> None:
+        if any(t.name == trigger.name for t in self.triggers):
+            raise ConfigurationError(f"app {self.name} already has a handler named {trigger.name}")
+        if self._processor is not None:
+            raise ConfigurationError("add triggers before the app starts")
+        self.triggers.append(trigger)
 
     def index(self, definitions: str | Path | Sequence[IndexDefinition]) -> list[IndexDefinition]:
         """Keep the indexes of a YAML file (or these definitions) current; return the versions kept.

@@ -229,9 +229,7 @@ class Processor:
         started = time.perf_counter()
         outcome = await deliver(call, trigger.max_attempts, self.config.backoff, on_retry=retrying)
         if outcome.ok:
-            self.counts = self.counts._replace(processed=self.counts.processed + len(cells))
-            self.metrics.processed.labels(*labels).inc(len(cells))
-            self.metrics.seconds.labels(*labels).observe(time.perf_counter() - started)
+            self._processed(labels, len(cells), time.perf_counter() - started)
             return True
         assert outcome.failure is not None
         logger.warning("%s: a batch of %d cells failed (%s: %s); handling its cells one by one", trigger.name,
@@ -276,9 +274,7 @@ class Processor:
         outcome = await deliver(lambda: combiner.apply(prepared, batch), trigger.max_attempts, self.config.backoff,
                                 on_retry=retrying)
         if outcome.ok:
-            self.counts = self.counts._replace(processed=self.counts.processed + len(prepared))
-            self.metrics.processed.labels(*labels).inc(len(prepared))
-            self.metrics.seconds.labels(*labels).observe(time.perf_counter() - started)
+            self._processed(labels, len(prepared), time.perf_counter() - started)
             return True
         assert outcome.failure is not None
         if outcome.failure.retriable:
@@ -296,6 +292,12 @@ class Processor:
             if not await self._deadletter(trigger, source, coordinates(cell), cell.body, one):
                 return False
         return True
+
+    def _processed(self, labels: tuple[str, str], cells: int, seconds: float) -> None:
+        """A batch call of ``seconds`` handled ``cells``."""
+        self.counts = self.counts._replace(processed=self.counts.processed + cells)
+        self.metrics.processed.labels(*labels).inc(cells)
+        self.metrics.seconds.labels(*labels).observe(seconds)
 
     async def checkpoint(self) -> None:
         """Before the source commits positions: flush every buffering handler (raises what a flush raised)."""

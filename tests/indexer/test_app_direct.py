@@ -38,12 +38,6 @@ SHARDS = 8
 FAST = RetryPolicy(initial=0.001, maximum=0.005, deadline=None)
 
 
-@pytest.fixture
-def store(sqlite_url: str) -> Any:
-    with logstore.open(sqlite_url, shards=SHARDS) as store:
-        yield store
-
-
 def write(store: logstore.Store, n: int, **extra: Any) -> list[logstore.Cell]:
     return store.put_cells([(uuid.uuid4(), "BASE", 1, {"n": i, **extra}) for i in range(n)])
 

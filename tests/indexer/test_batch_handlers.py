@@ -11,20 +11,7 @@ import pytest
 
 import logstore
 from indexer import App
-from logstore.retry import RetryPolicy
-
-SHARDS = 8
-FAST = RetryPolicy(initial=0.001, maximum=0.005, deadline=None)
-
-
-@pytest.fixture
-def store(sqlite_url: str) -> Any:
-    with logstore.open(sqlite_url, shards=SHARDS) as store:
-        yield store
-
-
-def write(store: logstore.Store, n: int, **extra: Any) -> list[logstore.Cell]:
-    return store.put_cells([(uuid.uuid4(), "BASE", 1, {"n": i, **extra}) for i in range(n)])
+from tests.indexer.test_app_direct import FAST, write
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
