@@ -54,7 +54,6 @@ from logstore.store import Store
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-Endpoint = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})  # others are "other" in metrics
 
@@ -170,7 +169,7 @@ class WorkerNode:
             app.router.add_route(route.method, route.path, self._endpoint(route))
         return app
 
-    def _endpoint(self, route: Route) -> Endpoint:
+    def _endpoint(self, route: Route) -> Handler:
         """The route's handler behind validation of its path, query and body by the route's models."""
         handler: Callable[[Got], Awaitable[web.StreamResponse]] = getattr(self, route.handler)
         built = self._models
