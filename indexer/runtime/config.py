@@ -60,8 +60,9 @@ class AppConfig(BaseModel):
         return load_kafka_config(value) if isinstance(value, str | PathLike) else value
 
     def commit_every(self, kafka: bool) -> float:
-        """The commit interval in effect. In Kafka mode each commit holds up the consumer's fetching for a moment
-        (measured: a 1 s interval put the p99 latency near 100 ms, 3 s near 55 ms)."""
+        """The commit interval in effect: 1 s in direct mode, 3 s in Kafka mode, where a commit is a round trip
+        to the group coordinator (measured on the faust engine: 1 s commits put the p99 latency near 100 ms,
+        3 s near 55 ms; on aiokafka directly the commit runs beside fetching)."""
         if self.commit_interval is not None:
             return self.commit_interval
         return 3.0 if kafka else 1.0

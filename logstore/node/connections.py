@@ -41,7 +41,7 @@ class Limits:
 
 
 def error_document(kind: str, message: str, retriable: bool = False) -> bytes:
-    return wire.dumps({"error": {"type": kind, "message": message, "retriable": retriable}})
+    return wire.dumps(wire.error(kind, message, retriable))
 
 
 def raw_response(status: int, reason: str, body: bytes, retry_after: bool = False) -> bytes:

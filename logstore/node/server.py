@@ -309,18 +309,16 @@ class WorkerNode:
         except _BadInput as exc:
             response = _json(wire.bad_request(exc.field, exc.problem), 400)
         except _SlowBody as exc:
-            response = _json({"error": {"type": "RequestTimeout", "message": str(exc), "retriable": False}}, 408)
+            response = _json(wire.error("RequestTimeout", str(exc)), 408)
             response.force_close()
         except web.HTTPException as exc:
-            response = _json({"error": {"type": "HTTPError", "message": exc.reason, "retriable": False}},
-                             exc.status)
+            response = _json(wire.error("HTTPError", exc.reason), exc.status)
             for name in ("WWW-Authenticate", "Allow"):
                 if name in exc.headers:
                     response.headers[name] = exc.headers[name]
         except Exception:
             logger.exception("worker node: %s %s failed", request.method, request.path)
-            response = _json({"error": {"type": "InternalError", "retriable": False,
-                                        "message": "the worker node failed unexpectedly; its log says why"}}, 500)
+            response = _json(wire.error("InternalError", "the worker node failed unexpectedly; its log says why"), 500)
         finally:
             if isinstance(connection, Connection):
                 connection.request_finished()
@@ -522,7 +520,7 @@ def _columns(text: str | None) -> list[str] | None:
 
 
 def _not_found(message: str) -> web.Response:
-    return _json({"error": {"type": "NotFound", "message": message, "retriable": False}}, 404)
+    return _json(wire.error("NotFound", message), 404)
 
 
 def check_bind(host: str, token: str | None) -> None:

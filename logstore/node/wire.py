@@ -84,12 +84,18 @@ def error_json(exc: LogstoreError) -> dict[str, Any]:
     return {"error": doc}
 
 
+def error(kind: str, message: str, retriable: bool = False) -> dict[str, Any]:
+    """The error document of an answer that is not a LogstoreError (not found, a timeout, the HTTP layer's)."""
+    return {"error": {"type": kind, "message": message, "retriable": retriable}}
+
+
 def bad_request(field: str, problem: str) -> dict[str, Any]:
     """A request the server refuses before it reaches the store (the field is named as sent). A cell's
     coordinates or body are an InvalidCellError, as the store would have raised."""
     kind = "InvalidCellError" if _CELL_FIELD.fullmatch(field) else "InvalidArgumentError"
-    return {"error": {"type": kind, "message": f"{field}: {problem}", "retriable": False,
-                      "field": field, "problem": problem}}
+    doc = error(kind, f"{field}: {problem}")
+    doc["error"].update(field=field, problem=problem)
+    return doc
 
 
 def error_from_json(status: int, doc: Any) -> LogstoreError:

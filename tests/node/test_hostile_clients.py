@@ -29,13 +29,18 @@ def connect(url: str) -> socket.socket:
     return socket.create_connection((parts.hostname or "", parts.port or 80), timeout=10)
 
 
-def read_response(sock: socket.socket, limit: float = 10.0) -> tuple[int, dict[str, str], Any]:
-    """One whole response from a connection the server closes after it (every answer here closes it)."""
+def read_all(sock: socket.socket, limit: float = 10.0) -> bytes:
+    """Everything the server sends until it closes the connection (every answer here closes it)."""
     sock.settimeout(limit)
     data = b""
     while chunk := sock.recv(65536):
         data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
+    return data
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], Any]:
+    """One whole response: status, headers, the JSON body."""
+    head, _, body = read_all(sock).partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
     return int(lines[0].split()[1]), headers, json.loads(body)
@@ -143,11 +148,7 @@ def _get(url: str, path: str, token: str | None = None) -> bytes:
     with connect(url) as sock:
         auth = f"Authorization: Bearer {token}\r\n" if token else ""
         sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n".encode())
-        sock.settimeout(10)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    return data.partition(b"\r\n\r\n")[2]
+        return read_all(sock).partition(b"\r\n\r\n")[2]
 
 
 def test_system_cells_need_the_admin_token(sqlite_url: str) -> None:
