@@ -41,8 +41,8 @@ def _text_int(value: object) -> object:
     if not isinstance(value, str):
         return value
     if not _DIGITS.fullmatch(value):
-        raise PydanticCustomError("ascii_integer", "{text!r} is not an integer in ASCII digits (0|[1-9][0-9]*)",
-                                  {"text": value})
+        raise PydanticCustomError("ascii_integer", "{text} is not an integer in ASCII digits (0|[1-9][0-9]*)",
+                                  {"text": repr(value)})
     return int(value)
 
 
@@ -66,16 +66,16 @@ def _date_time(value: object) -> dt.datetime:
     after the second before it), in UTC. pydantic's own datetime would take a number of seconds too."""
     found = _RFC3339.fullmatch(value) if isinstance(value, str) else None
     if found is None:
-        raise PydanticCustomError("date_time", "{text!r} is not an RFC 3339 time with a UTC offset "
-                                  "(e.g. 2026-11-24T10:00:00Z)", {"text": value})
+        raise PydanticCustomError("date_time", "{text} is not an RFC 3339 time with a UTC offset "
+                                  "(e.g. 2026-11-24T10:00:00Z)", {"text": repr(value)})
     day, minutes, seconds, fraction, offset = found.groups()
     leap = seconds == "60"
     text = f"{day}T{minutes}:{'59' if leap else seconds}{(fraction or '')[:7]}{'+00:00' if offset in 'Zz' else offset}"
     try:
         when = dt.datetime.fromisoformat(text)
     except ValueError as exc:
-        raise PydanticCustomError("date_time", "{text!r} is not a valid time: {problem}",
-                                  {"text": value, "problem": str(exc)}) from None
+        raise PydanticCustomError("date_time", "{text} is not a valid time: {problem}",
+                                  {"text": repr(value), "problem": str(exc)}) from None
     try:
         return (when + dt.timedelta(seconds=1) if leap else when).astimezone(dt.UTC)
     except OverflowError:  # beyond year 1 or 9999 in UTC: before, or after, every cell

@@ -236,3 +236,13 @@ def test_cellstream_serve_refuses_with_one_line(sqlite_url: str, args: list[str]
     _out, err = process.communicate(timeout=60)
     assert process.returncode == 2, err
     assert err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize(("path", "problem"), [
+    ("/v1/shards/0/log?limit=%2B5", "'+5' is not an integer in ASCII digits"),
+    ("/v1/shards/0/location?at=yesterday", "'yesterday' is not an RFC 3339 time with a UTC offset"),
+    ("/v1/shards/0/location?at=2026-02-30T00:00:00Z", "'2026-02-30T00:00:00Z' is not a valid time: day"),
+])
+def test_a_refusal_quotes_what_was_sent(node: NodeThread, path: str, problem: str) -> None:
+    status, doc, _ = call(node.url, "GET", path)
+    assert status == 400 and doc["error"]["problem"].startswith(problem), doc
