@@ -82,6 +82,9 @@ class NodeRecorder(ABC):
     before_commit: Callable[[Sequence[int]], None] | None = None
     #: The node's index tables (logstore.index_tables.persistence).
     indexes: IndexRecorder
+    #: Reads of the node's logs worth running at once from one process: a server answers several while
+    #: the process decodes pages; an embedded database's reads run in the process, on its CPU and GIL.
+    parallel_reads = 4
 
     @abstractmethod
     def read_meta(self, retry: RetryPolicy | None = None) -> NodeMeta | None:

@@ -110,6 +110,12 @@ class Store:
     def nodes(self) -> list[str]:
         return [n.name for n in self._cluster.nodes]
 
+    @property
+    def parallel_reads(self) -> int:
+        """Log reads worth running at once from one process (the least any node gains from): the default
+        read-ahead of the readers that tail the store."""
+        return min(r.parallel_reads for r in self._recorders.values())
+
     def node_recorder(self, name: str) -> NodeRecorder | None:
         """The recorder of storage node ``name`` (None when the cluster has no such node): for
         backend-level operations such as shard moves."""

@@ -53,7 +53,9 @@ class TailerConfig(BaseModel):
     value_format: Literal["json", "msgpack"] = "json"
     page_size: int = Field(500, ge=1, le=10_000, description="cells read from a shard per query")
     max_in_flight: int = Field(20_000, ge=1, description="unacknowledged messages per worker")
-    read_ahead: int = Field(4, ge=1, le=64, description="read queries under way at once while pages are sent")
+    read_ahead: int | None = Field(
+        None, ge=1, le=64, description="read queries under way at once while pages are sent (default: the store's "
+        "parallel_reads, 1 for the embedded SQLite, 4 over a server)")
     poll_interval: float = Field(0.005, gt=0, description="seconds between looks at the shards while cells arrive")
     idle_poll_interval: float = Field(
         0.05, gt=0, description="the longest wait between looks: the interval doubles up to it while shards are idle"

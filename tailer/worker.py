@@ -118,6 +118,7 @@ class Tailer:
         self._owned_gauge = self.metrics.owned_shards.labels(config.name)
         self._wakeup = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._read_ahead = config.read_ahead or store.parallel_reads
         self._task: asyncio.Task[None] | None = None
         self._lag_task: asyncio.Task[None] | None = None
         self._commit_task: asyncio.Task[None] | None = None
@@ -478,7 +479,8 @@ class Tailer:
 
         A shard reserves a page (at its first read, no more than its cell count), and
         shards are grouped until a query reserves about a page: a busy shard is read
-        alone, many small ones together. At most ``read_ahead`` queries run at once,
+        alone, many small ones together. At most ``read_ahead`` queries (by default the
+        store's ``parallel_reads``) run at once,
         within ``max_in_flight`` messages. Idle shards are left to ``_look``.
         """
         touched, self._touched = self._touched, set()
@@ -493,7 +495,7 @@ class Tailer:
         batch: dict[int, int] = {}
         singles: dict[int, int] = {}
         reserved = 0
-        while self._ready and launched < self.config.read_ahead and in_flight < self.config.max_in_flight:
+        while self._ready and launched < self._read_ahead and in_flight < self.config.max_in_flight:
             shard = next(iter(self._ready))
             del self._ready[shard]  # taken from the front; it queues again at the back after its page
             st = self._shards[shard]

@@ -3,11 +3,12 @@
 The tailer worker (:class:`tailer.worker.Tailer`) already reads the shard logs in
 order, owns shards through a coordinator (offsets in the store, or shared through
 ZooKeeper) and commits only positions whose deliveries were acknowledged. Here its
-sink is :class:`HandlerSink`: instead of sending a cell to Kafka it queues the
-cell itself for the handlers, one queue per shard worked through in order, and acknowledges
-the cell once every handler succeeded or dead-lettered it. So a shard's cells are
-never handled concurrently nor out of order, and a crash re-delivers at most the
-cells after the last commit.
+sink is :class:`HandlerSink`: instead of sending cells to Kafka it queues each run
+the worker hands over (consecutive cells of a shard and a column, up to a page) for the
+handlers, one queue per shard worked through in order, and acknowledges the run once
+every handler succeeded or dead-lettered each of its cells: one future per page, not
+per cell. So a shard's cells are never handled concurrently nor out of order, and a
+crash re-delivers at most the cells after the last commit.
 
 The queues are worked by a pool of at most ``max_active_shards`` tasks, a batch of a
 shard at a time in round robin, rather than by a task per shard: with 4096 shards a
@@ -39,7 +40,9 @@ _SLICE = 0.002  # seconds a handler worker runs batches that never wait before i
 
 
 class _Item(NamedTuple):
-    cell: Cell | None
+    """A run of a shard's cells handed over together and acknowledged together, or a dead-letter record."""
+
+    cells: list[Cell] | None
     deadletter: dict[str, Any] | None  # the tailer's dead-letter record of a cell it could not read
     future: asyncio.Future[None]
 
@@ -49,7 +52,8 @@ class HandlerSink(Sink):
 
     def __init__(self, processor: Processor, batch_size: int, max_workers: int = 256) -> None:
         self.processor = processor
-        self.batch_size = batch_size  # consecutive cells of a shard handled together (an index applies them at once)
+        # Consecutive cells of a shard handled together (an index applies them at once); runs are not split.
+        self.batch_size = batch_size
         self.max_workers = max_workers
         self._queues: dict[int, deque[_Item]] = {}
         self._runnable: deque[int] = deque()  # shards with cells queued and no worker on them, in turn
@@ -74,11 +78,10 @@ class HandlerSink(Sink):
     async def deliver(self, shard: int, column: str, items: Sequence[Any]) -> list[tuple[asyncio.Future[Any], int]]:
         if not self._running:
             raise PublishError("the app is stopping", retriable=True)
-        loop = asyncio.get_running_loop()
-        queued = [_Item(cell, None, loop.create_future()) for cell in items]
-        self._queue(shard).extend(queued)
+        item = _Item(list(items), None, asyncio.get_running_loop().create_future())
+        self._queue(shard).append(item)
         self._kick(shard)
-        return [(item.future, 1) for item in queued]
+        return [(item.future, len(items))]
 
     async def deadletter(self, shard: int, record: dict[str, Any]) -> asyncio.Future[Any]:
         """A stored cell the worker could not decode: each handler of its column dead-letters it."""
@@ -162,8 +165,10 @@ class HandlerSink(Sink):
         if not queue:
             return True
         batch = [queue.popleft()]
-        while (batch[0].cell is not None and queue and len(batch) < self.batch_size
-               and queue[0].cell is not None and not queue[0].future.done()):
+        size = len(batch[0].cells or ())
+        while (size and queue and queue[0].cells is not None and size + len(queue[0].cells) <= self.batch_size
+               and not queue[0].future.done()):
+            size += len(queue[0].cells)
             batch.append(queue.popleft())
         try:
             done = await self._handle(batch)
@@ -185,10 +190,10 @@ class HandlerSink(Sink):
 
     async def _handle(self, batch: list[_Item]) -> bool:
         first = batch[0]
-        if first.cell is not None:
+        if first.cells is not None:
             return await self.processor.process_many(
-                [(item.cell, {"mode": "direct", "shard": item.cell.shard, "added_id": item.cell.added_id})
-                 for item in batch if item.cell is not None])
+                [(cell, {"mode": "direct", "shard": cell.shard, "added_id": cell.added_id})
+                 for item in batch for cell in item.cells or ()])
         where, failure = tailer_deadletter(first.deadletter or {})
         source = {"mode": "direct", "shard": where.get("shard"), "added_id": where.get("added_id")}
         return await self.processor.undecodable(where, source, failure)

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -278,3 +279,32 @@ def test_busy_shards_take_turns_so_none_waits_for_another_to_be_drained(
     asyncio.run(run_until(tailer, lambda: len(topic_cells(root, "cells.BASE")) >= 400))
     first_pages = [record["value"]["shard"] for _, record in topic_cells(root, "cells.BASE")[: 5 * len(busy)]]
     assert set(first_pages) == busy  # one page of every shard before a second page of any
+
+
+@pytest.mark.parametrize(("read_ahead", "most"), [(None, 1), (3, 3)])
+def test_reads_of_the_embedded_store_run_one_at_a_time_unless_configured(
+    store: logstore.Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read_ahead: int | None, most: int
+) -> None:
+    """Concurrent SQLite reads queue for the GIL (twice the CPU of serial reads), so by default the worker
+    reads an embedded store one query at a time (Store.parallel_reads); ``read_ahead`` overrides it."""
+    put_many(store, 400)
+    assert store.parallel_reads == 1
+    under_way, seen, lock = [0], [0], threading.Lock()
+    read = store.get_cells_for_shards
+
+    def slow_read(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            under_way[0] += 1
+            seen[0] = max(seen[0], under_way[0])
+        try:
+            time.sleep(0.02)  # long enough for the loop to launch every read it may
+            return read(*args, **kwargs)
+        finally:
+            with lock:
+                under_way[0] -= 1
+
+    monkeypatch.setattr(store, "get_cells_for_shards", slow_read)
+    root = tmp_path / "topics"
+    tailer = make(store, tmp_path, partitions=1, page_size=5, read_ahead=read_ahead)
+    asyncio.run(run_until(tailer, lambda: len(topic_cells(root, "cells.BASE")) >= 400))
+    assert seen[0] == most
