@@ -31,7 +31,7 @@ from logstore.extras import require
 from logstore.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from logstore.cell import Cell
+    from logstore.cell import Cell, PackedCell
     from logstore.config import DEFAULT_SHARDS, ClusterConfig, MySQLTarget, NodeTarget, StoreOptions
     from logstore.persistence import NodeRecorder, OffsetRecord
     from logstore.store import ShardInfo, Store
@@ -50,6 +50,7 @@ __all__ = [
     "LogstoreError",
     "MissingExtraError",
     "OffsetRecord",
+    "PackedCell",
     "ShardInfo",
     "ShardMovedError",
     "StorageError",
@@ -64,6 +65,7 @@ __all__ = [
 # are built when their module is imported.
 _LAZY = {
     "Cell": "logstore.cell",
+    "PackedCell": "logstore.cell",
     "DEFAULT_SHARDS": "logstore.config",
     "ClusterConfig": "logstore.config",
     "StoreOptions": "logstore.config",

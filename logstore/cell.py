@@ -57,6 +57,32 @@ class Cell(NamedTuple):
         }
 
 
+class PackedCell(NamedTuple):
+    """A stored cell with its body left as stored MessagePack (decompressed, never decoded): for readers
+    that pass bodies on as MessagePack, such as the tailer's ``msgpack`` messages. ``body`` decodes it."""
+
+    row_key: uuid.UUID
+    column: str
+    ref_key: int
+    packed: bytes  # the body's MessagePack form (a map)
+    added_id: int
+    shard: int
+    created_at: dt.datetime
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The body, decoded on each access."""
+        body: dict[str, Any] = msgpack.unpackb(self.packed, raw=False, strict_map_key=True)
+        return body
+
+    def to_cell(self) -> Cell:
+        return Cell(self.row_key, self.column, self.ref_key, self.body, self.added_id, self.shard, self.created_at)
+
+
+#: What a log read gives: a cell, or one whose body stayed packed.
+AnyCell = Cell | PackedCell
+
+
 def shard_of(row_key: uuid.UUID, shard_count: int) -> int:
     digest = hashlib.blake2b(row_key.bytes, digest_size=8).digest()
     return int.from_bytes(digest, "big") % shard_count
@@ -187,6 +213,21 @@ def decode_body(blob: bytes) -> dict[str, Any]:
     if type(body) is not dict:
         raise CorruptCellError("cell body is not a MessagePack map")
     return body
+
+
+def unpack_body(blob: bytes) -> bytes:
+    """The MessagePack of a stored body, decompressed and not decoded. zlib's checksum finds damage to the
+    stored bytes; a map that MessagePack cannot read past its first byte is not seen until it is decoded."""
+    if not blob or blob[0] != FORMAT_V1:
+        version = blob[0] if blob else None
+        raise CorruptCellError(f"unknown cell body format version {version!r}")
+    try:
+        packed = zlib.decompress(blob[1:])
+    except zlib.error as exc:
+        raise CorruptCellError(f"cell body cannot be decoded: {exc}") from None
+    if not packed or not (0x80 <= packed[0] <= 0x8F or packed[0] in (0xDE, 0xDF)):  # fixmap, map 16, map 32
+        raise CorruptCellError("cell body is not a MessagePack map")
+    return packed
 
 
 def same_json(a: Any, b: Any) -> bool:

@@ -22,7 +22,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from logstore.cell import Cell, decode_body, same_json
+import msgpack
+
+from logstore.cell import AnyCell, Cell, PackedCell, decode_body, same_json, unpack_body
 from logstore.errors import CellConflictError, ConfigurationError, CorruptCellError, StorageError
 from logstore.index_tables.persistence import IndexRecorder
 from logstore.retry import RetryPolicy
@@ -30,6 +32,7 @@ from logstore.retry import RetryPolicy
 FORMAT_VERSION = 1
 Coordinates = tuple[bytes, str, int]
 R = TypeVar("R")
+C = TypeVar("C", bound=AnyCell)
 
 
 class PendingCell(NamedTuple):
@@ -164,6 +167,20 @@ class NodeRecorder(ABC):
                 out[shard] = exc
         return out
 
+    def get_packed_logs(
+        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
+    ) -> dict[int, list[PackedCell] | CorruptCellError]:
+        """``get_logs`` with each body left as MessagePack. Backends holding the stored bytes override this
+        to decompress them only; by default the decoded bodies are packed again."""
+        out: dict[int, list[PackedCell] | CorruptCellError] = {}
+        for shard, page in self.get_logs(locations, limit, columns).items():
+            if isinstance(page, CorruptCellError):
+                page.cells_before = [repack(c) for c in page.cells_before]
+                out[shard] = page
+            else:
+                out[shard] = [repack(c) for c in page]
+        return out
+
     @abstractmethod
     def first_at(self, shard: int, when: dt.datetime) -> int | None:
         """The lowest added_id created at or after ``when`` (UTC), or None."""
@@ -258,9 +275,35 @@ def make_cell(
     return Cell(key, column, ref_key, body, added_id, shard, created_at)
 
 
-def decode_log(rows: Iterable[R], to_cell: Callable[[R], Cell]) -> list[Cell]:
+def make_packed_cell(
+    shard: int,
+    added_id: int,
+    row_key: bytes,
+    column: str,
+    ref_key: int,
+    blob: bytes,
+    created_at: dt.datetime,
+) -> PackedCell:
+    """``make_cell`` with the body decompressed only (:func:`logstore.cell.unpack_body`)."""
+    key = uuid_from_bytes(row_key)
+    try:
+        packed = unpack_body(blob)
+    except CorruptCellError as exc:
+        where = {"shard": shard, "added_id": added_id, "row_key": key, "column": column,
+                 "ref_key": ref_key, "created_at": created_at}
+        raise CorruptCellError(exc.problem, where) from None
+    return PackedCell(key, column, ref_key, packed, added_id, shard, created_at)
+
+
+def repack(cell: Cell) -> PackedCell:
+    """A decoded cell as a PackedCell (for backends without the stored bytes at hand)."""
+    return PackedCell(cell.row_key, cell.column, cell.ref_key, msgpack.packb(cell.body, use_bin_type=True),
+                      cell.added_id, cell.shard, cell.created_at)
+
+
+def decode_log(rows: Iterable[R], to_cell: Callable[[R], C]) -> list[C]:
     """A page of log rows as cells; a damaged cell raises with the good cells before it."""
-    cells: list[Cell] = []
+    cells: list[C] = []
     try:
         for row in rows:
             cells.append(to_cell(row))
@@ -270,11 +313,11 @@ def decode_log(rows: Iterable[R], to_cell: Callable[[R], Cell]) -> list[Cell]:
     return cells
 
 
-def decode_pages(pages: Mapping[int, list[R]], to_cell: Callable[[R], Cell],
-                 order: Callable[[R], Any]) -> dict[int, list[Cell] | CorruptCellError]:
+def decode_pages(pages: Mapping[int, list[R]], to_cell: Callable[[R], C],
+                 order: Callable[[R], Any]) -> dict[int, list[C] | CorruptCellError]:
     """Each shard's page of log rows as cells in ``order`` (by added_id: the queries reading several shards at
     once promise none), or the CorruptCellError of its first damaged cell (with the good cells before it)."""
-    out: dict[int, list[Cell] | CorruptCellError] = {}
+    out: dict[int, list[C] | CorruptCellError] = {}
     for shard, rows in pages.items():
         rows.sort(key=order)
         try:

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 from logstore.cell import (
     Cell,
+    PackedCell,
     check_column,
     check_ref_key,
     coerce_row_key,
@@ -413,15 +414,30 @@ class Store:
         gets its CorruptCellError (``cells_before`` holds the good cells before it)
         instead of a list, so the other shards' pages still arrive.
         """
+        out: dict[int, list[Cell] | CorruptCellError] = {}
+        for recorder, group, names in self._page_reads(locations, limit, columns):
+            out.update(recorder.get_logs(group, limit, names))
+        return out
+
+    def get_packed_cells_for_shards(
+        self, locations: Mapping[int, int], limit: int = 1000, *, columns: Sequence[str] | None = None
+    ) -> dict[int, list[PackedCell] | CorruptCellError]:
+        """``get_cells_for_shards`` with each body left as its stored MessagePack, decompressed and not
+        decoded (:class:`~logstore.cell.PackedCell`): for readers that pass bodies on as MessagePack."""
+        out: dict[int, list[PackedCell] | CorruptCellError] = {}
+        for recorder, group, names in self._page_reads(locations, limit, columns):
+            out.update(recorder.get_packed_logs(group, limit, names))
+        return out
+
+    def _page_reads(self, locations: Mapping[int, int], limit: int, columns: Sequence[str] | None
+                    ) -> list[tuple[NodeRecorder, list[tuple[int, int]], list[str] | None]]:
+        """The checked reads of several shards' pages: (node, its (shard, location) pairs, columns) each."""
         by_node: dict[int, list[tuple[int, int]]] = {}
         names: list[str] | None = None
         for shard, location in locations.items():
             names = self._check_page(shard, location, limit, columns)
             by_node.setdefault(id(self._recorder(shard)), []).append((shard, location))
-        out: dict[int, list[Cell] | CorruptCellError] = {}
-        for group in by_node.values():
-            out.update(self._recorder(group[0][0]).get_logs(group, limit, names))
-        return out
+        return [(self._recorder(group[0][0]), group, names) for group in by_node.values()]
 
     def _check_page(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[str] | None:
         self.check_shard(shard)

@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
-from logstore import Cell
+from logstore.cell import AnyCell
 from tailer.errors import PublishError
 from tailer.messages import Message, encode_cell
 
@@ -139,8 +139,12 @@ class Sink(ABC):
         """Where the cells of ``column`` go, as dead letters name it (a topic; by default the column)."""
         return column
 
+    #: The sink takes cells with their bodies left as stored MessagePack (:class:`~logstore.cell.PackedCell`):
+    #: the worker reads them so, and never decodes the bodies.
+    packed_bodies = False
+
     @abstractmethod
-    def accept(self, cell: Cell) -> Any:
+    def accept(self, cell: AnyCell) -> Any:
         """The sink's form of ``cell``, to hand to :meth:`deliver`. Raises TypeError/ValueError when the cell
         cannot be encoded and a non-retriable PublishError when the sink can never take it (too large):
         the worker dead-letters the cell in its place."""
@@ -211,7 +215,7 @@ class Publisher(ABC):
         translated PublishError when delivery fails later.
         """
 
-    def encode(self, cell: Cell, value_format: Literal["json", "msgpack"]) -> Message:
+    def encode(self, cell: AnyCell, value_format: Literal["json", "msgpack"]) -> Message:
         """The message for ``cell``; raises TypeError/ValueError when it cannot be encoded."""
         return encode_cell(cell, value_format)
 

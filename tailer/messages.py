@@ -6,7 +6,8 @@ Cell message on topic ``<prefix>.<column>``, partition ``shard mod P``:
 - headers (UTF-8 text): ``shard``, ``added_id``, ``column``, ``ref_key``, ``created_at``
   (ISO-8601, UTC) and ``content-type`` (``application/json`` or ``application/msgpack``);
 - value: the cell as an object with ``row_key``, ``column``, ``ref_key``, ``added_id``,
-  ``shard``, ``created_at`` and ``body``, in JSON (default) or MessagePack.
+  ``shard``, ``created_at`` and ``body``, in JSON (default) or MessagePack. In MessagePack the
+  body is the stored MessagePack as it is (the store keeps bodies so, compressed).
 
 Dead-letter message on ``<prefix>-deadletter``: the same key and headers plus
 ``error``; the value is a JSON object naming the cell (coordinates, no body),
@@ -24,9 +25,12 @@ import msgpack
 from pydantic_core import PydanticSerializationError, to_json
 
 from logstore import Cell
+from logstore.cell import AnyCell, PackedCell
 
 Headers = list[tuple[str, bytes]]
 CONTENT_TYPES = {"json": b"application/json", "msgpack": b"application/msgpack"}
+_BODY_KEY = msgpack.packb("body")
+_MAP_OF_SIX, _MAP_OF_SEVEN = 0x86, b"\x87"  # MessagePack fixmap headers
 
 
 class Message(NamedTuple):
@@ -35,7 +39,7 @@ class Message(NamedTuple):
     headers: Headers
 
 
-def coordinates(cell: Cell) -> dict[str, Any]:
+def coordinates(cell: AnyCell) -> dict[str, Any]:
     """The cell without its body: what names it in errors and dead letters."""
     return {
         "row_key": str(cell.row_key), "column": cell.column, "ref_key": cell.ref_key,
@@ -60,12 +64,19 @@ def _json(record: dict[str, Any]) -> bytes:
     return value
 
 
-def encode_cell(cell: Cell, value_format: Literal["json", "msgpack"] = "json") -> Message:
-    """The message for ``cell``. Raises TypeError/ValueError if the body cannot be encoded."""
+def encode_cell(cell: AnyCell, value_format: Literal["json", "msgpack"] = "json") -> Message:
+    """The message for ``cell``. Raises TypeError/ValueError if the body cannot be encoded. A PackedCell's
+    body goes into a MessagePack value as it is: the bytes are those of packing the decoded cell."""
     row_key, created_at = str(cell.row_key), cell.created_at.isoformat()
     record = {"row_key": row_key, "column": cell.column, "ref_key": cell.ref_key, "added_id": cell.added_id,
-              "shard": cell.shard, "created_at": created_at, "body": cell.body}
-    value = _json(record) if value_format == "json" else msgpack.packb(record, use_bin_type=True)
+              "shard": cell.shard, "created_at": created_at}
+    if value_format == "msgpack" and isinstance(cell, PackedCell):
+        head = msgpack.packb(record, use_bin_type=True)
+        assert head[0] == _MAP_OF_SIX
+        value = _MAP_OF_SEVEN + head[1:] + _BODY_KEY + cell.packed  # the same map with "body" last
+    else:
+        record["body"] = cell.body
+        value = _json(record) if value_format == "json" else msgpack.packb(record, use_bin_type=True)
     headers = [("shard", str(cell.shard).encode()), ("added_id", str(cell.added_id).encode()),
                ("column", cell.column.encode()), ("ref_key", str(cell.ref_key).encode()),
                ("created_at", created_at.encode()), ("content-type", CONTENT_TYPES[value_format])]

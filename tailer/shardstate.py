@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 from logstore import CorruptCellError, LogstoreError
-from logstore.cell import Cell
+from logstore.cell import AnyCell, Cell, PackedCell
 from tailer.interfaces import Claim
 from tailer.messages import coordinates
 
 # A read's result per shard: its page, or the error that ended it (a CorruptCellError holds the cells before).
-Pages = dict[int, list[Cell] | LogstoreError]
+Pages = dict[int, Sequence[AnyCell] | LogstoreError]
 # (every shard's cell count, if read; pages of the idle shards whose count moved; seconds the counting took)
 Look = tuple[dict[int, int] | None, Pages, float]
 
@@ -22,14 +22,14 @@ Look = tuple[dict[int, int] | None, Pages, float]
 class Pending(NamedTuple):
     added_id: int  # of the last cell the future covers
     future: asyncio.Future[Any]
-    source: Cell | dict[str, Any]  # the first cell, or a dead letter's coordinates
+    source: AnyCell | dict[str, Any]  # the first cell, or a dead letter's coordinates
     topic: str
     deadletter: bool
     messages: int = 1  # how many the future covers (a record batch); 0: cells of reserved columns passed over
 
     @property
     def where(self) -> dict[str, Any]:
-        return coordinates(self.source) if isinstance(self.source, Cell) else self.source
+        return coordinates(self.source) if isinstance(self.source, Cell | PackedCell) else self.source
 
 
 @dataclasses.dataclass(slots=True)  # no __dict__ per shard: thousands are owned, and the collector walks them
@@ -57,7 +57,7 @@ class ShardState:
         self.shard = self.claim.shard
 
 
-def page_of(pages: Pages, shard: int) -> tuple[list[Cell], BaseException | None]:
+def page_of(pages: Pages, shard: int) -> tuple[Sequence[AnyCell], BaseException | None]:
     """A shard's page of a read as (good cells, what ended it early)."""
     page = pages[shard]
     if isinstance(page, CorruptCellError):

@@ -26,11 +26,11 @@ import functools
 import heapq
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from logstore import CorruptCellError, LogstoreError, Store
-from logstore.cell import Cell
+from logstore.cell import AnyCell, Cell, PackedCell
 from logstore.retry import RetryPolicy
 from tailer.config import TailerConfig
 from tailer.errors import ConfigurationError, FencedError, PublishError, TailerError
@@ -549,11 +549,13 @@ class Tailer:
     def _fetch(self, positions: dict[int, int], limit: int) -> Pages:
         """(in a worker thread) Pages of several shards; a failed read comes back as each shard's error."""
         try:
+            if self.sink.packed_bodies:  # the bodies go on as MessagePack: decompressed, never decoded
+                return dict(self.store.get_packed_cells_for_shards(positions, limit, columns=self.config.columns))
             return dict(self.store.get_cells_for_shards(positions, limit, columns=self.config.columns))
         except LogstoreError as exc:
             return dict.fromkeys(positions, exc)
 
-    async def _send_page(self, st: ShardState, cells: list[Cell], problem: BaseException | None) -> bool:
+    async def _send_page(self, st: ShardState, cells: Sequence[AnyCell], problem: BaseException | None) -> bool:
         if problem is not None and not isinstance(problem, CorruptCellError):
             self._failed(st, problem, "read")
             return False
@@ -573,10 +575,10 @@ class Tailer:
             st.drained = True
         return True
 
-    async def _send_cells(self, st: ShardState, cells: list[Cell]) -> bool:
+    async def _send_cells(self, st: ShardState, cells: Sequence[AnyCell]) -> bool:
         """Deliver cells in order: each run of cells of one column together, and a cell the sink does
         not accept as a dead letter in its place. False once the shard failed."""
-        run: list[tuple[Cell, Any]] = []
+        run: list[tuple[AnyCell, Any]] = []
         for cell in cells:
             if cell.column[0] == "_" and self.config.columns is None:
                 if not await self._send_run(st, run):
@@ -611,7 +613,7 @@ class Tailer:
                 return False
         return await self._send_run(st, run)
 
-    def _pass_over(self, st: ShardState, cell: Cell) -> None:
+    def _pass_over(self, st: ShardState, cell: AnyCell) -> None:
         """Acknowledge a cell of a reserved column without delivering it: cellstream's own data (dead-letter
         entries with their bodies and tracebacks, catalogs, offsets) reaches a sink only when its column is
         named in ``columns``. Consecutive ones share one acknowledgement, in the shard's order."""
@@ -624,7 +626,7 @@ class Tailer:
         future.set_result(None)
         self._track(st, Pending(cell.added_id, future, cell, cell.column, False, 0))
 
-    async def _send_run(self, st: ShardState, run: list[tuple[Cell, Any]]) -> bool:
+    async def _send_run(self, st: ShardState, run: list[tuple[AnyCell, Any]]) -> bool:
         if not run:
             return True
         if self._broken(st) is not None:  # _collect rewinds the shard next; the page is read again from there
@@ -828,7 +830,7 @@ class Tailer:
         for shard in self._live:
             if (st := self._shards.get(shard)) is not None:
                 acked[shard] = st.acked
-                if st.inflight and isinstance(first := st.inflight[0].source, Cell):
+                if st.inflight and isinstance(first := st.inflight[0].source, Cell | PackedCell):
                     oldest[shard] = first.created_at
         try:
             lags = await asyncio.to_thread(self._lags_of, acked, oldest) if acked else {}

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 from indexer.runtime.config import AppConfig
 from indexer.runtime.handlers import Processor, tailer_deadletter
 from logstore import Cell, Store
+from logstore.cell import AnyCell
 from logstore.extras import require
 from tailer.config import TailerConfig
 from tailer.coordinators.store import StoreCoordinator
@@ -72,8 +73,10 @@ class HandlerSink(Sink):
         if self._workers:
             await asyncio.gather(*self._workers, return_exceptions=True)
 
-    def accept(self, cell: Cell) -> Cell:
-        return cell  # the handlers take the cell itself: nothing to encode, nothing too large
+    def accept(self, cell: AnyCell) -> Cell:
+        # The handlers take the cell itself: nothing to encode, nothing too large (and never packed: see
+        # packed_bodies).
+        return cell if isinstance(cell, Cell) else cell.to_cell()
 
     async def deliver(self, shard: int, column: str, items: Sequence[Any]) -> list[tuple[asyncio.Future[Any], int]]:
         if not self._running:

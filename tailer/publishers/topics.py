@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from logstore.cell import Cell
+from logstore.cell import AnyCell
 from tailer.config import TailerConfig
 from tailer.errors import PublishError
 from tailer.interfaces import Publisher, Sink
@@ -26,6 +26,7 @@ class TopicSink(Sink):
         self.publisher = publisher
         self.config = config
         self._topics: set[str] = set()
+        self.packed_bodies = config.value_format == "msgpack"  # the stored MessagePack is the message's body
 
     async def start(self) -> None:
         await self.publisher.start()
@@ -47,7 +48,7 @@ class TopicSink(Sink):
     def destination(self, column: str) -> str:
         return self.config.topic(column)
 
-    def accept(self, cell: Cell) -> Message:
+    def accept(self, cell: AnyCell) -> Message:
         message = self.publisher.encode(cell, self.config.value_format)
         refused = self.publisher.refuses(message)
         if refused is not None:

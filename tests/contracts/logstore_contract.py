@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import pytest
 
 import logstore
@@ -355,6 +356,42 @@ class StoreContract:
             store.get_cells_for_shards({0: 0, self.shards: 0})
         with pytest.raises(InvalidArgumentError, match="limit"):
             store.get_cells_for_shards({0: 0, 1: 0}, 0)
+
+    def test_packed_pages_hold_the_same_cells_with_the_stored_messagepack_of_each_body(
+        self, store: logstore.Store
+    ) -> None:
+        bodies = [{"i": 1}, {"s": "ünïcode ✓", "f": 0.1, "big": 2**64 - 1, "neg": -(2**63)},
+                  {"nested": {"list": [1, [2, {"x": None}], True]}, "empty": {}}, {}, {"long": "x" * 5000}]
+        for i in range(60):
+            store.put_cell(uuid.uuid4(), random.choice(["BASE", "STATUS"]), i, bodies[i % len(bodies)])
+        locations = {shard: random.choice([0, 0, store.head(shard) // 2]) for shard in range(self.shards)}
+        one = next(iter(locations))
+        for where, limit, columns in ((locations, 1000, None), (locations, 3, None), (locations, 1000, ["STATUS"]),
+                                      ({one: 0}, 1000, None), ({one: 0}, 2, ["BASE"])):
+            packed = store.get_packed_cells_for_shards(where, limit, columns=columns)
+            decoded = store.get_cells_for_shards(where, limit, columns=columns)
+            assert set(packed) == set(decoded) == set(where)
+            for shard, page in packed.items():
+                assert isinstance(page, list) and all(isinstance(c, logstore.PackedCell) for c in page)
+                assert [c.to_cell() for c in page] == decoded[shard]
+                assert [c.packed for c in page] == [msgpack.packb(c.body, use_bin_type=True)
+                                                    for c in decoded[shard]]  # type: ignore[union-attr]
+
+    def test_a_damaged_cell_spoils_only_its_own_shard_page_of_a_packed_read(
+        self, store: logstore.Store, url: str
+    ) -> None:
+        [bad_key] = keys_in_shard(store, 2, 1)
+        [good_key] = keys_in_shard(store, 5, 1)
+        bad = [store.put_cell(bad_key, "BASE", ref, {"ref": ref}) for ref in range(1, 4)]
+        good = [store.put_cell(good_key, "BASE", ref, {"ref": ref}) for ref in range(1, 4)]
+        self.corrupt_body(url, bad[1])
+        pages = store.get_packed_cells_for_shards({2: 0, 5: 0})
+        assert [c.to_cell() for c in pages[5]] == good  # type: ignore[union-attr]
+        error = pages[2]
+        assert isinstance(error, logstore.CorruptCellError) and error.added_id == bad[1].added_id
+        assert [c.to_cell() for c in error.cells_before] == bad[:1]
+        with pytest.raises(logstore.CorruptCellError, match="format version"):
+            raise error
 
     def test_many_shard_read_reaches_shards_never_written(self, url: str) -> None:
         # Shards without storage yet (no table on MySQL) read as empty, beside shards with cells.

@@ -51,7 +51,7 @@ from logstore.backends.mysql.errors import (
     translate,
 )
 from logstore.backends.mysql.pool import Connection, Pool, ReadFallback, Statement, run_script
-from logstore.cell import Cell
+from logstore.cell import AnyCell, Cell, PackedCell
 from logstore.config import MySQLTarget, StoreOptions
 from logstore.errors import ConfigurationError, CorruptCellError, ShardMovedError, StorageError, StoreNotFoundError
 from logstore.persistence import (
@@ -66,6 +66,7 @@ from logstore.persistence import (
     decode_log,
     decode_pages,
     make_cell,
+    make_packed_cell,
     offset_record,
     split_existing,
 )
@@ -73,6 +74,7 @@ from logstore.retry import RetryPolicy, retry_call
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+C = TypeVar("C", bound=AnyCell)
 Rows = tuple[tuple[Any, ...], ...]
 Weighed = tuple[Statement, int]  # a statement and its size on the wire, known beforehand
 
@@ -177,14 +179,22 @@ def _row_to_cell(row: tuple[Any, ...]) -> Cell:
     return make_cell(shard, added_id, row_key, column, ref_key, blob, created)
 
 
-def _log_row_to_cell(row: tuple[int, int, bytes]) -> Cell:
+def _log_row(row: tuple[int, int, bytes], make: Callable[[int, int, bytes, str, int, bytes, dt.datetime], C]) -> C:
     """A row of LOG_COLUMNS: the 16-byte key, the 26-character time, then "ref_key column body"
     (neither a number nor a column name holds a space)."""
     shard, added_id, packed = row
     ref_end = packed.index(32, 42)
     column_end = packed.index(32, ref_end + 1)
-    return make_cell(shard, added_id, packed[:16], packed[ref_end + 1:column_end].decode(), int(packed[42:ref_end]),
-                     packed[column_end + 1:], _utc_datetime(packed[16:42]))
+    return make(shard, added_id, packed[:16], packed[ref_end + 1:column_end].decode(), int(packed[42:ref_end]),
+                packed[column_end + 1:], _utc_datetime(packed[16:42]))
+
+
+def _log_row_to_cell(row: tuple[int, int, bytes]) -> Cell:
+    return _log_row(row, make_cell)
+
+
+def _log_row_to_packed_cell(row: tuple[int, int, bytes]) -> PackedCell:
+    return _log_row(row, make_packed_cell)
 
 
 def _check_layout(node: str, meta: dict[str, str]) -> None:
@@ -528,16 +538,28 @@ class MySQLRecorder(NodeRecorder):
         return [_row_to_cell(r) for r in rows]
 
     def get_log(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Cell]:
+        return decode_log(self._log_rows(shard, location, limit, columns), _log_row_to_cell)
+
+    def _log_rows(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Any]:
         where, extra = _after(columns)
-        rows = self._read(f"SELECT {LOG_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s",
-                          [shard, location, *extra, limit])
-        return decode_log(rows, _log_row_to_cell)
+        return list(self._read(f"SELECT {LOG_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s",
+                               [shard, location, *extra, limit]))
 
     def get_logs(
         self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
     ) -> dict[int, list[Cell] | CorruptCellError]:
-        if len(locations) < 2:
-            return super().get_logs(locations, limit, columns)
+        return self._logs(locations, limit, columns, _log_row_to_cell)
+
+    def get_packed_logs(
+        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
+    ) -> dict[int, list[PackedCell] | CorruptCellError]:
+        return self._logs(locations, limit, columns, _log_row_to_packed_cell)
+
+    def _logs(self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None,
+              to_cell: Callable[[Any], C]) -> dict[int, list[C] | CorruptCellError]:
+        if len(locations) < 2:  # one shard: its own page query
+            return decode_pages({shard: self._log_rows(shard, location, limit, columns)
+                                 for shard, location in locations}, to_cell, order=lambda row: row[1])
         args: Sequence[object]
         if columns:  # the cells of some columns are not dense: each shard's page needs its own LIMIT
             where, extra = _after(columns)
@@ -549,7 +571,7 @@ class MySQLRecorder(NodeRecorder):
         by_shard: dict[int, list[tuple[Any, ...]]] = {shard: [] for shard, _ in locations}
         for row in self._read(sql, args):
             by_shard[row[0]].append(row)
-        return decode_pages(by_shard, _log_row_to_cell, order=lambda row: row[1])
+        return decode_pages(by_shard, to_cell, order=lambda row: row[1])
 
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         if not columns:  # dense ids: the cells after a location are the ids up to the head

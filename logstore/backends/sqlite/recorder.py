@@ -16,13 +16,13 @@ import sqlite3
 import threading
 import uuid
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
 from logstore.backends.sqlite.index_tables import SQLiteIndexRecorder
-from logstore.cell import Cell
+from logstore.cell import AnyCell, Cell, PackedCell
 from logstore.config import SQLiteTarget, StoreOptions
 from logstore.errors import ConfigurationError, CorruptCellError, LogstoreError, StorageError, StorageUnavailableError
 from logstore.persistence import (
@@ -36,6 +36,7 @@ from logstore.persistence import (
     decode_log,
     decode_pages,
     make_cell,
+    make_packed_cell,
     offset_record,
     ordered_result,
     split_existing,
@@ -49,6 +50,8 @@ _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
 _SQLITE_NEEDED = (3, 35)
 _T = TypeVar("_T")
+_C = TypeVar("_C", bound=AnyCell)
+_Row = tuple[int, int, bytes, str, int, bytes, int]
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS cellstream_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -136,6 +139,12 @@ def _micros(when: dt.datetime) -> int:
 def _row_to_cell(row: tuple[int, int, bytes, str, int, bytes, int]) -> Cell:
     added_id, shard, row_key, column, ref_key, blob, created = row
     return make_cell(shard, added_id, row_key, column, ref_key, blob, _EPOCH + dt.timedelta(microseconds=created))
+
+
+def _row_to_packed_cell(row: tuple[int, int, bytes, str, int, bytes, int]) -> PackedCell:
+    added_id, shard, row_key, column, ref_key, blob, created = row
+    return make_packed_cell(shard, added_id, row_key, column, ref_key, blob,
+                            _EPOCH + dt.timedelta(microseconds=created))
 
 
 def _translate(exc: sqlite3.Error, what: str) -> LogstoreError:
@@ -340,7 +349,16 @@ class SQLiteRecorder(NodeRecorder):
         """One statement per 500 shards: each statement releases and retakes the GIL, and a reader thread
         retaking it behind a busy event loop waits a switch interval, so a query per shard cost a
         4096-shard reader far more than the reading did."""
-        by_shard: dict[int, list[tuple[int, int, bytes, str, int, bytes, int]]] = {s: [] for s, _ in locations}
+        return self._logs(locations, limit, columns, _row_to_cell)
+
+    def get_packed_logs(
+        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
+    ) -> dict[int, list[PackedCell] | CorruptCellError]:
+        return self._logs(locations, limit, columns, _row_to_packed_cell)
+
+    def _logs(self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None,
+              to_cell: Callable[[_Row], _C]) -> dict[int, list[_C] | CorruptCellError]:
+        by_shard: dict[int, list[_Row]] = {s: [] for s, _ in locations}
         for group in _chunks(locations):
             sql = _pages_sql(len(group), columns)
             args: list[int | str] = [a for pair in group for a in pair]
@@ -348,7 +366,7 @@ class SQLiteRecorder(NodeRecorder):
             with self._errors("read log"):
                 for row in self._conn().execute(sql, args).fetchall():
                     by_shard[row[1]].append(row)
-        return decode_pages(by_shard, _row_to_cell, order=lambda row: row[0])  # row[0]: added_id
+        return decode_pages(by_shard, to_cell, order=lambda row: row[0])  # row[0]: added_id
 
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         sql = "SELECT COUNT(*) FROM cells WHERE shard = ? AND added_id > ?"
