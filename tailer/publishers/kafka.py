@@ -30,11 +30,11 @@ from tailer.config import KafkaOptions
 from tailer.errors import ConfigurationError, PublishError
 from tailer.interfaces import Publisher
 from tailer.messages import Message
+from tailer.publishers.batching import PartitionBatcher
 from tailer.security import diagnose
 
 logger = logging.getLogger(__name__)
 _TOPIC_EXISTS = 36
-_BATCH_FROM = 32  # messages; fewer are sent one by one (see send_many)
 # More than a record batch's header and a record's length varints ever add to key, value and headers.
 _RECORD_OVERHEAD = 1024
 REJECTED = (MessageSizeTooLargeError, RecordTooLargeError)
@@ -64,6 +64,7 @@ class KafkaPublisher(Publisher):
         self._restart_lock = asyncio.Lock()
         self._generation = 0
         self._born: weakref.WeakKeyDictionary[asyncio.Future[Any], int] = weakref.WeakKeyDictionary()
+        self._batches: PartitionBatcher | None = None
 
     def _new_producer(self) -> AIOKafkaProducer:
         o = self.options
@@ -87,12 +88,17 @@ class KafkaPublisher(Publisher):
             if cause is not None:
                 raise cause from None
             raise PublishError(f"cannot reach Kafka at {self.options.brokers}: {exc}", retriable=True) from None
+        self._batches = PartitionBatcher(self._create_batch, self._submit)
+        self._batches.start()
         self._started = True
 
     async def stop(self) -> None:
         if not self._started:
             return
         self._started = False
+        if self._batches is not None:  # what the worker's drain left unsent is sent again by the next worker
+            await self._batches.stop(PublishError("the Kafka publisher stopped", retriable=True))
+            self._batches = None
         if self._producer is not None:
             await self._producer.stop()  # flushes what was sent
             self._producer = None
@@ -174,34 +180,14 @@ class KafkaPublisher(Publisher):
     async def send_many(
         self, topic: str, partition: int, messages: Sequence[Message]
     ) -> list[tuple[asyncio.Future[Any], int]]:
-        """As record batches (aiokafka's send_batch): one future per batch, not per message.
-
-        A few messages go one by one instead: send() adds them to the partition's open
-        batch, while a new batch would first wait for the partition's previous one to leave.
-        """
-        if len(messages) < _BATCH_FROM:
-            return await super().send_many(topic, partition, messages)
-        producer = self._producer
-        if producer is None:
+        """Into the partition's open record batch (:mod:`tailer.publishers.batching`): one future per batch."""
+        if self._batches is None:
             raise PublishError("the Kafka publisher is not started", retriable=True)
-        generation = self._generation
-        out: list[tuple[asyncio.Future[Any], int]] = []
-        batch, count = producer.create_batch(), 0
-        try:
-            for m in messages:
-                if batch.append(key=m.key, value=m.value, timestamp=None, headers=m.headers) is None:
-                    out.append((await self._submit(producer, batch, topic, partition, generation), count))
-                    batch, count = producer.create_batch(), 0
-                    batch.append(key=m.key, value=m.value, timestamp=None, headers=m.headers)  # fits an empty batch
-                count += 1
-            if count:
-                out.append((await self._submit(producer, batch, topic, partition, generation), count))
-        except _RESTART as exc:
-            await self.restart(generation)
-            raise _translate(exc) from None
-        except KafkaError as exc:
-            raise _translate(exc) from None
-        return out
+        return self._batches.add(topic, partition, messages)
+
+    def abandon(self, partition: int) -> None:
+        if self._batches is not None:
+            self._batches.abandon(partition)
 
     def refuses(self, message: Message) -> PublishError | None:
         raw = len(message.key) + len(message.value) + sum(len(k) + len(v) for k, v in message.headers)
@@ -213,11 +199,20 @@ class KafkaPublisher(Publisher):
                                 f"over max_request_size {self.options.max_request_size}", retriable=False)
         return None
 
-    async def _submit(self, producer: AIOKafkaProducer, batch: BatchBuilder, topic: str, partition: int,
-                      generation: int) -> asyncio.Future[Any]:
-        future: asyncio.Future[Any] = await producer.send_batch(batch, topic, partition=partition)
+    def _create_batch(self) -> BatchBuilder:
+        if self._producer is None:  # restarting
+            raise PublishError("the Kafka producer is restarting", retriable=True)
+        return self._producer.create_batch()
+
+    async def _submit(self, batch: BatchBuilder, topic: str, partition: int, future: asyncio.Future[Any]
+                      ) -> asyncio.Future[Any]:
+        """Hand ``batch`` to the producer; ``future`` (the worker's) is labelled with the producer it went to."""
+        producer, generation = self._producer, self._generation
+        if producer is None:
+            raise PublishError("the Kafka producer is restarting", retriable=True)
         self._born[future] = generation
-        return future
+        sent: asyncio.Future[Any] = await producer.send_batch(batch, topic, partition=partition)
+        return sent
 
     def translate(self, exc: BaseException) -> PublishError:
         return _translate(exc)

@@ -18,7 +18,7 @@ import logstore
 from cellstream.cli.main import main
 from tailer.config import KafkaOptions, TailerConfig
 from tailer.coordinators.zookeeper import ZooKeeperCoordinator, tailer_path
-from tailer.errors import FencedError
+from tailer.errors import FencedError, PublishError
 from tailer.interfaces import Offset
 from tailer.publishers.kafka import KafkaPublisher
 from tailer.worker import Tailer
@@ -248,3 +248,38 @@ def test_tail_status_shows_workers_offsets_and_lag(
     text = capsys.readouterr().out
     assert "5 cells behind" in text
     assert main(["tail", "status", "nobody", "--store", mysql_database, "--zookeeper", zk_chroot]) == 4
+
+
+def test_a_partition_batch_refused_by_the_broker_fails_the_batches_queued_behind_it_unsent(
+    topic_prefix: str
+) -> None:
+    """Cells of a partition leave in record batches one at a time; the broker refuses the first (the
+    topic allows 600-byte batches), so the one queued behind it fails too and never reaches the topic:
+    nothing added later is delivered before the refused cells are sent again."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from tailer.messages import Message
+
+    topic = f"{topic_prefix}.BASE"
+
+    async def scenario() -> tuple[list[BaseException | None], list[Msg]]:
+        admin = AIOKafkaAdminClient(bootstrap_servers=KAFKA)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": "600"})])
+        finally:
+            await admin.close()
+        messages = [Message(f"k{i}".encode(), os.urandom(150).hex().encode(), [("n", str(i).encode())])
+                    for i in range(4)]  # 300-byte values: three fill a 1,024-byte batch, the fourth opens the next
+        publisher = KafkaPublisher(KafkaOptions(brokers=KAFKA, max_batch_size=1024))
+        async with publisher:
+            await publisher.prepare_topic(topic, 1, 1)
+            sent = await publisher.send_many(topic, 0, messages)
+            assert [count for _, count in sent] == [3, 1]
+            results = await asyncio.gather(*(future for future, _ in sent), return_exceptions=True)
+        return [r if isinstance(r, BaseException) else None for r in results], kcat_read(KAFKA, topic)
+
+    (first, second), on_topic = asyncio.run(scenario())
+    assert first is not None and not KafkaPublisher().translate(first).retriable  # refused by the broker
+    assert isinstance(second, PublishError) and second.retriable and "an earlier batch" in str(second)
+    assert on_topic == []  # the fourth message alone (about 370 bytes) would have been accepted
