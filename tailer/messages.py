@@ -68,18 +68,25 @@ def encode_cell(cell: AnyCell, value_format: Literal["json", "msgpack"] = "json"
     """The message for ``cell``. Raises TypeError/ValueError if the body cannot be encoded. A PackedCell's
     body goes into a MessagePack value as it is: the bytes are those of packing the decoded cell."""
     row_key, created_at = str(cell.row_key), cell.created_at.isoformat()
-    record = {"row_key": row_key, "column": cell.column, "ref_key": cell.ref_key, "added_id": cell.added_id,
-              "shard": cell.shard, "created_at": created_at}
-    if value_format == "msgpack" and isinstance(cell, PackedCell):
-        head = msgpack.packb(record, use_bin_type=True)
-        assert head[0] == _MAP_OF_SIX
-        value = _MAP_OF_SEVEN + head[1:] + _BODY_KEY + cell.packed  # the same map with "body" last
+    shard, added_id, ref_key = str(cell.shard), str(cell.added_id), str(cell.ref_key)
+    if value_format == "json":
+        # Only the body needs a serializer: the other fields are a UUID, a column name ([A-Za-z0-9_]), integers
+        # and an ISO time, which JSON takes as they are. The bytes are those of serializing the whole record.
+        value = (f'{{"row_key":"{row_key}","column":"{cell.column}","ref_key":{ref_key},"added_id":{added_id},'
+                 f'"shard":{shard},"created_at":"{created_at}","body":').encode() + _json(cell.body) + b"}"
     else:
-        record["body"] = cell.body
-        value = _json(record) if value_format == "json" else msgpack.packb(record, use_bin_type=True)
-    headers = [("shard", str(cell.shard).encode()), ("added_id", str(cell.added_id).encode()),
-               ("column", cell.column.encode()), ("ref_key", str(cell.ref_key).encode()),
-               ("created_at", created_at.encode()), ("content-type", CONTENT_TYPES[value_format])]
+        record = {"row_key": row_key, "column": cell.column, "ref_key": cell.ref_key, "added_id": cell.added_id,
+                  "shard": cell.shard, "created_at": created_at}
+        if isinstance(cell, PackedCell):
+            head = msgpack.packb(record, use_bin_type=True)
+            assert head[0] == _MAP_OF_SIX
+            value = _MAP_OF_SEVEN + head[1:] + _BODY_KEY + cell.packed  # the same map with "body" last
+        else:
+            record["body"] = cell.body
+            value = msgpack.packb(record, use_bin_type=True)
+    headers = [("shard", shard.encode()), ("added_id", added_id.encode()), ("column", cell.column.encode()),
+               ("ref_key", ref_key.encode()), ("created_at", created_at.encode()),
+               ("content-type", CONTENT_TYPES[value_format])]
     return Message(row_key.encode(), value, headers)
 
 

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -321,3 +321,25 @@ def test_reads_of_the_embedded_store_run_one_at_a_time_unless_configured(
     tailer = make(store, tmp_path, partitions=1, page_size=5, read_ahead=read_ahead)
     asyncio.run(run_until(tailer, lambda: len(topic_cells(root, "cells.BASE")) >= 400))
     assert seen[0] == most
+
+
+@pytest.mark.parametrize("value_format", ["json", "msgpack"])
+def test_a_message_value_is_the_whole_record_serialized(
+    store: logstore.Store, value_format: Literal["json", "msgpack"]
+) -> None:
+    """encode_cell writes the fields around the body itself: the bytes must be those of serializing the
+    record whole, for every body (escapes, non-ASCII, numbers at the limits, nesting) and both cell kinds."""
+    import msgpack
+    from pydantic_core import to_json
+
+    from tailer.messages import encode_cell
+
+    bodies = [{}, {"q": 'quote " backslash \\ newline \n tab \t nul \x00'}, {"ü": "✓ 漢字 🚕"},
+              {"big": 2**64 - 1, "small": -(2**63), "f": 1e-300, "g": 1.5e300, "z": -0.0},
+              {"deep": [[[{"a": [None, True, False]}]]]}, {"x": "x" * 3000}]
+    for cell in store.put_cells([(uuid.uuid4(), "BASE_2", ref, body) for ref, body in enumerate(bodies)]):
+        record = {**cell.to_json()}
+        whole = to_json(record) if value_format == "json" else msgpack.packb(record, use_bin_type=True)
+        assert encode_cell(cell, value_format).value == whole
+        [packed] = store.get_packed_cells_for_shards({cell.shard: cell.added_id - 1}, 1)[cell.shard]  # type: ignore[misc]
+        assert encode_cell(packed, value_format).value == whole
