@@ -12,7 +12,10 @@
 3. tailer: a fresh tailer (ZooKeeper offsets, Kafka) from the beginning of the same
    store until every cell is acknowledged and committed.
 Parts 2 and 3 run once per value format (--formats: JSON, MessagePack). The throughput
-ratio is tailer / min(raw read, raw send_batch) in each format (target >= 0.6).
+ratio is tailer / min(raw read, raw send_batch) in each format (target >= 0.6), the tailer
+timed from its first acknowledged cell (start-up, claiming the shards, excluded; the rate
+from its start is printed too). The whole run has the garbage collector's thresholds of a
+`cellstream tail` process.
 
 Latency: a `cellstream tail` process runs while this process puts cells at R cells/s
 and an aiokafka consumer reads them; latency is from put_cell returning to the
@@ -50,6 +53,7 @@ import logstore
 from bench.pacing import latencies, paced_puts
 from bench.scaling import compare_shard_counts
 from bench.scratch import scratch, scratch_database, wait_claimed
+from cellstream.cli.common import tune_gc_for_streaming
 from logstore.config import MySQLTarget, parse_node_url
 from tailer.config import KafkaOptions, TailerConfig
 from tailer.coordinators.local import LocalCoordinator
@@ -284,6 +288,7 @@ def shard_scaling(backends: list[str], cells: int, base: int, shards: int, round
 
 
 def main() -> int:
+    tune_gc_for_streaming()  # the tailer runs in this process: as in a `cellstream tail` process
     if os.environ.get("BENCH_SWITCH"):
         sys.setswitchinterval(float(os.environ["BENCH_SWITCH"]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -20,7 +20,14 @@ import signal
 from typing import TYPE_CHECKING, Any
 
 from cellstream.cli import logs
-from cellstream.cli.common import Output, add_kafka_config, add_zookeeper_auth, columns_arg, zookeeper_auth
+from cellstream.cli.common import (
+    Output,
+    add_kafka_config,
+    add_zookeeper_auth,
+    columns_arg,
+    tune_gc_for_streaming,
+    zookeeper_auth,
+)
 from cellstream.cli.exits import Exit
 from cellstream.errors import UsageError
 from logstore.extras import require
@@ -140,6 +147,7 @@ def _run(store: Store, args: argparse.Namespace) -> int:
     metrics = TailerMetrics(config.name)
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
+    tune_gc_for_streaming()
     return asyncio.run(_serve(Tailer(store, config, coordinator, publisher, metrics)))
 
 
