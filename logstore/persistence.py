@@ -266,12 +266,7 @@ def make_cell(
     created_at: dt.datetime,
 ) -> Cell:
     key = uuid_from_bytes(row_key)
-    try:
-        body = decode_body(blob)
-    except CorruptCellError as exc:
-        where = {"shard": shard, "added_id": added_id, "row_key": key, "column": column,
-                 "ref_key": ref_key, "created_at": created_at}
-        raise CorruptCellError(exc.problem, where) from None
+    body = _decoded(decode_body, blob, shard, added_id, key, column, ref_key, created_at)
     return Cell(key, column, ref_key, body, added_id, shard, created_at)
 
 
@@ -286,13 +281,19 @@ def make_packed_cell(
 ) -> PackedCell:
     """``make_cell`` with the body decompressed only (:func:`logstore.cell.unpack_body`)."""
     key = uuid_from_bytes(row_key)
+    packed = _decoded(unpack_body, blob, shard, added_id, key, column, ref_key, created_at)
+    return PackedCell(key, column, ref_key, packed, added_id, shard, created_at)
+
+
+def _decoded(decode: Callable[[bytes], R], blob: bytes, shard: int, added_id: int, key: uuid.UUID, column: str,
+             ref_key: int, created_at: dt.datetime) -> R:
+    """``decode(blob)``; its CorruptCellError names the cell."""
     try:
-        packed = unpack_body(blob)
+        return decode(blob)
     except CorruptCellError as exc:
         where = {"shard": shard, "added_id": added_id, "row_key": key, "column": column,
                  "ref_key": ref_key, "created_at": created_at}
         raise CorruptCellError(exc.problem, where) from None
-    return PackedCell(key, column, ref_key, packed, added_id, shard, created_at)
 
 
 def repack(cell: Cell) -> PackedCell:
