@@ -19,6 +19,7 @@ so no test can reach a server while `make unit` selects it.
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -89,6 +90,15 @@ def shared_servers(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         servers.down(started)
+
+
+@pytest.fixture(autouse=True)
+def _gc_thresholds() -> Iterator[None]:
+    """Each test leaves the garbage collector's thresholds as it found them: a tail command run in-process
+    raises them for its process (cellstream.cli.common.tune_gc_for_streaming), which is this one."""
+    before = gc.get_threshold()
+    yield
+    gc.set_threshold(*before)
 
 
 def _needs(request: pytest.FixtureRequest, service: str) -> None:
