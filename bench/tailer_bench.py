@@ -53,7 +53,7 @@ import logstore
 from bench.pacing import latencies, paced_puts
 from bench.scaling import compare_shard_counts
 from bench.scratch import scratch, scratch_database, wait_claimed
-from cellstream.cli.common import tune_gc_for_streaming
+from cellstream.cli.common import tune_for_streaming
 from logstore.config import MySQLTarget, parse_node_url
 from tailer.config import KafkaOptions, TailerConfig
 from tailer.coordinators.local import LocalCoordinator
@@ -288,7 +288,7 @@ def shard_scaling(backends: list[str], cells: int, base: int, shards: int, round
 
 
 def main() -> int:
-    tune_gc_for_streaming()  # the tailer runs in this process: as in a `cellstream tail` process
+    tune_for_streaming()  # the tailer runs in this process: as in a `cellstream tail` process
     if os.environ.get("BENCH_SWITCH"):
         sys.setswitchinterval(float(os.environ["BENCH_SWITCH"]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

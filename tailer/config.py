@@ -122,7 +122,10 @@ class KafkaOptions(BaseModel):
 
     brokers: str = "127.0.0.1:9092"
     client_id: str = "cellstream-tailer"
-    linger_ms: int = Field(2, ge=0)
+    linger_ms: int = Field(
+        2, ge=0, description="how long a single message (a dead letter) waits for others to share its request; "
+        "cell batches leave as soon as their partition has none in flight"
+    )
     max_batch_size: int = Field(256 * 1024, ge=1024)
     max_request_size: int = Field(
         1_000_000, ge=1024, description="messages above this are dead-lettered; keep it <= the broker's limit"

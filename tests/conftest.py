@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -94,11 +95,14 @@ def shared_servers(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _gc_thresholds() -> Iterator[None]:
-    """Each test leaves the garbage collector's thresholds as it found them: a tail command run in-process
-    raises them for its process (cellstream.cli.common.tune_gc_for_streaming), which is this one."""
-    before = gc.get_threshold()
+    """Each test leaves the garbage collector's thresholds and frozen objects, and the switch interval, as
+    it found them: a tail command run in-process tunes them for its process
+    (cellstream.cli.common.tune_for_streaming), which is this one."""
+    before, interval = gc.get_threshold(), sys.getswitchinterval()
     yield
     gc.set_threshold(*before)
+    gc.unfreeze()
+    sys.setswitchinterval(interval)
 
 
 def _needs(request: pytest.FixtureRequest, service: str) -> None:

@@ -13,6 +13,7 @@ import gc
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
@@ -32,9 +33,20 @@ if TYPE_CHECKING:
 STREAMING_GC_THRESHOLDS = (50_000, 20, 20)
 
 
-def tune_gc_for_streaming() -> None:
-    """Set :data:`STREAMING_GC_THRESHOLDS`: for the process's owner (a command), never for a library's caller."""
+# The interpreter's switch interval for that process (Python's default is 5 ms). Its event loop does most
+# of the work, fed by threads that read and decode pages; when the loop's thread gives up the GIL for a
+# moment (aiokafka builds a record batch without it) it waited up to the whole interval to get it back:
+# 0.3 s of 1.2 s at 4096 shards. At 0.5 ms the tailer publishes 5-10% more JSON cells a second.
+STREAMING_SWITCH_INTERVAL = 0.0005
+
+
+def tune_for_streaming() -> None:
+    """Set :data:`STREAMING_GC_THRESHOLDS` and :data:`STREAMING_SWITCH_INTERVAL`, and freeze what start-up
+    allocated (modules, configuration: a full collection then walks only what the loop made). For the
+    process's owner (a command), never for a library's caller."""
     gc.set_threshold(*STREAMING_GC_THRESHOLDS)
+    sys.setswitchinterval(STREAMING_SWITCH_INTERVAL)
+    gc.freeze()
 
 
 class Parser(argparse.ArgumentParser):

@@ -25,7 +25,7 @@ from cellstream.cli.common import (
     add_kafka_config,
     add_zookeeper_auth,
     columns_arg,
-    tune_gc_for_streaming,
+    tune_for_streaming,
     zookeeper_auth,
 )
 from cellstream.cli.exits import Exit
@@ -147,7 +147,7 @@ def _run(store: Store, args: argparse.Namespace) -> int:
     metrics = TailerMetrics(config.name)
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
-    tune_gc_for_streaming()
+    tune_for_streaming()
     return asyncio.run(_serve(Tailer(store, config, coordinator, publisher, metrics)))
 
 

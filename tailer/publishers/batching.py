@@ -126,6 +126,9 @@ class PartitionBatcher:
                     continue
                 batch = lane.queue.popleft()
                 batch.open = False
+                # Closed, aiokafka sends it at once: its linger would only delay cells, as everything that
+                # could have joined the batch meanwhile gathers in the partition's next one here.
+                batch.builder.close()
                 if batch.future.done():  # abandoned
                     continue
                 lane.in_flight = True

@@ -283,3 +283,22 @@ def test_a_partition_batch_refused_by_the_broker_fails_the_batches_queued_behind
     assert first is not None and not KafkaPublisher().translate(first).retriable  # refused by the broker
     assert isinstance(second, PublishError) and second.retriable and "an earlier batch" in str(second)
     assert on_topic == []  # the fourth message alone (about 370 bytes) would have been accepted
+
+
+def test_a_partition_batch_leaves_at_once_whatever_the_producer_linger(topic_prefix: str) -> None:
+    """Cells gather in the partition's open batch while one is in flight, so aiokafka's linger would
+    only delay them: a batch handed over leaves at once even with a producer linger of 5 s."""
+    from tailer.messages import Message
+
+    topic = f"{topic_prefix}.BASE"
+
+    async def scenario() -> float:
+        publisher = KafkaPublisher(KafkaOptions(brokers=KAFKA, linger_ms=5000))
+        async with publisher:
+            await publisher.prepare_topic(topic, 1, 1)
+            started = time.monotonic()
+            sent = await publisher.send_many(topic, 0, [Message(b"k", b"{}", [])])
+            await asyncio.gather(*(future for future, _ in sent))
+            return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < 2.5  # one round trip to the local broker; lingering takes 5 s
