@@ -37,6 +37,7 @@ from tailer.errors import ConfigurationError, FencedError, PublishError, TailerE
 from tailer.interfaces import Claim, Coordinator, Offset, Publisher, Sink
 from tailer.messages import coordinates, deadletter_record
 from tailer.metrics import Lag, TailerMetrics
+from tailer.polling import PollSchedule
 from tailer.publishers.topics import TopicSink
 from tailer.shardstate import Look, Pages, Pending, ShardState, page_of
 
@@ -122,7 +123,7 @@ class Tailer:
         self._task: asyncio.Task[None] | None = None
         self._lag_task: asyncio.Task[None] | None = None
         self._commit_task: asyncio.Task[None] | None = None
-        self._poll = config.poll_interval
+        self._polls = PollSchedule(config.poll_interval, config.idle_poll_interval)
         self._stopping = False
         self._state = "new"
         self._paused = False
@@ -237,7 +238,7 @@ class Tailer:
                     next_lag = now + max(self.config.lag_interval, self._lag_cost / _LAG_SHARE)
                 if not busy:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wakeup.wait(), self._poll)
+                        await asyncio.wait_for(self._wakeup.wait(), self._polls.interval)
         except Exception as exc:
             self.error = exc
             logger.exception("tailer worker failed")
@@ -395,7 +396,7 @@ class Tailer:
             share = _LOOK_SHARE_BACKLOG
         else:
             share = _LOOK_SHARE if self._live else _LOOK_SHARE_IDLE
-        due = max(self._poll, self._look_cost / share)
+        due = max(self._polls.interval, self._look_cost / share)
         if (now - self._looked_at >= due or self._look_soon) and (self._looking is None or self._looking.done()):
             self._look_soon = False
             self._look(now)
@@ -458,8 +459,7 @@ class Tailer:
             moved.append(shard)
         pages.set_result(found)
         self._reads[pages] = (tuple(moved), 0)
-        busy = bool(found) or bool(self._live)
-        self._poll = self.config.poll_interval if busy else min(self._poll * 2, self.config.idle_poll_interval)
+        self._polls.looked(started, active=bool(found) or bool(self._live))
 
     def _counts_and_pages(self, idle: dict[int, tuple[int | None, int]]) -> Look:
         """(in a worker thread) The cell count of every shard, pages of the idle shards whose count moved,
