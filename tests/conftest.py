@@ -94,7 +94,7 @@ def shared_servers(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def _gc_thresholds() -> Iterator[None]:
+def _process_tuning() -> Iterator[None]:
     """Each test leaves the garbage collector's thresholds and frozen objects, and the switch interval, as
     it found them: a tail command run in-process tunes them for its process
     (cellstream.cli.common.tune_for_streaming), which is this one."""
