@@ -34,9 +34,9 @@ lint: $(VENV)/.test
 docs: $(VENV)/.test
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d .site
 
-## unit: the tests that need no server (none started): SQLite, the CLI, the worker node, the standalone tailer
+## unit: the tests that need no server (none started) nor browser: SQLite, the CLI, the worker node, the standalone tailer
 unit: $(VENV)/.test
-	$(BIN)/pytest -m "not mysql and not postgres and not kafka and not zookeeper"
+	$(BIN)/pytest -m "not mysql and not postgres and not kafka and not zookeeper and not browser"
 
 ## test: install the real services, lint, run the whole suite (its session starts the servers it needs and
 ## stops, at its end, the ones it started: tests/harness/servers.py)

@@ -1,5 +1,5 @@
-"""The CLI's own error: bad command-line input. Every other error comes from the packages below,
-all under :class:`logstore.errors.CellstreamError`."""
+"""The errors of the CLI and the console: bad command-line input, a refused login. Every other error comes
+from the packages below, all under :class:`logstore.errors.CellstreamError`."""
 
 from __future__ import annotations
 
@@ -8,3 +8,7 @@ from logstore.errors import CellstreamError
 
 class UsageError(CellstreamError):
     """Bad command-line input: reported as one line, exit code 2."""
+
+
+class LoginError(CellstreamError):
+    """A console login refused (no name, a wrong token): shown on the login page, with what was wrong."""

@@ -17,6 +17,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "faust": ("aiokafka", "faust"),
     "zookeeper": ("kazoo",),
     "server": ("aiohttp",),
+    "console": ("aiohttp", "jinja2"),
     "parquet": ("pyarrow",),
     "postgres": ("psycopg",),
 }

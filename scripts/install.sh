@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # scripts/install.sh -- install what the test servers run from; start nothing.
 #
-#   Debian packages: mariadb-server, postgresql, Java 17, Maven, kcat (apt; as root; only what is missing)
+#   Debian packages: mariadb-server, postgresql, Java 17, Maven, kcat, chromium + chromium-driver (the
+#                    console's browser tests), prometheus (promtool, for make lint) (apt; as root; only what
+#                    is missing)
 #   Maven jars:      Kafka 3.9 + ZooKeeper from scripts/kafka/pom.xml into .services/kafka/lib
 #                    (cached in ~/.m2; fetched again only when the pom changes)
 #
@@ -21,6 +23,9 @@ ls -d /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && have psql || missing+=
 have java || missing+=(openjdk-17-jre-headless)
 have mvn || missing+=(maven)
 have kcat || missing+=(kcat)
+have chromium || missing+=(chromium)
+have chromedriver || missing+=(chromium-driver)
+have promtool || missing+=(prometheus)
 if [ "${#missing[@]}" -gt 0 ]; then
   [ "$(id -u)" -eq 0 ] || die "missing: ${missing[*]}; as root run: apt-get install -y --no-install-recommends ${missing[*]}"
   mkdir -p "$ROOT/.services"

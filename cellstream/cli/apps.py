@@ -2,7 +2,7 @@
 
   cellstream run MODULE:APP [--workers N] [--drain [--timeout S]] [--metrics-port PORT [--per-shard-metrics]]
                  [--kafka-config FILE] [--zookeeper-auth-file FILE]
-  cellstream dlq --app MODULE:APP list [--handler H] [--status S] [--error E] [--since T] [--until T]
+  cellstream dlq --app MODULE:APP list [--handler H] [--status S] [--error E] [--text T] [--since T] [--until T]
   cellstream dlq --app MODULE:APP stats | show ID
   cellstream dlq --app MODULE:APP replay (ID | --match FILTER) [--dry-run]
   cellstream dlq --app MODULE:APP discard (ID | --match FILTER) --reason TEXT [--dry-run]
@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import getpass
 import importlib
 import importlib.util
 import json
 import multiprocessing
+import os
 import signal
 import sys
 from pathlib import Path
@@ -123,6 +125,7 @@ def _filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--status", choices=["open", "replayed", "resolved", "discarded"])
     p.add_argument("--error", help="part of the error class name")
     p.add_argument("--fingerprint")
+    p.add_argument("--text", help="part of the error message (any case)")
     p.add_argument("--since", help="last failure at or after this ISO-8601 time")
     p.add_argument("--until", help="last failure before this ISO-8601 time")
 
@@ -210,24 +213,37 @@ def check_store(app: App, store: str | None, spec: str) -> None:
 
 
 def dlq_app(args: argparse.Namespace) -> App:
-    """The app whose dead letters to triage: ``MODULE:APP``, or a connector's YAML file (with --store), with
-    its store opened; a store that does not exist is StoreNotFoundError, never created."""
-    import indexer
-
+    """The app whose dead letters to triage (``--app``), its store opened (:func:`open_dlq_app`)."""
     if not args.app:
         raise UsageError("dlq needs --app MODULE:APP (or a connector's YAML file with --store)")
-    if not args.app.endswith((".yaml", ".yml")):
-        app = load_app(args.app)
-        check_store(app, args.store, args.app)
+    return open_dlq_app(args.app, args.store)
+
+
+def open_dlq_app(spec: str, store: str | None) -> App:
+    """``MODULE:APP``, or a connector's YAML file (with ``store``), with its store opened; a store that does
+    not exist is StoreNotFoundError, never created."""
+    import indexer
+
+    if not spec.endswith((".yaml", ".yml")):
+        app = load_app(spec)
+        check_store(app, store, spec)
         app.open_existing_store()
         return app
     import logstore
     from connectors.config import load_connector
     from connectors.runtime import connector_app
 
-    if not args.store:
-        raise indexer.ConfigurationError(f"--app {args.app} is a connector: give its store with --store URL")
-    return connector_app(load_connector(Path(args.app)), logstore.open(args.store, create=False))[0]
+    if not store:
+        raise indexer.ConfigurationError(f"--app {spec} is a connector: give its store with --store URL")
+    return connector_app(load_connector(Path(spec)), logstore.open(store, create=False))[0]
+
+
+def cli_actor() -> str:
+    """Who a triage change from the command line is recorded as: the operating-system user."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no name for this uid (a container's arbitrary user)
+        return f"cli:uid {os.getuid()}"
 
 
 def human_entry(entry: DeadLetter) -> str:
@@ -255,7 +271,8 @@ def human_entry(entry: DeadLetter) -> str:
     lines.append("history:")
     for event in entry.history:
         detail = "; ".join(x for x in (event.note, event.error) if x)
-        lines.append(f"  {when(event.at)} {event.status}" + (f": {detail}" if detail else ""))
+        by = f" by {event.actor}" if event.actor else ""
+        lines.append(f"  {when(event.at)} {event.status}{by}" + (f": {detail}" if detail else ""))
     return "\n".join(lines)
 
 
@@ -267,7 +284,8 @@ def cmd_dlq(args: argparse.Namespace, out: Output) -> int:
     dlq = app.dlq
     if args.action in ("list", "stats"):
         match = DLQFilter.build(handler=args.handler, status=args.status, error=args.error,
-                                fingerprint=args.fingerprint, since=args.since, until=args.until)
+                                fingerprint=args.fingerprint, text=args.text, since=args.since,
+                                until=args.until)
         if args.action == "list":
             entries = dlq.list(match)
             for entry in entries:
@@ -294,10 +312,11 @@ def cmd_dlq(args: argparse.Namespace, out: Output) -> int:
                 entry = dlq.show(args.id)
                 out.emit(entry.summary(), f"{entry.id} would be discarded ({entry.status} now)")
                 return Exit.OK
-            entry = dlq.discard(args.id, args.reason)
+            entry = dlq.discard(args.id, args.reason, actor=cli_actor())
             out.emit(entry.summary(), f"{entry.id} discarded ({args.reason})")
             return Exit.OK
-        entries = dlq.discard_matching(DLQFilter.parse(args.match), args.reason, dry_run=args.dry_run)
+        entries = dlq.discard_matching(DLQFilter.parse(args.match), args.reason, dry_run=args.dry_run,
+                                       actor=cli_actor())
         verb = "would be discarded" if args.dry_run else f"discarded ({args.reason})"
         for entry in entries:
             s = entry.summary()
@@ -307,7 +326,8 @@ def cmd_dlq(args: argparse.Namespace, out: Output) -> int:
         return Exit.OK
     if (args.id is None) == (args.match is None):
         raise indexer.InvalidFilterError("replay takes an entry ID or --match FILTER (one of them)")
-    results = dlq.replay(args.id, match=DLQFilter.parse(args.match) if args.match else None, dry_run=args.dry_run)
+    results = dlq.replay(args.id, match=DLQFilter.parse(args.match) if args.match else None, dry_run=args.dry_run,
+                         actor=cli_actor())
     for r in results:
         out.emit(r._asdict(), f"{r.id} {r.handler}: {r.before} -> {r.after}"
                               + (f" ({r.error})" if r.error else ""))

@@ -187,3 +187,25 @@ def time_arg(text: str) -> dt.datetime:
 
 def columns_arg(text: str) -> tuple[str, ...]:
     return tuple(text.split(","))
+
+
+def parse_bind(text: str) -> tuple[str, int]:
+    """``--bind HOST:PORT`` of a command that listens (``[::1]:8080`` for IPv6)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
+        raise UsageError(f"--bind {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8080")
+    return host.strip("[]"), int(port)
+
+
+def read_token(file: Path | None, option: str, variable: str) -> str | None:
+    """A secret from a file (``option``) or the environment (``variable``), never from the command line,
+    where other users of the machine could read it."""
+    if file is not None:
+        try:
+            token = file.read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"{option} {file}: {exc.strerror}") from None
+        if not token:
+            raise UsageError(f"{option} {file} is empty")
+        return str(token)
+    return os.environ.get(variable) or None

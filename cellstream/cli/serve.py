@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import signal
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cellstream.cli import logs
-from cellstream.cli.common import Output
+from cellstream.cli.common import Output, parse_bind, read_token
 from cellstream.cli.exits import Exit
 from logstore.errors import InvalidArgumentError
 
@@ -56,25 +55,6 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run, creates_store=True)  # a worker node takes writes
 
 
-def _bind(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
-        raise InvalidArgumentError(f"--bind {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8080")
-    return host.strip("[]"), int(port)
-
-
-def _token(file: Path | None, option: str, variable: str) -> str | None:
-    if file is not None:
-        try:
-            token = file.read_text().strip()
-        except OSError as exc:
-            raise InvalidArgumentError(f"{option} {file}: {exc.strerror}") from None
-        if not token:
-            raise InvalidArgumentError(f"{option} {file} is empty")
-        return str(token)
-    return os.environ.get(variable) or None
-
-
 def run(store: Store, args: argparse.Namespace, out: Output) -> int:
     from logstore.extras import require
 
@@ -83,9 +63,9 @@ def run(store: Store, args: argparse.Namespace, out: Output) -> int:
 
     from logstore.node.server import ServerConfig, check_bind
 
-    host, port = _bind(args.bind)
-    token = _token(args.token_file, "--token-file", "CELLSTREAM_TOKEN")
-    admin = _token(args.admin_token_file, "--admin-token-file", "CELLSTREAM_ADMIN_TOKEN")
+    host, port = parse_bind(args.bind)
+    token = read_token(args.token_file, "--token-file", "CELLSTREAM_TOKEN")
+    admin = read_token(args.admin_token_file, "--admin-token-file", "CELLSTREAM_ADMIN_TOKEN")
     check_bind(host, token)
     try:
         config = ServerConfig(host=host, port=port, token=token, admin_token=admin, tls_cert=args.tls_cert,

@@ -46,6 +46,8 @@ class Event(BaseModel):
     note: str | None = None
     error: str | None = None
     attempts: int | None = None
+    actor: str | None = Field(None, description="who made the change: `cli:<user>`, `console:<name>`; "
+                                                "None for the app's own handling")
 
 
 class DeadLetter(BaseModel):
@@ -155,17 +157,17 @@ class DeadLetterStore:
         raise IndexerError(f"dead letter {entry_id} keeps changing under this process; not recorded")
 
     def change(self, entry: DeadLetter, status: Status, *, note: str | None = None,
-               outcome: Outcome | None = None) -> DeadLetter:
+               outcome: Outcome | None = None, actor: str | None = None) -> DeadLetter:
         """Write the entry's next version with ``status``; CellConflictError if another process got there first."""
         now = dt.datetime.now(dt.UTC)
         update: dict[str, Any] = {"status": status}
-        event = Event(status=status, at=now, note=note)
+        event = Event(status=status, at=now, note=note, actor=actor)
         if outcome is not None and outcome.failure is not None:
             failure = outcome.failure
             update.update(error_type=failure.error_type, message=failure.message, traceback=failure.traceback,
                           fingerprint=failure.fingerprint, attempts=entry.attempts + outcome.attempts,
                           last_failure=outcome.last_failure or now)
-            event = Event(status=status, at=now, note=note, attempts=outcome.attempts,
+            event = Event(status=status, at=now, note=note, attempts=outcome.attempts, actor=actor,
                           error=f"{failure.error_type}: {failure.message}"[:500])
         elif outcome is not None:
             event.attempts = outcome.attempts

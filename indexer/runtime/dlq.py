@@ -14,7 +14,7 @@ import datetime as dt
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, ValidationError
 
@@ -28,8 +28,26 @@ logger = logging.getLogger(__name__)
 _List = list  # DeadLetterQueue.list shadows the builtin inside the class
 
 
+class Matchable(Protocol):
+    """What a filter looks at: a :class:`DeadLetter`, or a lighter summary of one (the console's)."""
+
+    @property
+    def handler(self) -> str: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def error_type(self) -> str: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def message(self) -> str: ...
+    @property
+    def last_failure(self) -> dt.datetime: ...
+
+
 class DLQFilter(BaseModel):
-    """Which entries: every given field must match (``error`` is a case-insensitive part of the class name)."""
+    """Which entries: every given field must match (``error`` is a case-insensitive part of the class name,
+    ``text`` a case-insensitive part of the message)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -37,6 +55,7 @@ class DLQFilter(BaseModel):
     status: Status | None = None
     error: str | None = None
     fingerprint: str | None = None
+    text: str | None = None
     since: AwareDatetime | None = None  # last failure at or after
     until: AwareDatetime | None = None  # last failure before
 
@@ -60,11 +79,12 @@ class DLQFilter(BaseModel):
             where = ".".join(map(str, first["loc"])) or "filter"
             raise InvalidFilterError(f"filter {where}: {first['msg']}") from None
 
-    def matches(self, entry: DeadLetter) -> bool:
+    def matches(self, entry: Matchable) -> bool:
         return ((self.handler is None or entry.handler == self.handler)
                 and (self.status is None or entry.status == self.status)
                 and (self.error is None or self.error.lower() in entry.error_type.lower())
                 and (self.fingerprint is None or entry.fingerprint == self.fingerprint)
+                and (self.text is None or self.text.lower() in entry.message.lower())
                 and (self.since is None or entry.last_failure >= self.since)
                 and (self.until is None or entry.last_failure < self.until))
 
@@ -88,6 +108,10 @@ class DeadLetterQueue:
     @property
     def app(self) -> str:
         return self.deadletters.app
+
+    def handlers(self) -> _List[str]:
+        """The names of the app's handlers: what a replay can run."""
+        return [t.name for t in self._processor().triggers]
 
     def list(self, match: DLQFilter | None = None, **filters: Any) -> _List[DeadLetter]:
         """Entries (latest versions) matching ``match`` or the filter fields, oldest first."""
@@ -115,8 +139,8 @@ class DeadLetterQueue:
             group["first_seen"], group["last_seen"] = group["first_seen"].isoformat(), group["last_seen"].isoformat()
         return out
 
-    def discard(self, entry_id: str, reason: str) -> DeadLetter:
-        """Close an open entry without processing it; ``reason`` is kept in its history."""
+    def discard(self, entry_id: str, reason: str, *, actor: str | None = None) -> DeadLetter:
+        """Close an open entry without processing it; ``reason`` (and ``actor``) kept in its history."""
         if not reason or not reason.strip():
             raise InvalidFilterError("discard needs a reason")
         entry = self.deadletters.get(entry_id)
@@ -125,13 +149,14 @@ class DeadLetterQueue:
         if entry.status not in OPEN_STATES:
             raise EntryStateError(f"dead letter {entry_id} is {entry.status}; only open entries can be discarded")
         try:
-            changed = self.deadletters.change(entry, "discarded", note=reason.strip())
+            changed = self.deadletters.change(entry, "discarded", note=reason.strip(), actor=actor)
         except CellConflictError:
             raise EntryStateError(f"dead letter {entry_id} was changed by another process; look again") from None
         self._processor().entry_closed(entry.handler)
         return changed
 
-    def discard_matching(self, match: DLQFilter, reason: str, *, dry_run: bool = False) -> _List[DeadLetter]:
+    def discard_matching(self, match: DLQFilter, reason: str, *, dry_run: bool = False,
+                         actor: str | None = None) -> _List[DeadLetter]:
         """Discard every open entry ``match`` matches (with ``dry_run``, only list them); the entries as they
         are after (or would be). An entry another process changed meanwhile is left as it is, not discarded."""
         if not reason or not reason.strip():
@@ -142,19 +167,19 @@ class DeadLetterQueue:
         done = []
         for entry in entries:
             try:
-                done.append(self.discard(entry.id, reason))
+                done.append(self.discard(entry.id, reason, actor=actor))
             except EntryStateError as exc:
                 logger.warning("dead letter %s not discarded: %s", entry.id, exc)
         return done
 
     # -- replay -----------------------------------------------------------------
     def replay(self, entry_id: str | None = None, *, match: DLQFilter | None = None,
-               dry_run: bool = False) -> _List[ReplayResult]:
+               dry_run: bool = False, actor: str | None = None) -> _List[ReplayResult]:
         """Replay one entry, or every open (or interrupted) entry matching ``match``. Blocking."""
-        return asyncio.run(self.replay_async(entry_id, match=match, dry_run=dry_run))
+        return asyncio.run(self.replay_async(entry_id, match=match, dry_run=dry_run, actor=actor))
 
     async def replay_async(self, entry_id: str | None = None, *, match: DLQFilter | None = None,
-                           dry_run: bool = False) -> _List[ReplayResult]:
+                           dry_run: bool = False, actor: str | None = None) -> _List[ReplayResult]:
         if (entry_id is None) == (match is None):
             raise InvalidFilterError("replay needs either an entry id or a filter (--match), not both")
         if entry_id is not None:
@@ -169,17 +194,18 @@ class DeadLetterQueue:
             elif dry_run:
                 results.append(ReplayResult(entry.id, entry.handler, entry.status, "would replay", 0))
             else:
-                results.append(await self._replay_one(entry))
+                results.append(await self._replay_one(entry, actor))
         return results
 
-    async def _replay_one(self, entry: DeadLetter) -> ReplayResult:
+    async def _replay_one(self, entry: DeadLetter, actor: str | None) -> ReplayResult:
         processor = self._processor()
         trigger = next((t for t in processor.triggers if t.name == entry.handler), None)
         if trigger is None:
             raise HandlerMissingError(f"app {self.app} has no handler {entry.handler} to replay {entry.id} with")
         before = entry.status
         try:
-            entry = await asyncio.to_thread(self.deadletters.change, entry, "replayed", note="replay started")
+            entry = await asyncio.to_thread(self.deadletters.change, entry, "replayed", note="replay started",
+                                          actor=actor)
             try:
                 cell = await asyncio.to_thread(self._cell_of, entry)
             except LogstoreError as exc:  # still undecodable, or the store is down: one more failed attempt
@@ -189,10 +215,11 @@ class DeadLetterQueue:
                 outcome = await processor.run(trigger, cell)
             if outcome.ok:
                 await asyncio.to_thread(self.deadletters.change, entry, "resolved", note="replay succeeded",
-                                        outcome=outcome)
+                                        outcome=outcome, actor=actor)
                 processor.entry_closed(entry.handler)
                 return ReplayResult(entry.id, entry.handler, before, "resolved", outcome.attempts)
-            await asyncio.to_thread(self.deadletters.change, entry, "open", note="replay failed", outcome=outcome)
+            await asyncio.to_thread(self.deadletters.change, entry, "open", note="replay failed", outcome=outcome,
+                                    actor=actor)
         except CellConflictError:
             return ReplayResult(entry.id, entry.handler, before, "changed by another process", 0)
         assert outcome.failure is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import uuid
 from pathlib import Path
@@ -57,6 +58,14 @@ def test_run_drain_then_triage_from_the_command_line(sqlite_url: str, tmp_path: 
 
     code, out, _ = run(capsys, "dlq", "--app", spec, "discard", second, "--reason", "test card")
     assert code == 0 and "discarded" in out
+    code, out, _ = run(capsys, "dlq", "--app", spec, "show", second)
+    # Who did it: the operating-system user, in the history (the console records its logged-in name).
+    assert f"discarded by cli:{getpass.getuser()}: test card" in out
+
+    code, out, _ = run(capsys, "dlq", "--app", spec, "list", "--json", "--text", "CARD DECL")
+    assert code == 0 and len(out.splitlines()) == 2
+    code, out, _ = run(capsys, "dlq", "--app", spec, "list", "--text", "expired")
+    assert code == 0 and "no dead letters match" in out
 
     code, out, _ = run(capsys, "dlq", "--app", spec, "replay", first, "--json")  # not fixed yet: it fails again
     [again] = [json.loads(line) for line in out.splitlines()]

@@ -1,0 +1,278 @@
+"""The console's pages: overview, list, entry, bulk preview, jobs, login. Each renders one template.
+
+A page first reads the dead letters added since the last page (:meth:`Console.refresh`), so it shows
+what the request follows: the entries a replay just resolved, a cell dead-lettered a moment ago.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import urllib.parse
+from collections.abc import Mapping
+from importlib.resources import files
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+from aiohttp import web
+
+from cellstream import __version__
+from cellstream.console.auth import COOKIE
+from cellstream.console.catalog import Query, timeline
+from cellstream.console.server import SESSION, session_of
+from cellstream.errors import LoginError
+from indexer.errors import EntryNotFoundError, InvalidFilterError
+from indexer.runtime.deadletters import OPEN_STATES
+from indexer.runtime.dlq import DLQFilter
+
+if TYPE_CHECKING:
+    from cellstream.console.jobs import Kind
+    from cellstream.console.server import Console
+
+FILTER_FIELDS = ("app", "handler", "status", "error", "fingerprint", "text", "since", "until")
+STATUSES = ("open", "replayed", "resolved", "discarded")
+_PREVIEW = 20
+_GROUPS = 50
+_FAILED_LOGIN_DELAY = 0.5  # seconds: slows guessing the token down without hurting a person who mistyped
+
+
+def parse_filter(params: Mapping[str, str], apps: list[str]) -> tuple[Query, dict[str, str]]:
+    """The list's filter from a query string or a form; also the fields as given (for the form and links).
+    InvalidFilterError names the field that is wrong."""
+    given = {name: str(params.get(name, "")).strip() for name in FILTER_FIELDS}
+    given = {name: value for name, value in given.items() if value}
+    app = given.get("app")
+    if app is not None and app not in apps:
+        raise InvalidFilterError(f"app {app!r} is not one of this console's apps ({', '.join(apps)})")
+    fields: dict[str, Any] = {k: v for k, v in given.items() if k != "app"}
+    for name in ("since", "until"):
+        if name in fields:
+            fields[name] = _utc(name, fields[name])
+    return Query(app, DLQFilter.build(**fields)), given
+
+
+def _utc(name: str, text: str) -> dt.datetime:
+    """A time from the form's ``datetime-local`` field (no zone: UTC, as the console shows every time) or ISO."""
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidFilterError(f"filter {name}: {text!r} is not a time like 2026-11-25T14:30") from None
+    return when if when.tzinfo else when.replace(tzinfo=dt.UTC)
+
+
+def _when(value: dt.datetime | None) -> str:
+    if value is None:
+        return ""
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _local_path(target: str | None) -> str:
+    """Where to go after the login: a path of this console, never another site (an open redirect)."""
+    if not target or not target.startswith("/") or target.startswith(("//", "/\\")):
+        return "/"
+    return target
+
+
+class Views:
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.env = jinja2.Environment(loader=jinja2.PackageLoader("cellstream.console", "templates"),
+                                      autoescape=True, undefined=jinja2.StrictUndefined)
+        self.env.filters["when"] = _when
+        self.env.filters["pretty"] = lambda doc: json.dumps(doc, indent=2, ensure_ascii=False, sort_keys=True)
+        self.env.globals["url"] = self._url
+
+    def routes(self, app: web.Application) -> None:
+        r = app.router
+        r.add_get("/", self.overview)
+        r.add_get("/entries", self.entries)
+        r.add_get("/entries/{app}/{id}", self.entry)
+        r.add_post("/entries/{app}/{id}/replay", self.replay_one)
+        r.add_post("/entries/{app}/{id}/discard", self.discard_one)
+        r.add_get("/bulk/{kind:replay|discard}", self.bulk_preview)
+        r.add_post("/bulk/{kind:replay|discard}", self.bulk_start)
+        r.add_get("/jobs", self.jobs)
+        r.add_get(r"/jobs/{id:\d+}", self.job)
+        r.add_post(r"/jobs/{id:\d+}/cancel", self.cancel)
+        r.add_get("/login", self.login_page)
+        r.add_post("/login", self.login)
+        r.add_post("/logout", self.logout)
+        r.add_static("/static", Path(str(files("cellstream.console") / "static")))
+
+    @staticmethod
+    def _url(path: str, params: Mapping[str, Any] | None = None, **more: Any) -> str:
+        query = {k: v for k, v in {**(params or {}), **more}.items() if v not in (None, "")}
+        return path + ("?" + urllib.parse.urlencode(query) if query else "")
+
+    def render(self, request: web.Request, template: str, status: int = 200, **context: Any) -> web.Response:
+        session = request.get(SESSION)
+        page = self.env.get_template(template).render(
+            session=session, apps=self.console.catalog.apps, store=self.console.store_label, version=__version__,
+            token_required=self.console.sessions.token_required, path=request.path, **context)
+        return web.Response(text=page, status=status, content_type="text/html")
+
+    # -- overview and list ----------------------------------------------------------
+    async def overview(self, request: web.Request) -> web.Response:
+        await self.console.refresh()
+        catalog = self.console.catalog
+        now = dt.datetime.now(dt.UTC)
+        step, buckets = timeline(catalog.snapshot(), now)
+        tallest = max((b.entries for b in buckets), default=0) or 1
+        return self.render(request, "overview.html", counts=catalog.counts(), groups=catalog.groups()[:_GROUPS],
+                           buckets=buckets, tallest=tallest, step=_step_label(step), total=len(catalog))
+
+    async def entries(self, request: web.Request) -> web.Response:
+        await self.console.refresh()
+        try:
+            query, given = parse_filter(request.query, self.console.catalog.apps)
+        except InvalidFilterError as exc:
+            return self.render(request, "entries.html", 400, error=str(exc), given=dict(request.query),
+                               entries=[], total=0, page=1, pages=1, first=0, statuses=STATUSES, open_count=0,
+                               handlers=self._handlers())
+        found = self.console.catalog.query(query)
+        size = self.console.config.page_size
+        pages = max(1, -(-len(found) // size))
+        try:
+            page = min(max(1, int(request.query.get("page", "1"))), pages)
+        except ValueError:
+            page = 1
+        first = (page - 1) * size
+        return self.render(request, "entries.html", given=given, entries=found[first:first + size],
+                           total=len(found), page=page, pages=pages, first=first, statuses=STATUSES,
+                           open_count=sum(1 for e in found if e.status in OPEN_STATES), handlers=self._handlers(),
+                           error=None)
+
+    def _handlers(self) -> list[str]:
+        return sorted({name for queue in self.console.queues.values() for name in queue.handlers()})
+
+    # -- one entry ------------------------------------------------------------------
+    async def entry(self, request: web.Request, *, error: str | None = None, status: int = 200) -> web.Response:
+        await self.console.refresh()
+        app, entry_id = request.match_info["app"], request.match_info["id"]
+        queue = self.console.queues.get(app)
+        if queue is None:
+            raise web.HTTPNotFound(text=f"no app {app} in this console")
+        try:
+            entry = await asyncio.to_thread(queue.show, entry_id)
+        except EntryNotFoundError as exc:
+            raise web.HTTPNotFound(text=str(exc)) from None
+        lines = entry.traceback.rstrip().splitlines()
+        return self.render(request, "entry.html", status, entry=entry, traceback=lines,
+                           can_act=entry.status in OPEN_STATES, error=error)
+
+    async def replay_one(self, request: web.Request) -> web.StreamResponse:
+        app, entry_id = request.match_info["app"], request.match_info["id"]
+        if app not in self.console.queues:
+            raise web.HTTPNotFound(text=f"no app {app} in this console")
+        return self._start(request, "replay", [(app, entry_id)], f"entry {entry_id} of {app}")
+
+    async def discard_one(self, request: web.Request) -> web.StreamResponse:
+        app, entry_id = request.match_info["app"], request.match_info["id"]
+        if app not in self.console.queues:
+            raise web.HTTPNotFound(text=f"no app {app} in this console")
+        reason = str((await request.post()).get("reason", "")).strip()
+        if not reason:
+            return await self.entry(request, error="a discard needs a reason: say why this entry will not be "
+                                                   "processed", status=400)
+        return self._start(request, "discard", [(app, entry_id)], f"entry {entry_id} of {app}", reason)
+
+    # -- bulk actions ---------------------------------------------------------------
+    async def bulk_preview(self, request: web.Request) -> web.Response:
+        await self.console.refresh()
+        return self._preview(request, request.match_info["kind"], request.query)
+
+    def _preview(self, request: web.Request, kind: str, params: Mapping[str, Any], status: int = 200,
+                 error: str | None = None, reason: str = "") -> web.Response:
+        try:
+            query, given = parse_filter(params, self.console.catalog.apps)
+        except InvalidFilterError as exc:
+            return self.render(request, "bulk.html", 400, kind=kind, error=str(exc), given={}, targets=[],
+                               matching=0, reason=reason, sample=[])
+        found = self.console.catalog.query(query)
+        targets = [e for e in found if e.status in OPEN_STATES]
+        return self.render(request, "bulk.html", status, kind=kind, error=error, given=given, targets=targets,
+                           matching=len(found), sample=targets[:_PREVIEW], reason=reason)
+
+    async def bulk_start(self, request: web.Request) -> web.StreamResponse:
+        kind: Kind = "replay" if request.match_info["kind"] == "replay" else "discard"
+        form = await request.post()
+        params = {k: str(v) for k, v in form.items() if k in FILTER_FIELDS}
+        reason = str(form.get("reason", "")).strip()
+        await self.console.refresh()
+        try:
+            query, given = parse_filter(params, self.console.catalog.apps)
+        except InvalidFilterError:
+            return self._preview(request, kind, params)
+        targets = [e for e in self.console.catalog.query(query) if e.status in OPEN_STATES]
+        if form.get("confirm") != "yes":
+            return self._preview(request, kind, params, 400, "tick the confirmation to go ahead", reason)
+        if kind == "discard" and not reason:
+            return self._preview(request, kind, params, 400, "a discard needs a reason: say why these entries "
+                                                              "will not be processed", reason)
+        expected = str(form.get("expected", ""))
+        if str(len(targets)) != expected:
+            # The matching set moved between the preview and the confirmation: confirm what is there now.
+            return self._preview(request, kind, params, 409, f"the entries matching changed since the preview "
+                                 f"(expected {expected}, now {len(targets)}): check and confirm again", reason)
+        description = " ".join(f"{k}={v}" for k, v in given.items()) or "every entry"
+        return self._start(request, kind, [(e.app, e.id) for e in targets], description, reason or None)
+
+    def _start(self, request: web.Request, kind: Kind, targets: list[tuple[str, str]], description: str,
+               reason: str | None = None) -> web.StreamResponse:
+        session = session_of(request)
+        job = self.console.jobs.start(kind, targets, actor=session.actor, description=description, reason=reason)
+        raise web.HTTPSeeOther(f"/jobs/{job.id}")
+
+    # -- jobs ---------------------------------------------------------------------
+    async def jobs(self, request: web.Request) -> web.Response:
+        return self.render(request, "jobs.html", jobs=sorted(self.console.jobs.jobs.values(), key=lambda j: -j.id))
+
+    async def job(self, request: web.Request) -> web.Response:
+        job = self.console.jobs.jobs.get(int(request.match_info["id"]))
+        if job is None:
+            raise web.HTTPNotFound(text="no such job (the console keeps the last hundred, until it restarts)")
+        return self.render(request, "job.html", job=job, tally=job.tally())
+
+    async def cancel(self, request: web.Request) -> web.StreamResponse:
+        job = self.console.jobs.cancel(int(request.match_info["id"]))
+        if job is None:
+            raise web.HTTPNotFound(text="no such job")
+        raise web.HTTPSeeOther(f"/jobs/{job.id}")
+
+    # -- login ----------------------------------------------------------------------
+    async def login_page(self, request: web.Request) -> web.Response:
+        return self.render(request, "login.html", next=_local_path(request.query.get("next")), error=None, name="")
+
+    async def login(self, request: web.Request) -> web.StreamResponse:
+        form = await request.post()
+        name, token = str(form.get("name", "")), str(form.get("token", ""))
+        target = _local_path(str(form.get("next", "/")))
+        try:
+            session = self.console.sessions.login(name, token)
+        except LoginError as exc:
+            self.console.metrics.logins.labels("refused").inc()
+            await asyncio.sleep(_FAILED_LOGIN_DELAY)
+            return self.render(request, "login.html", 401, next=target, error=str(exc), name=name)
+        self.console.metrics.logins.labels("ok").inc()
+        response = web.HTTPSeeOther(target)
+        response.set_cookie(COOKIE, session.id, httponly=True, samesite="Strict", path="/",
+                            secure=self.console.config.tls_cert is not None)
+        raise response
+
+    async def logout(self, request: web.Request) -> web.StreamResponse:
+        self.console.sessions.logout(session_of(request).id)
+        response = web.HTTPSeeOther("/login")
+        response.del_cookie(COOKIE, path="/")
+        raise response
+
+
+def _step_label(step: dt.timedelta) -> str:
+    minutes = int(step.total_seconds() // 60)
+    if minutes < 60:
+        return f"{minutes} minute" + ("s" if minutes > 1 else "")
+    if minutes < 1440:
+        return f"{minutes // 60} hour" + ("s" if minutes >= 120 else "")
+    return f"{minutes // 1440} day" + ("s" if minutes >= 2880 else "")
+

@@ -1,0 +1,199 @@
+"""The console's server over HTTP, as any client sees it: the login, the session, CSRF, the origin check,
+the confirmations of bulk actions, the filters and paging, /metrics, and what is (not) rendered."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from pydantic import SecretStr, ValidationError
+
+import logstore
+from cellstream.cli.main import main
+from cellstream.console import Console, ConsoleConfig
+from tests.console.support import TriageApp, serving, triage_app, write_trips
+
+TOKEN = "console-token-9d2e"
+
+
+@pytest.fixture
+def billing(tmp_path: Path) -> TriageApp:
+    return triage_app(tmp_path)
+
+
+@pytest.fixture
+def console(billing: TriageApp) -> Iterator[Console]:
+    with serving({"billing": billing.queue}, token=SecretStr(TOKEN), page_size=5) as running:
+        yield running
+
+
+def logged_in(console: Console, name: str = "bob") -> tuple[requests.Session, str]:
+    """A client with a session; and the session's CSRF token (from a page's form)."""
+    client = requests.Session()
+    r = client.post(console.url + "/login", data={"name": name, "token": TOKEN, "next": "/"})
+    assert r.status_code == 200 and r.url == console.url + "/"
+    return client, csrf_of(r.text)
+
+
+def csrf_of(page: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert found, "no CSRF field in the page"
+    return found.group(1)
+
+
+def finished(client: requests.Session, job_url: str) -> str:
+    """The job page once the job is no longer running (the job works in the background)."""
+    deadline = time.monotonic() + 60
+    while 'id="state">running' in (page := client.get(job_url).text):
+        assert time.monotonic() < deadline, "the job did not finish"
+        time.sleep(0.05)
+    return page
+
+
+def open_entries(billing: TriageApp, handler: str) -> list[str]:
+    return [e.id for e in billing.queue.list(handler=handler) if e.status == "open"]
+
+
+def test_without_a_session_pages_send_to_the_login_and_actions_are_refused(console: Console,
+                                                                             billing: TriageApp) -> None:
+    anonymous = requests.Session()
+    for path in ("/", "/entries?handler=notify", "/jobs", "/bulk/replay"):
+        r = anonymous.get(console.url + path, allow_redirects=False)
+        assert r.status_code == 303 and r.headers["Location"].startswith("/login")
+    entry = open_entries(billing, "bill_rider")[0]
+    r = anonymous.post(f"{console.url}/entries/billing/{entry}/discard", data={"reason": "x", "csrf": "x"},
+                       allow_redirects=False)
+    assert r.status_code == 403
+    r = anonymous.post(console.url + "/login", data={"name": "mallory", "token": "guess", "next": "/"},
+                       allow_redirects=False)
+    assert r.status_code == 401 and "wrong token" in r.text and not anonymous.cookies
+    assert "guess" not in r.text  # a token typed in is never sent back
+    r = anonymous.post(console.url + "/login", data={"name": "", "token": TOKEN}, allow_redirects=False)
+    assert r.status_code == 401 and "give your name" in r.text
+    assert billing.queue.show(entry).status == "open"
+
+
+def test_every_action_needs_the_csrf_token_of_the_session(console: Console, billing: TriageApp) -> None:
+    client, csrf = logged_in(console)
+    entry = open_entries(billing, "notify")[0]
+    url = f"{console.url}/entries/billing/{entry}/discard"
+    for data in ({"reason": "no address"}, {"reason": "no address", "csrf": "forged"}):
+        r = client.post(url, data=data, allow_redirects=False)
+        assert r.status_code == 403 and "CSRF" in r.text
+    other, other_csrf = logged_in(console, "eve")
+    assert client.post(url, data={"reason": "no address", "csrf": other_csrf}, allow_redirects=False).status_code == 403
+    assert billing.queue.show(entry).status == "open"
+
+    r = client.post(url, data={"reason": "no address", "csrf": csrf})
+    assert r.status_code == 200 and re.search(r"/jobs/\d+$", r.url)
+    assert 'id="state">done' in finished(client, r.url)
+    discarded = billing.queue.show(entry)
+    assert discarded.status == "discarded"
+    assert (discarded.history[-1].actor, discarded.history[-1].note) == ("console:bob", "no address")
+
+
+def test_a_post_from_another_origin_is_refused_even_with_the_token(console: Console, billing: TriageApp) -> None:
+    client, csrf = logged_in(console)
+    entry = open_entries(billing, "notify")[0]
+    r = client.post(f"{console.url}/entries/billing/{entry}/discard", data={"reason": "x", "csrf": csrf},
+                    headers={"Origin": "http://attacker.example"}, allow_redirects=False)
+    assert r.status_code == 403 and "cross-origin" in r.text
+    assert billing.queue.show(entry).status == "open"
+
+
+def test_a_discard_needs_a_reason_and_a_bulk_action_a_confirmation_of_what_the_preview_showed(
+        console: Console, billing: TriageApp) -> None:
+    client, csrf = logged_in(console)
+    entry = open_entries(billing, "notify")[0]
+    r = client.post(f"{console.url}/entries/billing/{entry}/discard", data={"reason": "  ", "csrf": csrf})
+    assert r.status_code == 400 and "needs a reason" in r.text
+
+    preview = client.get(console.url + "/bulk/replay", params={"handler": "bill_rider"})
+    assert "<strong>4</strong> open or interrupted entries of 4 matching" in preview.text
+    form = {"handler": "bill_rider", "expected": "4", "csrf": csrf}
+    r = client.post(console.url + "/bulk/replay", data=form)
+    assert r.status_code == 400 and "tick the confirmation" in r.text
+    # More cells dead-letter between the preview and the confirmation: the console asks again.
+    write_trips(billing.url, bills=3, notes=0)
+    billing.app.drain(timeout=60)
+    r = client.post(console.url + "/bulk/replay", data={**form, "confirm": "yes"})
+    assert r.status_code == 409 and "expected 4, now 5" in r.text
+    assert len(open_entries(billing, "bill_rider")) == 5
+    r = client.post(console.url + "/bulk/discard", data={**form, "expected": "5", "confirm": "yes"})
+    assert r.status_code == 400 and "needs a reason" in r.text
+    assert len(open_entries(billing, "bill_rider")) == 5
+
+
+def test_filters_and_paging(console: Console, billing: TriageApp) -> None:
+    client, _ = logged_in(console)
+    r = client.get(console.url + "/entries")
+    assert "Entries 1 to 5 of 7" in r.text and "page 1 of 2" in r.text
+    r = client.get(console.url + "/entries", params={"page": "2"})
+    assert "Entries 6 to 7 of 7" in r.text
+    r = client.get(console.url + "/entries", params={"handler": "notify", "text": "RIDER-1"})
+    assert "Entries 1 to 1 of 1" in r.text and "no address for rider-1" in r.text
+    r = client.get(console.url + "/entries", params={"error": "declined", "status": "open"})
+    assert "Entries 1 to 4 of 4" in r.text
+    r = client.get(console.url + "/entries", params={"until": "2000-01-01T00:00"})
+    assert "No dead letters match" in r.text
+    r = client.get(console.url + "/entries", params={"since": "yesterday"})
+    assert r.status_code == 400 and "filter since: &#39;yesterday&#39; is not a time" in r.text
+    r = client.get(console.url + "/entries", params={"app": "payroll"})
+    assert r.status_code == 400 and "app &#39;payroll&#39; is not one of this console" in r.text
+    r = client.get(console.url + "/entries", params={"status": "lost"})
+    assert r.status_code == 400 and "filter status" in r.text
+
+
+def test_pages_are_escaped_framed_by_nothing_and_the_cookie_is_for_this_site_only(tmp_path: Path) -> None:
+    app = triage_app(tmp_path, bills=0, notes=0)
+    # A message with markup in it must show as text.
+    with logstore.open(app.url) as store:
+        store.put_cell(uuid.uuid4(), "STATUS", 1, {"rider": "<script>alert(1)</script>", "bad": True})
+    app.app.drain(timeout=60)
+    with serving({"billing": app.queue}, token=SecretStr(TOKEN)) as running:
+        client, _ = logged_in(running)
+        cookie = requests.post(running.url + "/login", data={"name": "x", "token": TOKEN},
+                               allow_redirects=False).headers["Set-Cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        r = client.get(running.url + "/entries")
+        assert "<script>" not in r.text and "&lt;script&gt;alert(1)&lt;/script&gt;" in r.text
+        assert "frame-ancestors 'none'" in r.headers["Content-Security-Policy"]
+        assert "script-src" not in r.headers["Content-Security-Policy"]  # default-src 'none': no script at all
+        assert TOKEN not in r.text
+
+
+def test_logout_ends_the_session(console: Console) -> None:
+    client, csrf = logged_in(console)
+    r = client.post(console.url + "/logout", data={"csrf": csrf})
+    assert r.url.endswith("/login")
+    assert client.get(console.url + "/", allow_redirects=False).status_code == 303
+
+
+def test_metrics_answer_the_token_as_a_bearer_header(console: Console) -> None:
+    r = requests.get(console.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200
+    assert 'cellstream_console_dead_letters{app="billing",status="open"} 7.0' in r.text
+    assert requests.get(console.url + "/metrics", allow_redirects=False).status_code == 303
+    assert requests.get(console.url + "/metrics", headers={"Authorization": "Bearer nope"},
+                        allow_redirects=False).status_code == 303
+
+
+def test_without_a_token_the_console_listens_on_loopback_only(billing: TriageApp,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValidationError, match="listens only on loopback"):
+        ConsoleConfig(host="0.0.0.0")
+    ConsoleConfig(host="0.0.0.0", token=SecretStr(TOKEN))
+    assert main(["console", "--app", billing.spec, "--bind", "0.0.0.0:0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "without a token the console listens only on loopback" in err
+    with serving({"billing": billing.queue}) as running:
+        client = requests.Session()
+        r = client.get(running.url + "/login")
+        assert 'name="token"' not in r.text and "no token" in r.text
+        r = client.post(running.url + "/login", data={"name": "carol"})
+        assert r.url == running.url + "/" and "console:carol" in r.text
