@@ -24,11 +24,14 @@ $(VENV)/.test: pyproject.toml $(VENV)/.base
 demo: $(VENV)/.base
 	$(BIN)/cellstream demo
 
-## lint: ruff, mypy and the import-layer contract (cellstream -> connectors -> indexer -> tailer -> logstore)
+## lint: ruff, mypy, the import-layer contract (cellstream -> connectors -> indexer -> tailer -> logstore) and
+## the Prometheus alert rules (promtool, from Debian's prometheus package: scripts/install.sh)
 lint: $(VENV)/.test
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	@command -v promtool >/dev/null || { echo "lint: promtool is missing: run scripts/install.sh (Debian prometheus)"; exit 1; }
+	cd docker/monitoring && promtool check rules alerts.yml && promtool test rules alerts.test.yml
 
 ## docs: build the docs site (mkdocs-material) into .site/; a broken link or anchor fails it
 docs: $(VENV)/.test

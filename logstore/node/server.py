@@ -18,7 +18,8 @@ validates and :mod:`logstore.node.openapi` writes ``/openapi.json``.
   :mod:`logstore.node.connections`, which also holds the header deadline and the
   connection cap); an unexpected failure is logged here and answered with a 500 that says only that.
 - TLS when ``tls_cert`` and ``tls_key`` are given (``https://``).
-- ``/metrics``: requests by route and status, their latency, cells written, buffered cells, connections.
+- ``/metrics``: requests by route and status, their latency, cells written, buffered cells, connections,
+  whether each storage node answers (checked at each scrape).
 - When the store buffers writes (a cluster whose nodes can hold each other's writes while a
   primary is down), the node runs the replayer every ``replay_interval`` seconds.
 """
@@ -124,6 +125,9 @@ class _Metrics:
         self.pending = Gauge("cellstream_worker_buffered_cells_waiting",
                              "buffered cells waiting for their primary, after the last replay pass", registry=registry)
         self.connections = Gauge("cellstream_worker_connections", "client connections open", registry=registry)
+        self.storage_up = Gauge("cellstream_worker_storage_node_up",
+                                "1 when the storage node answered the node's last check (each /readyz and each "
+                                "scrape of /metrics)", ["node"], registry=registry)
         self.refused = Counter("cellstream_worker_connection_errors_total",
                                "requests answered before reaching a route: unparsable (400), too slow (408), "
                                "over the connection limit (503)", ["status"], registry=registry)
@@ -354,6 +358,12 @@ class WorkerNode:
         return _json({"status": "ok"})
 
     async def readyz(self, got: Got) -> web.Response:
+        nodes = await self._check_nodes()
+        ready = all(v == "ok" for v in nodes.values())
+        return _json({"ready": ready, "nodes": nodes}, 200 if ready else 503)
+
+    async def _check_nodes(self) -> dict[str, str]:
+        """Ask every storage node for one shard's head: ``{node: "ok" or the error}``, also in the metrics."""
         nodes: dict[str, str] = {}
         for node, shard in self._first_shard.items():
             try:
@@ -361,10 +371,11 @@ class WorkerNode:
                 nodes[node] = "ok"
             except LogstoreError as exc:
                 nodes[node] = str(exc)
-        ready = all(v == "ok" for v in nodes.values())
-        return _json({"ready": ready, "nodes": nodes}, 200 if ready else 503)
+            self.metrics.storage_up.labels(node).set(int(nodes[node] == "ok"))
+        return nodes
 
     async def prometheus(self, got: Got) -> web.Response:
+        await self._check_nodes()  # so that an alert on a storage node needs no prober of its own
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

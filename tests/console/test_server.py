@@ -17,6 +17,7 @@ import logstore
 from cellstream.cli.main import main
 from cellstream.console import Console, ConsoleConfig
 from tests.console.support import TriageApp, serving, triage_app, write_trips
+from tests.harness.tls import make_pki
 
 TOKEN = "console-token-9d2e"
 
@@ -85,7 +86,7 @@ def test_every_action_needs_the_csrf_token_of_the_session(console: Console, bill
     for data in ({"reason": "no address"}, {"reason": "no address", "csrf": "forged"}):
         r = client.post(url, data=data, allow_redirects=False)
         assert r.status_code == 403 and "CSRF" in r.text
-    other, other_csrf = logged_in(console, "eve")
+    _, other_csrf = logged_in(console, "eve")
     assert client.post(url, data={"reason": "no address", "csrf": other_csrf}, allow_redirects=False).status_code == 403
     assert billing.queue.show(entry).status == "open"
 
@@ -197,3 +198,18 @@ def test_without_a_token_the_console_listens_on_loopback_only(billing: TriageApp
         assert 'name="token"' not in r.text and "no token" in r.text
         r = client.post(running.url + "/login", data={"name": "carol"})
         assert r.url == running.url + "/" and "console:carol" in r.text
+
+
+def test_over_tls_the_console_serves_https_and_the_session_cookie_is_secure(billing: TriageApp,
+                                                                             tmp_path: Path) -> None:
+    pki = make_pki(tmp_path / "pki")
+    with serving({"billing": billing.queue}, token=SecretStr(TOKEN), tls_cert=pki.server.cert,
+                 tls_key=pki.server.key) as running:
+        assert running.url.startswith("https://")
+        r = requests.post(running.url + "/login", data={"name": "dana", "token": TOKEN}, allow_redirects=False,
+                          verify=str(pki.ca))
+        assert r.status_code == 303 and "Secure" in r.headers["Set-Cookie"]
+        with pytest.raises(requests.exceptions.SSLError):
+            requests.get(running.url + "/login", verify=str(pki.other_ca))
+    with pytest.raises(ValidationError, match="both a certificate and its key"):
+        ConsoleConfig(token=SecretStr(TOKEN), tls_cert=pki.server.cert)

@@ -170,14 +170,27 @@ def test_a_lost_storage_node_is_503_retriable_and_not_ready(mysql_database: str)
                     assert response.getheader("Retry-After") == "1"
                     status, doc, _ = call(node.url, "GET", "/readyz")
                     assert status == 503 and doc["ready"] is False and doc["nodes"]["node0"] != "ok"
+                    # What the "worker node not ready" alert reads, at each scrape.
+                    assert 'cellstream_worker_storage_node_up{node="node0"} 0.0' in metrics_of(node.url)
                     proxy.restore()
                     deadline = time.monotonic() + 30
                     while call(node.url, "GET", "/readyz")[0] != 200:
                         assert time.monotonic() < deadline, "the node never became ready again"
                         time.sleep(0.2)
                     assert client.put_cell(ROW, "BASE", 2, {"during": True}).ref_key == 2
+                    assert 'cellstream_worker_storage_node_up{node="node0"} 1.0' in metrics_of(node.url)
             finally:
                 node.stop()
+
+
+def metrics_of(url: str) -> str:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
 
 
 def test_metrics_count_requests_by_route_and_status(node: NodeThread) -> None:

@@ -1,0 +1,1 @@
+"""The Grafana dashboard and the Prometheus alert rules in docker/monitoring/."""
