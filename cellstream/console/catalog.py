@@ -92,6 +92,7 @@ class EntryCatalog:
         self._ordered: list[Summary] = []  # newest last failure first
         self._generation = 0
         self._queries: OrderedDict[tuple[Query, int], list[Summary]] = OrderedDict()
+        self._groups: tuple[int, list[Group]] = (-1, [])  # (generation, the groups of that generation)
         self._refresh_lock = threading.Lock()
         self._query_lock = threading.Lock()
 
@@ -162,9 +163,13 @@ class EntryCatalog:
         return out
 
     def groups(self) -> list[Group]:
-        """Open (and interrupted) entries per app, handler and error fingerprint, largest group first."""
+        """Open (and interrupted) entries per app, handler and error fingerprint, largest group first
+        (computed once per change of the entries: the overview asks at every load)."""
+        generation, ordered = self._generation, self._ordered
+        if self._groups[0] == generation:
+            return self._groups[1]
         found: dict[tuple[str, str, str], Group] = {}
-        for e in self._ordered:
+        for e in ordered:
             if e.status not in OPEN_STATES:
                 continue
             key = (e.app, e.handler, e.fingerprint)
@@ -175,7 +180,9 @@ class EntryCatalog:
             else:
                 found[key] = g._replace(open=g.open + 1, first_seen=min(g.first_seen, e.first_failure),
                                         last_seen=max(g.last_seen, e.last_failure))
-        return sorted(found.values(), key=lambda g: (-g.open, g.app, g.handler, g.fingerprint))
+        groups = sorted(found.values(), key=lambda g: (-g.open, g.app, g.handler, g.fingerprint))
+        self._groups = (generation, groups)
+        return groups
 
 
 def timeline(entries: Sequence[Summary], now: dt.datetime, buckets: int = 48) -> tuple[dt.timedelta, list[Bucket]]:

@@ -3,7 +3,12 @@ the confirmations of bulk actions, the filters and paging, /metrics, and what is
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -213,3 +218,27 @@ def test_over_tls_the_console_serves_https_and_the_session_cookie_is_secure(bill
             requests.get(running.url + "/login", verify=str(pki.other_ca))
     with pytest.raises(ValidationError, match="both a certificate and its key"):
         ConsoleConfig(token=SecretStr(TOKEN), tls_cert=pki.server.cert)
+
+
+def test_cellstream_console_serves_apps_and_connectors_until_sigterm(billing: TriageApp, tmp_path: Path) -> None:
+    connector = tmp_path / "lake.yaml"
+    connector.write_text("name: lake\ncolumns: [BASE]\nsink: {type: parquet, root: lake}\n")
+    argv = [sys.executable, "-m", "cellstream", "console", "--app", billing.spec, "--app", str(connector),
+            "--store", billing.url, "--bind", "127.0.0.1:0", "--json"]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "CELLSTREAM_CONSOLE_TOKEN": TOKEN})
+    try:
+        assert process.stdout is not None
+        started = json.loads(process.stdout.readline())
+        assert started["apps"] == ["billing", "lake"] and started["token_required"] is True
+        client = requests.Session()
+        r = client.post(started["url"] + "/login", data={"name": "erin", "token": TOKEN})
+        assert r.status_code == 200 and "console:erin" in r.text
+        r = client.get(started["url"] + "/entries", params={"app": "billing"})
+        assert "Entries 1 to 7 of 7" in r.text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert TOKEN not in (process.stderr.read() if process.stderr else "")
+    finally:
+        process.kill()
+        process.wait()
