@@ -1,4 +1,5 @@
-"""TLS client contexts, one way for every server cellstream connects to (MySQL/MariaDB here, Kafka in the tailer).
+"""TLS contexts: for clients, one way for every server cellstream connects to (MySQL/MariaDB here, Kafka in the
+tailer); for cellstream's own servers (the worker node, the console), :func:`server_context`.
 
 The server's certificate is checked against ``ca`` (a PEM file or a directory; the system's CAs when None)
 unless ``verify`` is off, and its name against the host connected to when ``check_hostname`` is on; a
@@ -12,6 +13,18 @@ import ssl
 from pathlib import Path
 
 from logstore.errors import ConfigurationError
+
+
+def server_context(cert: Path, key: Path | None) -> ssl.SSLContext:
+    """A server's context with its certificate (chain) and key; files that cannot be loaded are a
+    ConfigurationError naming both."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigurationError(f"the TLS certificate {str(cert)!r} and key {str(key)!r} cannot be loaded: "
+                                 f"{exc}") from None
+    return context
 
 
 def client_context(what: str, *, ca: Path | None = None, cert: Path | None = None, key: Path | None = None,

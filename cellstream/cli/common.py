@@ -8,19 +8,23 @@ needs when it runs).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import datetime as dt
 import gc
 import json
 import math
 import os
+import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from cellstream.errors import UsageError
 
 if TYPE_CHECKING:
-    from pydantic import SecretStr
+    from pydantic import SecretStr, ValidationError
 
     from logstore import Cell
     from tailer.security import KafkaSecurity
@@ -209,3 +213,29 @@ def read_token(file: Path | None, option: str, variable: str) -> str | None:
             raise UsageError(f"{option} {file} is empty")
         return str(token)
     return os.environ.get(variable) or None
+
+
+def option_problem(exc: ValidationError) -> str:
+    """A configuration model's first refusal as one line naming the option: ``--tls-key: ...``."""
+    error = exc.errors()[0]
+    problem = str(error["msg"]).removeprefix("Value error, ")
+    if error["loc"]:
+        problem = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-") + ": " + problem
+    return problem
+
+
+@contextlib.asynccontextmanager
+async def stop_signals() -> AsyncIterator[asyncio.Event]:
+    """An event SIGTERM and SIGINT set, for a serving command (serve, console) to wait on. Entered before the
+    server starts: a signal sent as soon as its URL is printed must stop it cleanly, not kill it."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield stop
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError, RuntimeError):
+                loop.remove_signal_handler(sig)
+

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cellstream.cli import logs
-from cellstream.cli.common import Output, parse_bind, read_token
+from cellstream.cli.common import Output, option_problem, parse_bind, read_token, stop_signals
 from cellstream.cli.exits import Exit
 from cellstream.errors import UsageError
 
@@ -61,11 +59,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         config = ConsoleConfig(host=host, port=port, token=SecretStr(token) if token else None,
                                tls_cert=args.tls_cert, tls_key=args.tls_key, page_size=args.page_size)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        problem = error["msg"].removeprefix("Value error, ")
-        if error["loc"]:
-            problem = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-") + ": " + problem
-        raise UsageError(problem) from None
+        raise UsageError(option_problem(exc)) from None
     queues, stores = {}, []
     for spec in args.app:
         app = open_dlq_app(spec, args.store)
@@ -81,24 +75,15 @@ def run(args: argparse.Namespace, out: Output) -> int:
 
 
 async def _serve(console: Console, out: Output, args: argparse.Namespace) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        async with console:
-            required = console.sessions.token_required
-            logs.starting("console", args, url=console.url, token_required=required, apps=console.catalog.apps)
-            if out.as_json:
-                out.emit({"url": console.url, "token_required": required, "apps": console.catalog.apps}, "")
-            else:
-                print(console.url, file=out.out, flush=True)
-                if not required:
-                    print("cellstream console: no token configured: listening on loopback only", file=out.out,
-                          flush=True)
-            await stop.wait()
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(ValueError, RuntimeError):
-                loop.remove_signal_handler(sig)
+    async with stop_signals() as stop, console:
+        required = console.sessions.token_required
+        logs.starting("console", args, url=console.url, token_required=required, apps=console.catalog.apps)
+        if out.as_json:
+            out.emit({"url": console.url, "token_required": required, "apps": console.catalog.apps}, "")
+        else:
+            print(console.url, file=out.out, flush=True)
+            if not required:
+                print("cellstream console: no token configured: listening on loopback only", file=out.out,
+                      flush=True)
+        await stop.wait()
     return Exit.OK

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cellstream.cli import logs
-from cellstream.cli.common import Output, parse_bind, read_token
+from cellstream.cli.common import Output, option_problem, parse_bind, read_token, stop_signals
 from cellstream.cli.exits import Exit
 from logstore.errors import InvalidArgumentError
 
@@ -73,13 +71,9 @@ def run(store: Store, args: argparse.Namespace, out: Output) -> int:
                               max_connections=args.max_connections, header_timeout=args.header_timeout,
                               body_timeout=args.body_timeout)
     except ValueError as exc:  # pydantic's: the option's name and the problem
-        error = exc.errors()[0] if isinstance(exc, ValidationError) else None
-        if error is None:
+        if not isinstance(exc, ValidationError):
             raise InvalidArgumentError(str(exc)) from None
-        problem = error["msg"].removeprefix("Value error, ")
-        if error["loc"]:
-            problem = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-") + ": " + problem
-        raise InvalidArgumentError(problem) from None
+        raise InvalidArgumentError(option_problem(exc)) from None
     return _run(_serve(store, config, out, args))
 
 
@@ -95,26 +89,17 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 async def _serve(store: Store, config: ServerConfig, out: Output, args: argparse.Namespace) -> int:
     from logstore.node.server import WorkerNode
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        async with WorkerNode(store, config) as node:
-            logs.starting("serve", args, url=node.url, token_required=config.token is not None,
-                          admin_token=config.admin_token is not None)
-            required = config.token is not None
-            if out.as_json:
-                out.emit({"url": node.url, "token_required": required, "admin_token": config.admin_token is not None},
-                         "")
-            else:
-                print(node.url, file=out.out, flush=True)
-                if not required:
-                    print("cellstream serve: no token configured: listening on loopback only, unauthenticated",
-                          file=out.out, flush=True)
-            await stop.wait()
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(ValueError, RuntimeError):
-                loop.remove_signal_handler(sig)
+    async with stop_signals() as stop, WorkerNode(store, config) as node:
+        logs.starting("serve", args, url=node.url, token_required=config.token is not None,
+                      admin_token=config.admin_token is not None)
+        required = config.token is not None
+        if out.as_json:
+            out.emit({"url": node.url, "token_required": required, "admin_token": config.admin_token is not None},
+                     "")
+        else:
+            print(node.url, file=out.out, flush=True)
+            if not required:
+                print("cellstream serve: no token configured: listening on loopback only, unauthenticated",
+                      file=out.out, flush=True)
+        await stop.wait()
     return Exit.OK

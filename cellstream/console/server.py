@@ -12,6 +12,7 @@ import asyncio
 import logging
 import ssl
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from cellstream.console.jobs import JobRunner
 from indexer.runtime.dlq import DeadLetterQueue
 from logstore.build_info import register_build_info
 from logstore.errors import ConfigurationError, InvalidArgumentError
+from logstore.tls import server_context
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -61,15 +63,7 @@ class ConsoleConfig(BaseModel):
         return self
 
     def tls_context(self) -> ssl.SSLContext | None:
-        if self.tls_cert is None:
-            return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        try:
-            context.load_cert_chain(self.tls_cert, self.tls_key)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigurationError(f"the TLS certificate {str(self.tls_cert)!r} and key {str(self.tls_key)!r} "
-                                     f"cannot be loaded: {exc}") from None
-        return context
+        return None if self.tls_cert is None else server_context(self.tls_cert, self.tls_key)
 
 
 class ConsoleMetrics:
@@ -222,7 +216,8 @@ class Console:
         session = self.sessions.get(request.cookies.get(COOKIE))
         if session is None:
             if request.method in ("GET", "HEAD"):
-                raise web.HTTPSeeOther(f"/login?next={request.rel_url}" if path != "/" else "/login")
+                back = urllib.parse.urlencode({"next": str(request.rel_url)})  # its own query string whole
+                raise web.HTTPSeeOther(f"/login?{back}" if path != "/" else "/login")
             raise web.HTTPForbidden(text="log in first: your session has ended")
         if request.method == "POST":
             form = await request.post()

@@ -52,6 +52,7 @@ from logstore.node.connections import Connection, Limits, protocol_factory
 from logstore.node.models import models
 from logstore.node.routes import ROUTES, Route
 from logstore.store import Store
+from logstore.tls import server_context
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,15 +91,7 @@ class ServerConfig(BaseModel):
         return self
 
     def tls_context(self) -> ssl.SSLContext | None:
-        if self.tls_cert is None:
-            return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        try:
-            context.load_cert_chain(self.tls_cert, self.tls_key)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigurationError(f"the TLS certificate {str(self.tls_cert)!r} and key {str(self.tls_key)!r} "
-                                     f"cannot be loaded: {exc}") from None
-        return context
+        return None if self.tls_cert is None else server_context(self.tls_cert, self.tls_key)
 
 
 def is_loopback(host: str) -> bool:

@@ -3,6 +3,7 @@ the confirmations of bulk actions, the filters and paging, /metrics, and what is
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -61,6 +62,13 @@ def finished(client: requests.Session, job_url: str) -> str:
     return page
 
 
+def next_field(page: str) -> str:
+    """The login form's ``next`` field."""
+    found = re.search(r'name="next" value="([^"]+)"', page)
+    assert found, "no next field in the login page"
+    return html.unescape(found.group(1))
+
+
 def open_entries(billing: TriageApp, handler: str) -> list[str]:
     return [e.id for e in billing.queue.list(handler=handler) if e.status == "open"]
 
@@ -82,6 +90,11 @@ def test_without_a_session_pages_send_to_the_login_and_actions_are_refused(conso
     r = anonymous.post(console.url + "/login", data={"name": "", "token": TOKEN}, allow_redirects=False)
     assert r.status_code == 401 and "give your name" in r.text
     assert billing.queue.show(entry).status == "open"
+    # After the login, back to the page asked for, its whole filter included.
+    r = anonymous.get(console.url + "/entries?handler=notify&status=open")
+    assert r.url.startswith(console.url + "/login?next=")
+    r = anonymous.post(console.url + "/login", data={"name": "bob", "token": TOKEN, "next": next_field(r.text)})
+    assert r.url == console.url + "/entries?handler=notify&status=open" and "Entries 1 to 3 of 3" in r.text
 
 
 def test_every_action_needs_the_csrf_token_of_the_session(console: Console, billing: TriageApp) -> None:
