@@ -31,6 +31,7 @@ from logstore.tls import server_context
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = ("/login", "/static/", "/healthz")
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 SESSION = web.RequestKey("session", Session)  # the request's Session, once authenticated
 
 
@@ -183,14 +184,15 @@ class Console:
         started = time.perf_counter()
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "other"
+        method = request.method if request.method in METHODS else "other"  # clients cannot add series
         try:
             response = await handler(request)
         except web.HTTPException as exc:
             self._secure(exc.headers)
-            self.metrics.requests.labels(route, request.method, str(exc.status)).inc()
+            self.metrics.requests.labels(route, method, str(exc.status)).inc()
             raise
         self._secure(response.headers)
-        self.metrics.requests.labels(route, request.method, str(response.status)).inc()
+        self.metrics.requests.labels(route, method, str(response.status)).inc()
         logger.debug("%s %s %d %.1f ms", request.method, route, response.status,
                      (time.perf_counter() - started) * 1000)
         return response
