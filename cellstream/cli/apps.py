@@ -122,7 +122,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def _filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handler")
-    p.add_argument("--status", choices=["open", "replayed", "resolved", "discarded"])
+    p.add_argument("--status", choices=["open", "replayed", "resolved", "discarded"])  # Status; no import at --help
     p.add_argument("--error", help="part of the error class name")
     p.add_argument("--fingerprint")
     p.add_argument("--text", help="part of the error message (any case)")

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from indexer.runtime.deadletters import DLQ_COLUMN, OPEN_STATES, DeadLetterStore
+from indexer.runtime.deadletters import DLQ_COLUMN, OPEN_STATES, STATUSES, DeadLetterStore
 from indexer.runtime.dlq import DLQFilter
 
 _PAGE = 5000
@@ -157,7 +157,7 @@ class EntryCatalog:
 
     def counts(self) -> dict[str, int]:
         """Entries per status, over every app."""
-        out = {"open": 0, "replayed": 0, "resolved": 0, "discarded": 0}
+        out = dict.fromkeys(STATUSES, 0)
         for entry in self._ordered:
             out[entry.status] = out.get(entry.status, 0) + 1
         return out

@@ -24,7 +24,7 @@ from cellstream.console.catalog import Query, timeline
 from cellstream.console.server import SESSION, session_of
 from cellstream.errors import LoginError
 from indexer.errors import EntryNotFoundError, InvalidFilterError
-from indexer.runtime.deadletters import OPEN_STATES
+from indexer.runtime.deadletters import OPEN_STATES, STATUSES
 from indexer.runtime.dlq import DLQFilter
 
 if TYPE_CHECKING:
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from cellstream.console.server import Console
 
 FILTER_FIELDS = ("app", "handler", "status", "error", "fingerprint", "text", "since", "until")
-STATUSES = ("open", "replayed", "resolved", "discarded")
 _PREVIEW = 20
 _GROUPS = 50
 _FAILED_LOGIN_DELAY = 0.5  # seconds: slows guessing the token down without hurting a person who mistyped

@@ -17,7 +17,7 @@ import datetime as dt
 import itertools
 import logging
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,6 +33,7 @@ _PAGE = 1000
 _WRITE_TRIES = 8
 _SHORT_TRACEBACK = 4000
 Status = Literal["open", "replayed", "resolved", "discarded"]
+STATUSES: tuple[str, ...] = get_args(Status)
 OPEN_STATES: frozenset[str] = frozenset({"open", "replayed"})
 
 
