@@ -80,9 +80,9 @@ def build_sink(config: ConnectorConfig) -> Sink:
 
 def connector_app(config: ConnectorConfig, store: str | Store, sink: Sink | None = None) -> tuple[App, SinkApplier]:
     """The app that runs the connector, and its sink's handler."""
+    security: dict[str, Any] = {"kafka": config.kafka_security} if config.brokers is not None else {}
     app = App(config.name, store=store, brokers=config.brokers, commit_interval=config.checkpoint_interval,
-              start_from=config.start_from, page_size=config.page_size, topic_prefix=config.topic_prefix,
-              **({"kafka": config.kafka_security} if config.brokers is not None else {}))
+              start_from=config.start_from, page_size=config.page_size, topic_prefix=config.topic_prefix, **security)
     applier = SinkApplier(sink or build_sink(config), f"sink:{config.sink.type}")
     for column in config.columns:
         app.batch_handler(f"{applier.name}:{column}", column, applier, applier.replay,

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from indexer.indexes.applier import Index
     from indexer.runtime.app import App
     from indexer.runtime.config import AppConfig
+    from indexer.runtime.context import Context
     from indexer.runtime.deadletters import DeadLetter
     from indexer.runtime.dlq import DeadLetterQueue, DLQFilter, ReplayResult
     from indexer.runtime.handlers import Counts, Trigger
@@ -43,6 +44,7 @@ __all__ = [
     "App",
     "AppConfig",
     "ConfigurationError",
+    "Context",
     "Counts",
     "DLQFilter",
     "DeadLetter",
@@ -68,6 +70,7 @@ __all__ = [
 _LAZY = {
     "App": "indexer.runtime.app",
     "AppConfig": "indexer.runtime.config",
+    "Context": "indexer.runtime.context",
     "Counts": "indexer.runtime.handlers",
     "Hook": "indexer.runtime.hooks",
     "DLQFilter": "indexer.runtime.dlq",

@@ -23,18 +23,20 @@ import inspect
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 
 import logstore
 from indexer.errors import ConfigurationError, DrainTimeoutError, TakenOverError
+from indexer.runtime.clock import SYSTEM_CLOCK, Clock
 from indexer.runtime.config import AppConfig
+from indexer.runtime.context import Context, takes_context, with_context
 from indexer.runtime.deadletters import DeadLetterStore
 from indexer.runtime.dlq import DeadLetterQueue
-from indexer.runtime.handlers import BatchApplier, BatchHandler, Counts, Handler, Processor, Trigger
+from indexer.runtime.handlers import BatchApplier, Counts, Handler, Processor, Trigger
 from indexer.runtime.hooks import Hook
 from indexer.runtime.metrics import AppMetrics
 from logstore import Cell, InvalidCellError, Store
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _WATCH = 0.01
+H = TypeVar("H", bound=Callable[..., Any])  # a handler, returned as given by the decorator
+B = TypeVar("B", bound=Callable[..., Any])
 
 
 class Runner(Protocol):
@@ -60,7 +64,8 @@ class Runner(Protocol):
 class App:
     """A stream-processing app named ``name`` over the logstore at ``store`` (a URL, path or Store)."""
 
-    def __init__(self, name: str, store: str | Store, brokers: str | None = None, **options: Any) -> None:
+    def __init__(self, name: str, store: str | Store, brokers: str | None = None, *, clock: Clock = SYSTEM_CLOCK,
+                 **options: Any) -> None:
         try:
             self.config = AppConfig(name=name, **options)
         except ValidationError as exc:
@@ -81,40 +86,48 @@ class App:
         self.brokers = brokers
         self._target = store
         self._store: Store | None = store if isinstance(store, Store) else None
+        self.clock = clock  # the handlers' backoff waits on it and their failures are dated by it
         self.triggers: list[Trigger] = []
         self.hooks: list[Hook] = []
+        self._serving = False
         self.metrics = AppMetrics(name)
         self.source_metrics = TailerMetrics(f"app.{name}", registry=self.metrics.registry)
         self._processor: Processor | None = None
 
     # -- handlers -------------------------------------------------------------
-    def trigger(self, column: str, *, max_attempts: int = 5, name: str | None = None) -> Callable[[Handler], Handler]:
-        """Run the decorated function (sync or async) on every cell written to ``column``."""
+    def trigger(self, column: str, *, max_attempts: int = 5, name: str | None = None) -> Callable[[H], H]:
+        """Run the decorated function (sync or async) on every cell written to ``column``: ``fn(cell)``, or
+        ``fn(cell, ctx)`` for one that wants its :class:`~indexer.runtime.context.Context` (the app's store)."""
         self._check_trigger("trigger", column, max_attempts)
 
-        def register(fn: Handler) -> Handler:
-            self._add_trigger(Trigger(self._handler_name(name, fn), column, fn, max_attempts))
+        def register(fn: H) -> H:
+            handler = self._handler_name(name, fn)
+            call = with_context(fn, Context(self, handler)) if takes_context(fn, "handler") else fn
+            self._add_trigger(Trigger(handler, column, call, max_attempts))
             return fn
         return register
 
     def batch_trigger(self, column: str, *, max_attempts: int = 5,
-                      name: str | None = None) -> Callable[[BatchHandler], BatchHandler]:
+                      name: str | None = None) -> Callable[[B], B]:
         """Run the decorated function (sync or async) on the cells written to ``column``, a list at a time: the
         consecutive cells of one shard (direct mode) or partition (Kafka mode), in order, up to ``page_size``.
         A sync one takes one trip to the thread pool per list. The list is retried whole under the retry
         policy; if it still fails, its cells are passed one at a time (``[cell]``), so only the cells that
-        fail are dead-lettered (and a dead letter's replay passes its one cell)."""
+        fail are dead-lettered (and a dead letter's replay passes its one cell). ``fn(cells)``, or
+        ``fn(cells, ctx)`` for one that wants its :class:`~indexer.runtime.context.Context`."""
         self._check_trigger("batch trigger", column, max_attempts)
 
-        def register(fn: BatchHandler) -> BatchHandler:
+        def register(fn: B) -> B:
+            handler = self._handler_name(name, fn)
+            batch = with_context(fn, Context(self, handler)) if takes_context(fn, "batch handler") else fn
             one: Handler
-            if inspect.iscoroutinefunction(fn):
+            if inspect.iscoroutinefunction(batch):
                 async def one(cell: Cell) -> None:
-                    await fn([cell])
+                    await batch([cell])
             else:
                 def one(cell: Cell) -> None:
-                    fn([cell])
-            self._add_trigger(Trigger(self._handler_name(name, fn), column, one, max_attempts, batch=fn))
+                    batch([cell])
+            self._add_trigger(Trigger(handler, column, one, max_attempts, batch=batch))
             return fn
         return register
 
@@ -195,14 +208,47 @@ class App:
         if self._processor is None:
             if not self.triggers:
                 raise ConfigurationError(f"app {self.name} has no triggers")
-            self._processor = Processor(self.config, self.triggers, DeadLetterStore(self.store, self.name),
-                                        self.metrics)
+            self._processor = Processor(self.config, self.triggers,
+                                        DeadLetterStore(self.store, self.name, self.clock), self.metrics, self.hooks)
         return self._processor
 
     @property
     def dlq(self) -> DeadLetterQueue:
         """The app's dead letters: list, stats, show, replay, discard."""
-        return DeadLetterQueue(DeadLetterStore(self.store, self.name), lambda: self.processor)
+        return DeadLetterQueue(DeadLetterStore(self.store, self.name, self.clock), lambda: self.processor)
+
+    @contextlib.contextmanager
+    def substituted(self, store: Store, clock: Clock | None = None, hooks: Sequence[Hook] = ()) -> Iterator[App]:
+        """Inside the block the app runs over ``store`` and on ``clock``, with ``hooks`` added, in direct mode
+        without ZooKeeper, every shard from the beginning; afterwards it is as it was. For tests
+        (:class:`indexer.testing.AppHarness`): an app built at import time reaches the test's store through
+        its handlers' context or ``app.store``. Another store is refused for an app with appliers (indexes,
+        sinks), which were built over their store or warehouse when added: build such an app over the test's
+        store instead. Refused while the app serves."""
+        if self._serving:
+            raise ConfigurationError(f"app {self.name} is serving; substitute its store before it starts")
+        bound = [t.name for t in self.triggers if t.applier is not None]
+        if bound and store is not self._store:
+            raise ConfigurationError(f"app {self.name} has handlers built over their destination ({', '.join(bound)}); "
+                                     "build the app over the test's store instead")
+        saved = (self._target, self._store, self.brokers, self.config, self.clock, self.hooks)
+        self._drop_processor()
+        self._target = self._store = store
+        self.brokers = None
+        self.config = self.config.model_copy(update={"zookeeper": None, "zookeeper_auth": None,
+                                                     "start_from": "beginning"})
+        self.clock = clock or self.clock
+        self.hooks = [*self.hooks, *hooks]
+        try:
+            yield self
+        finally:
+            self._drop_processor()
+            self._target, self._store, self.brokers, self.config, self.clock, self.hooks = saved
+
+    def _drop_processor(self) -> None:
+        if self._processor is not None:
+            self._processor.close()
+            self._processor = None
 
     def _runner(self) -> Runner:
         processor = self.processor
@@ -247,6 +293,15 @@ class App:
                 loop.remove_signal_handler(sig)
 
     async def _serve(self, done: Callable[[Runner, float], bool], timeout: float | None) -> Counts:
+        if self._serving:
+            raise ConfigurationError(f"app {self.name} is serving already")
+        self._serving = True
+        try:
+            return await self._serve_once(done, timeout)
+        finally:
+            self._serving = False
+
+    async def _serve_once(self, done: Callable[[Runner, float], bool], timeout: float | None) -> Counts:
         processor = self.processor
         await asyncio.to_thread(processor.load_open_counts)
         processor.stalled = None
@@ -287,9 +342,7 @@ class App:
 
     def close(self) -> None:
         """Release the thread pool and, if the app opened it, the store. Safe twice."""
-        if self._processor is not None:
-            self._processor.close()
-            self._processor = None
+        self._drop_processor()
         if self._store is not None and not isinstance(self._target, Store):
             with contextlib.suppress(Exception):
                 self._store.close()

@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field
 
 from indexer.errors import EntryNotFoundError, IndexerError
+from indexer.runtime.clock import SYSTEM_CLOCK, Clock
 from indexer.runtime.policy import Outcome
 from logstore import CellConflictError, InvalidCellError, Store
 from logstore.cell import shard_of
@@ -85,9 +86,10 @@ class DeadLetter(BaseModel):
 class DeadLetterStore:
     """The entries of one app, read and written through a :class:`logstore.Store`."""
 
-    def __init__(self, store: Store, app: str) -> None:
+    def __init__(self, store: Store, app: str, clock: Clock = SYSTEM_CLOCK) -> None:
         self.store = store
         self.app = app
+        self.clock = clock  # dates the entries' events
         self.shard = shard_of(uuid.uuid5(_NAMESPACE, f"dlq:{app}"), store.shard_count)
 
     def entry_id(self, handler: str, cell: dict[str, Any], source: dict[str, Any]) -> str:
@@ -138,7 +140,7 @@ class DeadLetterStore:
                 current = self.get(entry_id)
             except EntryNotFoundError:
                 current = None
-            now = dt.datetime.now(dt.UTC)
+            now = self.clock.now()
             event = Event(status="open", at=now, error=f"{failure.error_type}: {failure.message}"[:500],
                           attempts=outcome.attempts,
                           note=None if current is None else f"failed again (was {current.status})")
@@ -160,7 +162,7 @@ class DeadLetterStore:
     def change(self, entry: DeadLetter, status: Status, *, note: str | None = None,
                outcome: Outcome | None = None, actor: str | None = None) -> DeadLetter:
         """Write the entry's next version with ``status``; CellConflictError if another process got there first."""
-        now = dt.datetime.now(dt.UTC)
+        now = self.clock.now()
         update: dict[str, Any] = {"status": status}
         event = Event(status=status, at=now, note=note, actor=actor)
         if outcome is not None and outcome.failure is not None:

@@ -209,7 +209,7 @@ class DeadLetterQueue:
             try:
                 cell = await asyncio.to_thread(self._cell_of, entry)
             except LogstoreError as exc:  # still undecodable, or the store is down: one more failed attempt
-                now = dt.datetime.now(dt.UTC)
+                now = self.deadletters.clock.now()
                 outcome = Outcome(False, 1, describe(exc), now, now)
             else:
                 outcome = await processor.run(trigger, cell)

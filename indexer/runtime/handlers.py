@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import datetime as dt
 import functools
 import inspect
 import logging
@@ -32,6 +31,7 @@ from indexer.errors import HandlerStalledError, RetriableError
 from indexer.runtime.combine import Combiner
 from indexer.runtime.config import AppConfig
 from indexer.runtime.deadletters import OPEN_STATES, DeadLetter, DeadLetterStore
+from indexer.runtime.hooks import Hook
 from indexer.runtime.metrics import AppMetrics
 from indexer.runtime.policy import Failure, Outcome, deliver, describe, qualified_name
 from logstore import Cell
@@ -99,7 +99,7 @@ class Processor:
     """Runs an app's handlers on cells (see the module docstring). Use from one event loop."""
 
     def __init__(self, config: AppConfig, triggers: list[Trigger], deadletters: DeadLetterStore,
-                 metrics: AppMetrics) -> None:
+                 metrics: AppMetrics, hooks: Sequence[Hook] = ()) -> None:
         self.config = config
         self.triggers = triggers
         # The appliers (indexes, sinks) first on a page: what they applied a re-delivery skips (their positions
@@ -109,7 +109,9 @@ class Processor:
         for trigger in triggers:
             self.by_column.setdefault(trigger.column, []).append(trigger)
         self.deadletters = deadletters
+        self.clock = deadletters.clock  # the backoff waits on it, the failures and the entries are dated by it
         self.metrics = metrics
+        self.hooks = list(hooks)
         self.counts = Counts()
         self.stalled: HandlerStalledError | None = None
         self.open: dict[str, int] = {}
@@ -221,13 +223,10 @@ class Processor:
                 await asyncio.get_running_loop().run_in_executor(self._pool, batch, cells)
 
         def retrying(exc: BaseException, attempt: int, delay: float) -> None:
-            self.counts = self.counts._replace(retried=self.counts.retried + 1)
-            self.metrics.retried.labels(*labels).inc()
-            logger.warning("%s: attempt %d at a batch of %d cells failed (%s: %s); retrying in %.2fs", trigger.name,
-                           attempt, len(cells), qualified_name(type(exc)), exc, delay)
+            self._retrying(trigger, cells, exc, attempt, delay)
 
         started = time.perf_counter()
-        outcome = await deliver(call, trigger.max_attempts, self.config.backoff, on_retry=retrying)
+        outcome = await deliver(call, trigger.max_attempts, self.config.backoff, on_retry=retrying, **self._timing)
         if outcome.ok:
             self._processed(labels, len(cells), time.perf_counter() - started)
             return True
@@ -255,7 +254,7 @@ class Processor:
                 prepared.append(applier.prepare(cell))
                 kept.append((cell, source))
             except Exception as exc:
-                now = dt.datetime.now(dt.UTC)
+                now = self.clock.now()
                 if not await self._deadletter(trigger, source, coordinates(cell), cell.body,
                                               Outcome(False, 1, describe(exc), now, now)):
                     return False
@@ -263,16 +262,14 @@ class Processor:
         labels = (self.config.name, trigger.name)
 
         def retrying(exc: BaseException, attempt: int, delay: float) -> None:
-            self.metrics.retried.labels(*labels).inc()
-            logger.warning("%s: attempt %d at a batch of %d cells failed (%s: %s); retrying in %.2fs", trigger.name,
-                           attempt, len(prepared), qualified_name(type(exc)), exc, delay)
+            self._retrying(trigger, [cell for cell, _ in kept], exc, attempt, delay)
 
         started = time.perf_counter()
         combiner = self._combiners.get(trigger.name)
         if combiner is None:
             combiner = self._combiners[trigger.name] = Combiner(applier, self._pool)
         outcome = await deliver(lambda: combiner.apply(prepared, batch), trigger.max_attempts, self.config.backoff,
-                                on_retry=retrying)
+                                on_retry=retrying, **self._timing)
         if outcome.ok:
             self._processed(labels, len(prepared), time.perf_counter() - started)
             return True
@@ -293,6 +290,29 @@ class Processor:
                 return False
         return True
 
+    @property
+    def _timing(self) -> dict[str, Any]:
+        """How :func:`~indexer.runtime.policy.deliver` waits and dates: on the app's clock."""
+        return {"sleep": self.clock.sleep, "now": self.clock.now}
+
+    def _retrying(self, trigger: Trigger, cells: Sequence[Cell], exc: BaseException, attempt: int,
+                  delay: float) -> None:
+        """Attempt ``attempt`` of ``trigger`` at ``cells`` raised ``exc``; the next comes after ``delay`` seconds."""
+        self.counts = self.counts._replace(retried=self.counts.retried + 1)
+        self.metrics.retried.labels(self.config.name, trigger.name).inc()
+        if len(cells) == 1:
+            cell = cells[0]
+            logger.warning("%s: attempt %d at %s/%s/%d failed (%s: %s); retrying in %.2fs", trigger.name, attempt,
+                           cell.row_key, cell.column, cell.ref_key, qualified_name(type(exc)), exc, delay)
+        else:
+            logger.warning("%s: attempt %d at a batch of %d cells failed (%s: %s); retrying in %.2fs", trigger.name,
+                           attempt, len(cells), qualified_name(type(exc)), exc, delay)
+        for hook in self.hooks:
+            try:
+                hook.retrying(trigger.name, cells, attempt, exc, delay)
+            except Exception:  # a hook's bookkeeping must not turn a retry into a lost cell
+                logger.exception("hook %s: retrying failed; the retry goes on", type(hook).__name__)
+
     def _processed(self, labels: tuple[str, str], cells: int, seconds: float) -> None:
         """A batch call of ``seconds`` handled ``cells``."""
         self.counts = self.counts._replace(processed=self.counts.processed + cells)
@@ -308,7 +328,7 @@ class Processor:
 
     async def undecodable(self, where: dict[str, Any], source: dict[str, Any], error: Failure) -> bool:
         """A cell that cannot be decoded goes to the DLQ of every handler of its column, with no attempt."""
-        now = dt.datetime.now(dt.UTC)
+        now = self.clock.now()
         outcome = Outcome(False, 1, error, now, now)
         for trigger in self.by_column.get(str(where.get("column")), ()):
             if not await self._deadletter(trigger, source, where, None, outcome):
@@ -321,14 +341,11 @@ class Processor:
         labels = (self.config.name, trigger.name)
 
         def retrying(exc: BaseException, attempt: int, delay: float) -> None:
-            self.counts = self.counts._replace(retried=self.counts.retried + 1)
-            self.metrics.retried.labels(*labels).inc()
-            logger.warning("%s: attempt %d at %s/%s/%d failed (%s: %s); retrying in %.2fs", trigger.name, attempt,
-                           cell.row_key, cell.column, cell.ref_key, qualified_name(type(exc)), exc, delay)
+            self._retrying(trigger, [cell], exc, attempt, delay)
 
         started = time.perf_counter()
         outcome = await deliver(functools.partial(self._call, trigger, cell), trigger.max_attempts,
-                                self.config.backoff, on_retry=retrying, failed=failed)
+                                self.config.backoff, on_retry=retrying, failed=failed, **self._timing)
         if outcome.ok:
             self.counts = self.counts._replace(processed=self.counts.processed + 1)
             self.metrics.processed.labels(*labels).inc()

@@ -1,4 +1,4 @@
-"""Hooks: what an app keeps beside its handlers, told of the app's moments.
+"""Hooks: what an app keeps beside its handlers, told of the app's moments (and of its handlers' retries).
 
 A feature that needs more than a handler (the secondary indexes: register their versions as live
 when the app starts, measure their lag while it runs) subclasses :class:`Hook` and is added with
@@ -12,6 +12,12 @@ when the app starts, measure their lag while it runs) subclasses :class:`Hook` a
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from logstore import Cell
 
 
 class Hook:
@@ -28,3 +34,10 @@ class Hook:
     def tick(self) -> None:
         """Every :attr:`interval` seconds while the app serves (the first right after :meth:`started`), never
         two at once. An exception is logged and serving goes on: a tick is upkeep, not delivery."""
+
+    def retrying(self, handler: str, cells: Sequence[Cell], attempt: int, error: BaseException,
+                 delay: float) -> None:
+        """Attempt ``attempt`` of ``handler`` at ``cells`` (one cell, or a batch) raised ``error``; the next
+        attempt comes after ``delay`` seconds. Called on the event loop, so it must not block: it is for
+        counting and recording (:class:`indexer.testing.AppHarness` keeps the retries a test asserts on).
+        An exception here is logged and ignored."""

@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
+from indexer.runtime.clock import SYSTEM_CLOCK
 from logstore import CorruptCellError
 from logstore.retry import RetryPolicy
 
@@ -79,11 +80,13 @@ async def deliver(
     backoff: RetryPolicy = DEFAULT_BACKOFF,
     *,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    now: Callable[[], dt.datetime] = SYSTEM_CLOCK.now,
     on_retry: Callable[[BaseException, int, float], None] | None = None,
     failed: BaseException | None = None,
 ) -> Outcome:
     """Call until it succeeds, the error is not retriable, or ``max_attempts`` calls failed. ``failed``: the
-    first attempt was made already (a run of cells in one trip to a thread) and raised this."""
+    first attempt was made already (a run of cells in one trip to a thread) and raised this. ``sleep`` waits
+    between attempts and ``now`` dates the failures (an app's clock)."""
     delays = backoff.delays()
     first: dt.datetime | None = None
     attempt = 0
@@ -95,13 +98,13 @@ async def deliver(
                 raise raised
             await call()
         except Exception as exc:  # the handler's own errors: never let one escape the runtime
-            now = dt.datetime.now(dt.UTC)
-            first = first or now
+            at = now()
+            first = first or at
             if attempt >= max_attempts or not is_retriable(exc):
-                return Outcome(False, attempt, describe(exc), first, now)
+                return Outcome(False, attempt, describe(exc), first, at)
             delay = next(delays)
             if on_retry is not None:
                 on_retry(exc, attempt, delay)
             await sleep(delay)
         else:
-            return Outcome(True, attempt, None, first, None if first is None else dt.datetime.now(dt.UTC))
+            return Outcome(True, attempt, None, first, None if first is None else now())

@@ -9,6 +9,10 @@ idempotency key, so a cell delivered twice (at least once) never charges twice.
 The fake card provider times out now and then (retried) and declines blocked riders
 (non-retriable: the cell goes to the dead-letter queue at once, to be replayed once
 the rider's card is fixed).
+
+The handler reads and writes through its context (``ctx.store``), the app's store: the
+one named by CELLSTREAM_STORE when it runs, a temporary one when a test runs it under
+:class:`indexer.testing.AppHarness` (tests/demo/test_billing.py).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 import threading
 from typing import Any
 
-from indexer import App, NonRetriableError
+from indexer import App, Context, NonRetriableError
 from logstore import Cell, CellConflictError
 
 
@@ -57,18 +61,18 @@ def build(store: Any, provider: CardProvider, **options: Any) -> App:
     app = App("billing", store=store, **options)
 
     @app.trigger("BASE", max_attempts=5)
-    def bill_rider(cell: Cell) -> None:
+    def bill_rider(cell: Cell, ctx: Context) -> None:
         rider = cell.body.get("rider")
         if not isinstance(rider, str):
             raise NonRetriableError(f"trip {cell.row_key} has no rider to bill")
-        status = app.store.get_cell_latest(cell.row_key, "STATUS")
+        status = ctx.store.get_cell_latest(cell.row_key, "STATUS")
         if status is not None and status.body.get("is_completed"):
             return  # billed already (or paid elsewhere): nothing to do
         fare = float(cell.body["fare"])
         provider.charge(rider, str(cell.row_key), fare)
         # A conflict means another delivery of this cell wrote that STATUS version first.
         with contextlib.suppress(CellConflictError):
-            app.store.put_cell(cell.row_key, "STATUS", (status.ref_key if status else 0) + 1,
+            ctx.store.put_cell(cell.row_key, "STATUS", (status.ref_key if status else 0) + 1,
                                {"is_completed": True, "charged": fare})
 
     return app
