@@ -131,13 +131,7 @@ class Views:
                                entries=[], total=0, page=1, pages=1, first=0, statuses=STATUSES, open_count=0,
                                handlers=self._handlers())
         found = self.console.catalog.query(query)
-        size = self.console.config.page_size
-        pages = max(1, -(-len(found) // size))
-        try:
-            page = min(max(1, int(request.query.get("page", "1"))), pages)
-        except ValueError:
-            page = 1
-        first = (page - 1) * size
+        page, pages, first, size = self._paging(request, len(found))
         return self.render(request, "entries.html", given=given, entries=found[first:first + size],
                            total=len(found), page=page, pages=pages, first=first, statuses=STATUSES,
                            open_count=sum(1 for e in found if e.status in OPEN_STATES), handlers=self._handlers(),
@@ -229,10 +223,28 @@ class Views:
         return self.render(request, "jobs.html", jobs=sorted(self.console.jobs.jobs.values(), key=lambda j: -j.id))
 
     async def job(self, request: web.Request) -> web.Response:
+        """A job's progress, and its per-entry results a page at a time (``after=``: only the entries left in
+        that state, say the ones that failed again), so a job over many entries stays cheap to refresh."""
         job = self.console.jobs.jobs.get(int(request.match_info["id"]))
         if job is None:
             raise web.HTTPNotFound(text="no such job (the console keeps the last hundred, until it restarts)")
-        return self.render(request, "job.html", job=job, tally=job.tally())
+        after = request.query.get("after") or None
+        results = [r for r in job.results if r.after == after] if after else list(job.results)
+        page, pages, first, size = self._paging(request, len(results))
+        given = {"after": after} if after else {}
+        return self.render(request, "job.html", job=job, tally=job.tally(), after=after, given=given,
+                           results=results[first:first + size], shown=len(results), page=page, pages=pages,
+                           first=first)
+
+    def _paging(self, request: web.Request, total: int) -> tuple[int, int, int, int]:
+        """(page, pages, index of the page's first item, page size) for ``total`` items and ``?page=``."""
+        size = self.console.config.page_size
+        pages = max(1, -(-total // size))
+        try:
+            page = min(max(1, int(request.query.get("page", "1"))), pages)
+        except ValueError:
+            page = 1
+        return page, pages, (page - 1) * size, size
 
     async def cancel(self, request: web.Request) -> web.StreamResponse:
         job = self.console.jobs.cancel(int(request.match_info["id"]))

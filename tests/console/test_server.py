@@ -116,6 +116,28 @@ def test_every_action_needs_the_csrf_token_of_the_session(console: Console, bill
     assert (discarded.history[-1].actor, discarded.history[-1].note) == ("console:bob", "no address")
 
 
+def test_a_job_pages_its_results_and_shows_the_ones_left_in_one_state(console: Console, billing: TriageApp) -> None:
+    """A bulk job over many entries: its page shows the results a page at a time (the page refreshes every
+    second while it runs), and the ones that failed again on their own."""
+    client, csrf = logged_in(console)
+    billing.fix()  # bill_rider's 4 entries will resolve; notify's 3 fail again
+    r = client.post(console.url + "/bulk/replay", data={"expected": "7", "confirm": "yes", "csrf": csrf})
+    assert r.status_code == 200 and re.search(r"/jobs/\d+$", r.url)
+    job = r.url
+    page = finished(client, job)
+    assert "Results 1 to 5 of 7" in page and "page 1 of 2" in page and page.count("<tr><td>") == 5
+    assert "4 resolved" in page and "3 open" in page
+    page = client.get(job, params={"page": "2"}).text
+    assert "Results 6 to 7 of 7" in page and page.count("<tr><td>") == 2
+
+    page = client.get(job, params={"after": "open", "page": "9"}).text
+    assert "Results 1 to 3 of 3 left open" in page and "page 1 of" not in page
+    rows = re.findall(r"<tr><td>.*?</tr>", page, re.S)
+    assert len(rows) == 3 and all("status-open" in row and "no address" in row for row in rows)
+    assert sorted(re.findall(r"<code>([0-9a-f-]{36})</code>", page)) == sorted(open_entries(billing, "notify"))
+    assert "No entry of this job was left discarded" in client.get(job, params={"after": "discarded"}).text
+
+
 def test_a_post_from_another_origin_is_refused_even_with_the_token(console: Console, billing: TriageApp) -> None:
     client, csrf = logged_in(console)
     entry = open_entries(billing, "notify")[0]
