@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 
 class Hook:
-    """Called by an app while it serves (``drain`` or ``run``). Both methods are blocking: each call runs in a
-    worker thread, so they may do I/O."""
+    """Called by an app while it serves (``drain`` or ``run``). :meth:`started` and :meth:`tick` are blocking:
+    each call runs in a worker thread, so they may do I/O; :meth:`retrying` runs on the event loop."""
 
     interval: float | None = None
     """Seconds between :meth:`tick` calls while the app serves; None: never."""

@@ -91,7 +91,7 @@ class AppHarness:
               ref_key: int | None = None) -> Cell:
         """Write a cell as a producer would: a new row unless ``row_key`` is given, the next version of the
         row's column unless ``ref_key`` is given. Invalid input raises the store's typed error."""
-        key = uuid.UUID(str(row_key)) if row_key is not None else uuid.uuid4()
+        key = row_key if row_key is not None else uuid.uuid4()  # the store checks a given one (a typed error)
         if ref_key is None:
             latest = self.store.get_cell_latest(key, column)
             ref_key = latest.ref_key + 1 if latest is not None else 1

@@ -148,6 +148,8 @@ def test_cells_leave_out_cellstream_s_own_and_bad_input_writes_nothing(app_harne
         harness.write("_dlq", {"n": 1})
     with pytest.raises(InvalidCellError):
         harness.write("BASE", {"n": float("nan")}, row_key=row)
+    with pytest.raises(InvalidCellError, match="row_key"):
+        harness.write("BASE", {"n": 1}, row_key="not-a-uuid")
 
     assert harness.drain().dead_lettered == 1  # a dead letter and offsets are now in the store
     assert [(c.row_key, c.column, c.ref_key) for c in harness.cells()] == [(row, "BASE", 1)]
