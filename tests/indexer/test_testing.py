@@ -3,6 +3,7 @@ contexts; the app given back unchanged; the app_harness fixture that the install
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import uuid
 from collections.abc import Callable
@@ -178,3 +179,21 @@ def test_the_fixture_comes_from_the_installed_plugin_and_cleans_up(pytester: pyt
     ''')
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
+
+
+def test_an_async_test_drains_with_drain_async(app_harness: Harnesses) -> None:
+    app = App("async", store="sqlite:///never-opened")
+    seen: list[int] = []
+
+    @app.trigger("BASE")
+    async def note(cell: Cell, ctx: Context) -> None:
+        seen.append(cell.body["n"])
+
+    harness = app_harness(app, shards=8)
+
+    async def scenario() -> int:
+        for n in range(3):
+            harness.write("BASE", {"n": n})
+        return (await harness.drain_async(timeout=30)).processed
+
+    assert asyncio.run(scenario()) == 3 and sorted(seen) == [0, 1, 2]
