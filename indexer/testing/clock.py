@@ -6,6 +6,8 @@ import asyncio
 import datetime as dt
 import threading
 
+from logstore import InvalidArgumentError
+
 EPOCH = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
 
@@ -16,7 +18,7 @@ class FakeClock:
 
     def __init__(self, start: dt.datetime = EPOCH) -> None:
         if start.tzinfo is None:
-            raise ValueError("a FakeClock starts at a timezone-aware time")
+            raise InvalidArgumentError(f"a FakeClock starts at a timezone-aware time, got {start.isoformat()}")
         self._now = start
         self._lock = threading.Lock()  # handlers read now() from the worker threads
         self.slept: list[float] = []
@@ -35,7 +37,7 @@ class FakeClock:
     def advance(self, seconds: float) -> dt.datetime:
         """Move the time ``seconds`` ahead (the test's own passage of time); return the new time."""
         if seconds < 0:
-            raise ValueError("time does not go back")
+            raise InvalidArgumentError(f"a FakeClock moves ahead only, got {seconds} seconds")
         with self._lock:
             self._now += dt.timedelta(seconds=seconds)
             return self._now

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import logstore
+from indexer.errors import ConfigurationError
 from indexer.runtime.app import App
 from indexer.runtime.deadletters import DeadLetter
 from indexer.runtime.dlq import DeadLetterQueue, DLQFilter
@@ -79,7 +80,7 @@ class AppHarness:
             else:
                 target = app(self.store)
                 if not isinstance(target, App):
-                    raise TypeError(f"the app builder returned {type(target).__name__}, not an indexer.App")
+                    raise ConfigurationError(f"the app builder returned {type(target).__name__}, not an indexer.App")
                 self._stack.callback(target.close)  # the harness made it: the harness closes it
             self.app = self._stack.enter_context(target.substituted(self.store, self.clock, [self._log]))
         except BaseException:

@@ -18,7 +18,7 @@ from indexer import App, ConfigurationError, Context, NonRetriableError
 from indexer.indexes.applier import Index
 from indexer.runtime.clock import SYSTEM_CLOCK
 from indexer.testing import AppHarness, FakeClock
-from logstore import Cell, InvalidCellError, Store
+from logstore import Cell, InvalidArgumentError, InvalidCellError, Store
 
 Harnesses = Callable[..., AppHarness]
 FLAKY = RuntimeError("flaky")
@@ -197,3 +197,12 @@ def test_an_async_test_drains_with_drain_async(app_harness: Harnesses) -> None:
         return (await harness.drain_async(timeout=30)).processed
 
     assert asyncio.run(scenario()) == 3 and sorted(seen) == [0, 1, 2]
+
+
+def test_bad_harness_input_gets_typed_errors() -> None:
+    with pytest.raises(InvalidArgumentError, match="timezone-aware"):
+        FakeClock(dt.datetime(2030, 1, 1))
+    with pytest.raises(InvalidArgumentError, match="ahead only"):
+        FakeClock().advance(-1)
+    with pytest.raises(ConfigurationError, match=r"returned NoneType, not an indexer\.App"):
+        AppHarness(lambda store: None, shards=1)
