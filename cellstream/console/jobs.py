@@ -127,9 +127,9 @@ class JobRunner:
                 [r] = await queue.replay_async(entry_id, actor=job.actor)
                 return EntryResult(app, entry_id, r.before, r.after, r.error)
             assert job.reason is not None
-            before = (await asyncio.to_thread(queue.show, entry_id)).status
             after = await asyncio.to_thread(queue.discard, entry_id, job.reason, actor=job.actor)
-            return EntryResult(app, entry_id, before, after.status)
+            # The status before is the one of the event before the discard's own: no second read of the entry.
+            return EntryResult(app, entry_id, after.history[-2].status, after.status)
         except CellstreamError as exc:
             # One entry's problem (gone, changed, its handler missing, the store down for it): reported
             # with the entry, and the job goes on with the next.

@@ -96,8 +96,9 @@ def _in_shard(base: str, shard: int, shard_count: int) -> uuid.UUID:
         raw = bytearray(digest.digest()[:16])
         raw[6] = (raw[6] & 0x0F) | 0x50  # version 5
         raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
-        if shard_of_bytes(bytes(raw), shard_count) == shard:
-            return uuid.UUID(bytes=bytes(raw))
+        key = bytes(raw)
+        if shard_of_bytes(key, shard_count) == shard:
+            return uuid.UUID(bytes=key)
     raise AssertionError("unreachable")
 
 

@@ -110,7 +110,10 @@ def test_every_action_needs_the_csrf_token_of_the_session(console: Console, bill
 
     r = client.post(url, data={"reason": "no address", "csrf": csrf})
     assert r.status_code == 200 and re.search(r"/jobs/\d+$", r.url)
-    assert 'id="state">done' in finished(client, r.url)
+    page = finished(client, r.url)
+    assert 'id="state">done' in page
+    [row] = re.findall(r"<tr><td>.*?</tr>", page, re.S)
+    assert re.search(r"<td>open</td>\s*<td><span class=\"status status-discarded\">discarded</span>", row)
     discarded = billing.queue.show(entry)
     assert discarded.status == "discarded"
     assert (discarded.history[-1].actor, discarded.history[-1].note) == ("console:bob", "no address")
