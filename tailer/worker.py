@@ -410,8 +410,8 @@ class Tailer:
         interval from such a wake-up had spaced the looks 5-10 ms apart at a 5 ms poll, which was most
         of the latency's tail (a new cell waits for the next look).
         """
-        if not self._shards:
-            return self._polls.interval
+        if not self._shards or (self._looking is not None and not self._looking.done()):
+            return self._polls.interval  # a look's end wakes the loop: it must not spin while one runs late
         return min(self._polls.interval, max(0.0, self._looked_at + self._look_spacing - now))
 
     def _place(self, st: ShardState, now: float) -> None:

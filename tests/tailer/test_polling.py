@@ -72,3 +72,40 @@ def test_an_acknowledgement_between_looks_does_not_push_the_next_look_back(
         # One interval after the look that found the cell; 1.5 s if the loop slept a whole interval from
         # the acknowledgement. The margin is for a loaded machine.
         assert looks[looks.index(found_at) + 1] - found_at < 1.25
+
+
+def test_the_loop_does_not_spin_while_a_look_runs_past_the_next_ones_time(
+    sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A look slower than the poll interval (a loaded database) must not leave the loop turning with
+    nothing to wait for until it ends: that burns the CPU the look itself needs."""
+    with logstore.open(sqlite_url, shards=64) as store:
+        count = store.cell_counts
+        slow = {"on": False}
+
+        def slow_count() -> dict[int, int]:
+            if slow["on"]:
+                time.sleep(0.5)
+            return count()
+
+        monkeypatch.setattr(store, "cell_counts", slow_count)
+        tailer, _held = held_tailer(store, tmp_path, poll_interval=0.05, idle_poll_interval=0.05)
+        turns = {"n": 0}
+        lease_valid = tailer.coordinator.lease_valid
+
+        def turn() -> bool:
+            turns["n"] += 1  # the loop asks once a turn
+            return lease_valid()
+
+        monkeypatch.setattr(tailer.coordinator, "lease_valid", turn)
+
+        async def scenario() -> int:
+            async with tailer:
+                await asyncio.sleep(0.3)
+                slow["on"], before = True, turns["n"]
+                await asyncio.sleep(1.0)  # two slow looks, each ten intervals long
+                return turns["n"] - before
+
+        during = asyncio.run(scenario())
+    # A turn an interval (20 a second) and one at each look's end; spinning made it thousands.
+    assert during < 60
