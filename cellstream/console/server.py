@@ -173,7 +173,9 @@ class Console:
         return web.json_response({"status": "ok"})  # answered without a session: it tells nothing else
 
     async def _metrics(self, _request: web.Request) -> web.Response:
-        # Counted here, at the scrape, rather than at every refresh a page makes: a pass over every entry.
+        # Read and counted at the scrape, rather than at every refresh a page makes (a pass over every entry):
+        # the figures are current even when nobody has the console open.
+        await self.refresh()
         counts = collections.Counter((e.app, e.status) for e in self.catalog.snapshot())
         for app in self.catalog.apps:
             for status in STATUSES:

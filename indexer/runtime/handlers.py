@@ -110,6 +110,7 @@ class Processor:
             self.by_column.setdefault(trigger.column, []).append(trigger)
         self.deadletters = deadletters
         self.clock = deadletters.clock  # the backoff waits on it, the failures and the entries are dated by it
+        self._timing: dict[str, Any] = {"sleep": self.clock.sleep, "now": self.clock.now}  # deliver()'s, per cell
         self.metrics = metrics
         self.hooks = list(hooks)
         self.counts = Counts()
@@ -222,11 +223,9 @@ class Processor:
             else:
                 await asyncio.get_running_loop().run_in_executor(self._pool, batch, cells)
 
-        def retrying(exc: BaseException, attempt: int, delay: float) -> None:
-            self._retrying(trigger, cells, exc, attempt, delay)
-
         started = time.perf_counter()
-        outcome = await deliver(call, trigger.max_attempts, self.config.backoff, on_retry=retrying, **self._timing)
+        outcome = await deliver(call, trigger.max_attempts, self.config.backoff,
+                                on_retry=functools.partial(self._retrying, trigger, cells), **self._timing)
         if outcome.ok:
             self._processed(labels, len(cells), time.perf_counter() - started)
             return True
@@ -261,9 +260,7 @@ class Processor:
         batch = [cell for cell, _ in items]
         labels = (self.config.name, trigger.name)
 
-        def retrying(exc: BaseException, attempt: int, delay: float) -> None:
-            self._retrying(trigger, [cell for cell, _ in kept], exc, attempt, delay)
-
+        retrying = functools.partial(self._retrying, trigger, [cell for cell, _ in kept])
         started = time.perf_counter()
         combiner = self._combiners.get(trigger.name)
         if combiner is None:
@@ -289,11 +286,6 @@ class Processor:
             if not await self._deadletter(trigger, source, coordinates(cell), cell.body, one):
                 return False
         return True
-
-    @property
-    def _timing(self) -> dict[str, Any]:
-        """How :func:`~indexer.runtime.policy.deliver` waits and dates: on the app's clock."""
-        return {"sleep": self.clock.sleep, "now": self.clock.now}
 
     def _retrying(self, trigger: Trigger, cells: Sequence[Cell], exc: BaseException, attempt: int,
                   delay: float) -> None:
@@ -340,12 +332,10 @@ class Processor:
         already, raised this)."""
         labels = (self.config.name, trigger.name)
 
-        def retrying(exc: BaseException, attempt: int, delay: float) -> None:
-            self._retrying(trigger, [cell], exc, attempt, delay)
-
         started = time.perf_counter()
         outcome = await deliver(functools.partial(self._call, trigger, cell), trigger.max_attempts,
-                                self.config.backoff, on_retry=retrying, failed=failed, **self._timing)
+                                self.config.backoff, on_retry=functools.partial(self._retrying, trigger, [cell]),
+                                failed=failed, **self._timing)
         if outcome.ok:
             self.counts = self.counts._replace(processed=self.counts.processed + 1)
             self.metrics.processed.labels(*labels).inc()

@@ -218,12 +218,16 @@ def test_logout_ends_the_session(console: Console) -> None:
     assert client.get(console.url + "/", allow_redirects=False).status_code == 303
 
 
-def test_metrics_answer_the_token_as_a_bearer_header(console: Console) -> None:
+def test_metrics_answer_the_token_as_a_bearer_header(console: Console, billing: TriageApp) -> None:
     requests.request("PROPFIND", console.url + "/entries")  # a method the parser knows, the console not
     r = requests.get(console.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 200
     assert "PROPFIND" not in r.text and 'method="other"' in r.text
     assert 'cellstream_console_dead_letters{app="billing",status="open"} 7.0' in r.text
+    billing.queue.discard(open_entries(billing, "bill_rider")[0], "refunded by hand")  # no page loaded since
+    r = requests.get(console.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert 'cellstream_console_dead_letters{app="billing",status="open"} 6.0' in r.text
+    assert 'cellstream_console_dead_letters{app="billing",status="discarded"} 1.0' in r.text
     assert requests.get(console.url + "/metrics", allow_redirects=False).status_code == 303
     assert requests.get(console.url + "/metrics", headers={"Authorization": "Bearer nope"},
                         allow_redirects=False).status_code == 303

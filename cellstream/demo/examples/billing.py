@@ -12,7 +12,7 @@ the rider's card is fixed).
 
 The handler reads and writes through its context (``ctx.store``), the app's store: the
 one named by CELLSTREAM_STORE when it runs, a temporary one when a test runs it under
-:class:`indexer.testing.AppHarness` (tests/demo/test_billing.py).
+:class:`indexer.testing.AppHarness` (tests/examples/test_billing.py).
 """
 
 from __future__ import annotations
