@@ -102,6 +102,7 @@ class Tailer:
         # cells under way cost, not what the owned shards do (4096 by default):
         self._live: set[int] = set()  # owned and not idle; idle: drained, nothing being read or in flight
         self._idle: dict[int, tuple[int | None, int]] = {}  # idle shards: (count seen, position), for the looks
+        self._acking: dict[int, tuple[int | None, int]] = {}  # live, drained, cells being acknowledged: the same
         self._uncounted: set[int] = set()  # waiting for a look to count their cells before the first read
         self._ready: dict[int, None] = {}  # due for a read, in round-robin order (insertion order)
         self._delayed: list[tuple[float, int]] = []  # heap of (retry_at, shard) of shards backing off
@@ -162,7 +163,8 @@ class Tailer:
             await self._in_threads(self._release_all, claims)
             for shard in self._shards:
                 self.metrics.forget_shard(shard)
-            for held in (self._shards, self._live, self._idle, self._ready, self._uncounted, self._lags):
+            for held in (self._shards, self._live, self._idle, self._acking, self._ready, self._uncounted,
+                         self._lags):
                 held.clear()
             if claims:
                 logger.info("%s: stopped; released %d shards", self.config.name, len(claims))
@@ -343,6 +345,7 @@ class Tailer:
         self._shards.pop(shard, None)
         self._live.discard(shard)
         self._idle.pop(shard, None)
+        self._acking.pop(shard, None)
         self._ready.pop(shard, None)
         self._uncounted.discard(shard)
         self._lags.pop(shard, None)
@@ -419,16 +422,11 @@ class Tailer:
         count, a look (idle), or what is under way (live, in no queue: settling or reading places it again)."""
         shard = st.shard
         self._ready.pop(shard, None)
+        self._acking.pop(shard, None)
         if st.reading is None and st.drained and not st.inflight and st.retry_at <= now:
-            counted = self._counts.get(shard, st.count_seen)
-            if counted == st.count_seen:
-                self._live.discard(shard)
-                self._idle[shard] = (st.count_seen, st.position)
-                return
-            # A look counted new cells while this shard's last ones were being acknowledged (looks read
-            # idle shards only): read them now rather than a look later. Under load that wait was the
-            # latency's tail with one cell a put, since at ~16 cells/s a shard a cell often lands then.
-            st.drained, st.count_seen = False, counted
+            self._live.discard(shard)
+            self._idle[shard] = (st.count_seen, st.position)
+            return
         self._idle.pop(shard, None)
         self._live.add(shard)
         if st.reading is not None or self._stopping:
@@ -436,15 +434,19 @@ class Tailer:
         if st.retry_at > now:
             heapq.heappush(self._delayed, (st.retry_at, shard))
         elif st.drained:
-            return  # acknowledgements under way
+            if st.acked >= st.singles_until:  # not isolating a refused cell: a look reads its next cells meanwhile
+                self._acking[shard] = (st.count_seen, st.position)
         elif st.count_seen is None and shard not in self._counts:
             self._uncounted.add(shard)
         else:
             self._ready[shard] = None
 
     def _look(self, now: float) -> None:
-        """Count every shard's cells and, in the same trip, read the new cells of each idle shard whose count moved."""
-        idle = self._idle.copy()
+        """Count every shard's cells and, in the same trip, read the new cells of each drained shard whose
+        count moved: idle ones, and those whose last cells are still being acknowledged (under load an
+        acknowledgement can take longer than a poll interval, and a cell landing meanwhile waited for it)."""
+        # Within max_in_flight, as the reads of busy shards: a stalled broker must hold the reading back.
+        idle = {**self._idle, **self._acking} if self._unsettled < self.config.max_in_flight else self._idle.copy()
         complete = not self._live  # every owned shard idle: a look finding none moved proves them caught up
         self._looked_at = now
         self._looking = asyncio.ensure_future(asyncio.to_thread(self._counts_and_pages, idle))
@@ -468,9 +470,12 @@ class Tailer:
         moved: list[int] = []
         for shard in found:
             st = self._shards.get(shard)
-            if st is None or self._idle.get(shard) != idle[shard]:
-                continue  # released, or no longer the idle shard the look compared
-            del self._idle[shard]
+            seen = idle[shard]
+            if st is None or (self._idle.get(shard) != seen and not (
+                    self._acking.get(shard) == seen and st.drained and st.reading is None and st.position == seen[1])):
+                continue  # released, or no longer the drained shard the look compared (read since, rewound)
+            self._idle.pop(shard, None)
+            self._acking.pop(shard, None)
             self._live.add(shard)
             st.drained, st.count_seen = False, self._counts.get(shard)
             st.reading, st.read_from, st.read_limit, st.read_reserved = pages, idle[shard][1], self.config.page_size, 0
@@ -480,7 +485,7 @@ class Tailer:
         self._polls.looked(started, active=bool(found) or bool(self._live))
 
     def _counts_and_pages(self, idle: dict[int, tuple[int | None, int]]) -> Look:
-        """(in a worker thread) The cell count of every shard, pages of the idle shards whose count moved,
+        """(in a worker thread) The cell count of every shard, pages of the drained shards whose count moved,
         and how long the counting took."""
         started = self._clock()
         try:
