@@ -102,7 +102,7 @@ class Tailer:
         # cells under way cost, not what the owned shards do (4096 by default):
         self._live: set[int] = set()  # owned and not idle; idle: drained, nothing being read or in flight
         self._idle: dict[int, tuple[int | None, int]] = {}  # idle shards: (count seen, position), for the looks
-        self._acking: dict[int, tuple[int | None, int]] = {}  # live, drained, cells being acknowledged: the same
+        self._acking: dict[int, tuple[int | None, int]] = {}  # the same of drained shards whose cells are being acked
         self._uncounted: set[int] = set()  # waiting for a look to count their cells before the first read
         self._ready: dict[int, None] = {}  # due for a read, in round-robin order (insertion order)
         self._delayed: list[tuple[float, int]] = []  # heap of (retry_at, shard) of shards backing off
@@ -419,7 +419,8 @@ class Tailer:
 
     def _place(self, st: ShardState, now: float) -> None:
         """File a shard by what it waits for: a read (ready, or delayed while it backs off), its first
-        count, a look (idle), or what is under way (live, in no queue: settling or reading places it again)."""
+        count, a look (idle, or acking: drained with cells in flight), or what is under way (live, in no
+        queue: settling or reading places it again)."""
         shard = st.shard
         self._ready.pop(shard, None)
         self._acking.pop(shard, None)

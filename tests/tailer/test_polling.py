@@ -111,7 +111,6 @@ def test_the_loop_does_not_spin_while_a_look_runs_past_the_next_ones_time(
     assert during < 60
 
 
-
 @pytest.mark.parametrize("max_in_flight", [20_000, 1])
 def test_a_look_reads_a_shard_whose_last_cells_await_acknowledgement_within_max_in_flight(
     sqlite_url: str, tmp_path: Path, max_in_flight: int
