@@ -472,8 +472,7 @@ class Tailer:
         for shard in found:
             st = self._shards.get(shard)
             seen = idle[shard]
-            if st is None or (self._idle.get(shard) != seen and not (
-                    self._acking.get(shard) == seen and st.drained and st.reading is None and st.position == seen[1])):
+            if st is None or seen not in (self._idle.get(shard), self._acking.get(shard)):
                 continue  # released, or no longer the drained shard the look compared (read since, rewound)
             self._idle.pop(shard, None)
             self._acking.pop(shard, None)
@@ -736,6 +735,7 @@ class Tailer:
         delay = next(st.backoff)
         st.retry_at = self._clock() + delay
         if stage != "read":  # a failed read sent nothing: what is in flight stays valid
+            self._acking.pop(st.shard, None)  # no longer drained at that position: no look may read it
             st.position = st.acked
             st.inflight.clear()
             st.drained = False
