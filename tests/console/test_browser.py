@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.expected_conditions import staleness_of
+from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.wait import WebDriverWait
 
 from tests.console.support import TriageApp, serving, triage_app
@@ -58,11 +59,32 @@ def until(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
         time.sleep(0.1)
 
 
+def replaced(driver: WebDriver, page: WebElement) -> None:
+    """Wait until ``page`` (a page's html element) has been replaced by another page.
+
+    Not selenium's ``staleness_of`` alone: while the old page is torn down, chromedriver may answer
+    "Node with given id does not belong to the document" as an unknown error instead of a stale
+    element, which failed a CI run.
+    """
+    def gone(_driver: WebDriver) -> bool:
+        try:
+            page.is_enabled()
+        except StaleElementReferenceException:
+            return True
+        except WebDriverException as exc:
+            if "does not belong to the document" not in (exc.msg or ""):
+                raise
+            return True
+        return False
+
+    WebDriverWait(driver, 30).until(gone)
+
+
 def click(driver: WebDriver, element_id: str) -> None:
     """Click a button or link that loads another page, and wait until that page has replaced this one."""
     page = driver.find_element(By.TAG_NAME, "html")
     driver.find_element(By.ID, element_id).click()
-    WebDriverWait(driver, 30).until(staleness_of(page))
+    replaced(driver, page)
 
 
 def text(driver: WebDriver, css: str) -> str:
@@ -105,7 +127,7 @@ def test_log_in_filter_open_fix_bulk_replay_and_bulk_discard(browser: WebDriver,
         shot(browser, "entries-filtered")
         page = browser.find_element(By.TAG_NAME, "html")
         browser.find_element(By.CSS_SELECTOR, "a.entry").click()
-        WebDriverWait(browser, 30).until(staleness_of(page))
+        replaced(browser, page)
         assert text(browser, "#status") == "open"
         assert '"rider": "rider-3"' in text(browser, "#body")
         assert "CardDeclined: card of rider-3 declined" in text(browser, "#traceback .raised")
@@ -130,7 +152,7 @@ def test_log_in_filter_open_fix_bulk_replay_and_bulk_discard(browser: WebDriver,
         assert text(browser, "#total").startswith("Entries 1 to 4 of 4")
         page = browser.find_element(By.TAG_NAME, "html")
         browser.find_element(By.CSS_SELECTOR, "a.entry").click()
-        WebDriverWait(browser, 30).until(staleness_of(page))
+        replaced(browser, page)
         history = text(browser, "#history")
         assert "replay succeeded" in history and "console:alice" in history
 
