@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 import uuid
@@ -273,3 +274,36 @@ def test_a_batch_over_many_shards_is_one_insert_and_one_counter_statement(
             by_shard.setdefault(cell.shard, []).append(cell.added_id)
         assert all(ids == list(range(1, len(ids) + 1)) for ids in by_shard.values()), "ids are dense per shard"
         assert all(store.head(s) == len(ids) for s, ids in list(by_shard.items())[:50])
+
+
+def test_preferred_tls_to_a_server_without_it_is_refused_once_and_loads_no_ca_store(
+        mysql_database: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PREFERRED (the default without ssl_* parameters) against a server that offers no TLS, as the shared test
+    server: the first connection's TLS attempt is refused, every later one goes in clear at once, and no
+    connection loads the system's CAs (pymysql's own PREFERRED context loads them for each, about 20 ms)."""
+    asked_tls: list[bool] = []
+    loads: list[object] = []
+    connect, load = pymysql.connect, ssl.SSLContext.load_default_certs
+
+    def spy_connect(*args: Any, **kwargs: Any) -> Any:
+        asked_tls.append("ssl" in kwargs)
+        return connect(*args, **kwargs)
+
+    def spy_load(context: ssl.SSLContext, *args: Any) -> None:
+        loads.append(context)
+        load(context, *args)
+
+    database = mysql_database.rsplit("/", 1)[1]
+    with mysql_admin() as admin, admin.cursor() as cur:  # connected before the spies, in no database
+        monkeypatch.setattr(pymysql, "connect", spy_connect)
+        monkeypatch.setattr(ssl.SSLContext, "load_default_certs", spy_load)
+        with logstore.open(mysql_database, shards=4) as store:
+            cell = store.put_cells([(uuid.uuid4(), "BASE", 1, {"n": 1})])[0]
+            for _ in range(3):
+                cur.execute("SELECT id FROM information_schema.processlist WHERE db = %s", (database,))
+                for (thread,) in cur.fetchall():
+                    cur.execute(f"KILL {int(thread)}")  # the store's next call needs a new connection
+                assert store.get_cell(cell.row_key, "BASE", 1) == cell
+    assert asked_tls[0] and asked_tls.count(True) == 1, asked_tls
+    assert len(asked_tls) >= 5, asked_tls  # the refused attempt, the first connection and three reconnections
+    assert loads == []

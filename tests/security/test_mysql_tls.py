@@ -66,6 +66,12 @@ def test_a_url_with_ssl_ca_verifies_the_server_and_its_name_by_default(server: P
     roundtrip(target)
 
 
+def test_without_ssl_parameters_tls_is_preferred_and_used_when_the_server_offers_it(server: PrivateMariaDB) -> None:
+    target = url(server, "tls", "")  # the user "tls" may only connect with TLS
+    assert parse_node_url(target).ssl_mode == "PREFERRED"  # type: ignore[union-attr]
+    roundtrip(target)
+
+
 def test_a_cluster_file_of_nodes_with_client_certificates(server: PrivateMariaDB, pki: PKI, tmp_path: Path) -> None:
     query = f"ssl_ca={pki.ca}&ssl_cert={pki.client.cert}&ssl_key={pki.client.key}"
     roundtrip(two_nodes(tmp_path / "cluster.toml", [url(server, "x509", query), url(server, "x509", query)], 16))

@@ -45,6 +45,7 @@ from logstore.backends.mysql.errors import (
     DUPLICATE,
     NO_TABLE,
     NULL_COLUMN,
+    SSL_REQUIRED_UNSUPPORTED,
     UNKNOWN_DATABASE,
     code,
     retry_here,
@@ -223,6 +224,7 @@ class MySQLRecorder(NodeRecorder):
         self.name = name
         self._target = target
         self._options = options
+        self._without_tls: set[MySQLTarget] = set()  # PREFERRED nodes found to offer no TLS
         wait = options.connect_timeout + options.read_timeout
         self._pool = Pool(self._connect, options.pool_size, wait)
         self._replicas = [Pool(partial(self._replica_connect, r), options.pool_size, wait) for r in replicas]
@@ -242,12 +244,22 @@ class MySQLRecorder(NodeRecorder):
     # -- connections and errors -----------------------------------------------------
     def _raw_connect(self, database: str | None, target: MySQLTarget | None = None) -> Connection:
         t, o = target or self._target, self._options
-        return pymysql.connect(
-            host=t.host, port=t.port, user=t.user, password=t.password, database=database,
+        connect = partial(
+            pymysql.connect, host=t.host, port=t.port, user=t.user, password=t.password, database=database,
             autocommit=True, client_flag=CLIENT.MULTI_STATEMENTS, charset="utf8mb4",
             binary_prefix=True, conv=_CONVERSIONS, connect_timeout=o.connect_timeout,
-            read_timeout=o.read_timeout, write_timeout=o.read_timeout, **t.ssl_options(),
+            read_timeout=o.read_timeout, write_timeout=o.read_timeout,
         )
+        if t.ssl_mode == "PREFERRED" and t in self._without_tls:
+            return connect(ssl_disabled=True)
+        try:
+            return connect(**t.ssl_options())
+        except pymysql.err.OperationalError as exc:
+            if t.ssl_mode != "PREFERRED" or code(exc) != SSL_REQUIRED_UNSUPPORTED:
+                raise
+        # PREFERRED and the server offers no TLS: in clear, and so from now on (one refused handshake per process).
+        self._without_tls.add(t)
+        return connect(ssl_disabled=True)
 
     def _connect(self) -> Connection:
         try:
