@@ -244,6 +244,7 @@ def check_meta(node: str, found: NodeMeta, wanted: NodeMeta) -> None:
 
 
 _new_object = object.__new__
+_new_tuple = tuple.__new__  # a NamedTuple's own __new__ is a Python-level function: twice as slow, per cell
 _set = object.__setattr__
 _UNKNOWN = uuid.SafeUUID.unknown  # an enum member: looked up once, not per key
 
@@ -266,8 +267,12 @@ def make_cell(
     created_at: dt.datetime,
 ) -> Cell:
     key = uuid_from_bytes(row_key)
-    body = _decoded(decode_body, blob, shard, added_id, key, column, ref_key, created_at)
-    return Cell(key, column, ref_key, body, added_id, shard, created_at)
+    try:
+        body = decode_body(blob)
+    except CorruptCellError as exc:
+        raise _named(exc, shard, added_id, key, column, ref_key, created_at) from None
+    cell: Cell = _new_tuple(Cell, (key, column, ref_key, body, added_id, shard, created_at))
+    return cell
 
 
 def make_packed_cell(
@@ -281,19 +286,20 @@ def make_packed_cell(
 ) -> PackedCell:
     """``make_cell`` with the body decompressed only (:func:`logstore.cell.unpack_body`)."""
     key = uuid_from_bytes(row_key)
-    packed = _decoded(unpack_body, blob, shard, added_id, key, column, ref_key, created_at)
-    return PackedCell(key, column, ref_key, packed, added_id, shard, created_at)
-
-
-def _decoded(decode: Callable[[bytes], R], blob: bytes, shard: int, added_id: int, key: uuid.UUID, column: str,
-             ref_key: int, created_at: dt.datetime) -> R:
-    """``decode(blob)``; its CorruptCellError names the cell."""
     try:
-        return decode(blob)
+        packed = unpack_body(blob)
     except CorruptCellError as exc:
-        where = {"shard": shard, "added_id": added_id, "row_key": key, "column": column,
-                 "ref_key": ref_key, "created_at": created_at}
-        raise CorruptCellError(exc.problem, where) from None
+        raise _named(exc, shard, added_id, key, column, ref_key, created_at) from None
+    cell: PackedCell = _new_tuple(PackedCell, (key, column, ref_key, packed, added_id, shard, created_at))
+    return cell
+
+
+def _named(exc: CorruptCellError, shard: int, added_id: int, key: uuid.UUID, column: str, ref_key: int,
+           created_at: dt.datetime) -> CorruptCellError:
+    """The decoding error ``exc`` naming the cell."""
+    where = {"shard": shard, "added_id": added_id, "row_key": key, "column": column,
+             "ref_key": ref_key, "created_at": created_at}
+    return CorruptCellError(exc.problem, where)
 
 
 def repack(cell: Cell) -> PackedCell:

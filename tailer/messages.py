@@ -64,10 +64,26 @@ def _json(record: dict[str, Any]) -> bytes:
     return value
 
 
+# The last UTC created_at rendered: a transaction's cells share their time, and a writer's batch reaches a shard
+# as a run of them, so this spares most of isoformat() (a tenth of the tailer's CPU when every cell paid it).
+# Only UTC times (the store's): for them equal times are equal texts.
+_last_time: tuple[dt.datetime | None, str, bytes] = (None, "", b"")
+_new_tuple = tuple.__new__  # Message(...) goes through a Python-level __new__: twice as slow, per cell
+
+
 def encode_cell(cell: AnyCell, value_format: Literal["json", "msgpack"] = "json") -> Message:
     """The message for ``cell``. Raises TypeError/ValueError if the body cannot be encoded. A PackedCell's
     body goes into a MessagePack value as it is: the bytes are those of packing the decoded cell."""
-    row_key, created_at = str(cell.row_key), cell.created_at.isoformat()
+    global _last_time
+    row_key = str(cell.row_key)
+    last, time = _last_time, cell.created_at  # _last_time read once: another thread may replace it meanwhile
+    if time.tzinfo is dt.UTC and last[0] == time:
+        created_at, created_bytes = last[1], last[2]
+    else:
+        created_at = time.isoformat()
+        created_bytes = created_at.encode()
+        if time.tzinfo is dt.UTC:
+            _last_time = (time, created_at, created_bytes)
     shard, added_id, ref_key = str(cell.shard), str(cell.added_id), str(cell.ref_key)
     if value_format == "json":
         # Only the body needs a serializer: the other fields are a UUID, a column name ([A-Za-z0-9_]), integers
@@ -85,9 +101,10 @@ def encode_cell(cell: AnyCell, value_format: Literal["json", "msgpack"] = "json"
             record["body"] = cell.body
             value = msgpack.packb(record, use_bin_type=True)
     headers = [("shard", shard.encode()), ("added_id", added_id.encode()), ("column", cell.column.encode()),
-               ("ref_key", ref_key.encode()), ("created_at", created_at.encode()),
+               ("ref_key", ref_key.encode()), ("created_at", created_bytes),
                ("content-type", CONTENT_TYPES[value_format])]
-    return Message(row_key.encode(), value, headers)
+    message: Message = _new_tuple(Message, (row_key.encode(), value, headers))
+    return message
 
 
 def deadletter_record(

@@ -345,6 +345,23 @@ def test_a_message_value_is_the_whole_record_serialized(
         assert encode_cell(packed, value_format).value == whole
 
 
+@pytest.mark.parametrize("value_format", ["json", "msgpack"])
+def test_a_message_carries_its_own_cells_time_when_times_repeat(value_format: Literal["json", "msgpack"]) -> None:
+    """encode_cell reuses the text of the last UTC time it rendered (a transaction's cells share one): each
+    message still names its cell's time, the same instant in another zone with that zone's offset."""
+    from tailer.messages import decode_cell, encode_cell
+
+    utc = dt.datetime(2026, 11, 25, 9, 30, 0, 250_000, tzinfo=dt.UTC)
+    times = [utc, utc.replace(), utc.astimezone(dt.timezone(dt.timedelta(hours=1))), utc,
+             utc + dt.timedelta(microseconds=1), utc.replace(microsecond=0), utc.replace(microsecond=0)]
+    for added_id, when in enumerate(times, 1):
+        cell = logstore.Cell(uuid.uuid4(), "BASE", 1, {"n": added_id}, added_id, 3, when)
+        message = encode_cell(cell, value_format)
+        assert dict(message.headers)["created_at"] == when.isoformat().encode()
+        decoded = decode_cell(message.value, message.headers)
+        assert decoded.created_at == when and decoded.created_at.utcoffset() == when.utcoffset()
+
+
 def test_cellstream_tail_tunes_its_process_for_streaming(
     sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -180,14 +180,26 @@ def _row_to_cell(row: tuple[Any, ...]) -> Cell:
     return make_cell(shard, added_id, row_key, column, ref_key, blob, created)
 
 
+# The last time text parsed by _log_row and its datetime: a transaction's cells share their time and a page holds
+# runs of them, so most rows skip the parse (and cells of a run share one datetime object).
+_last_time: tuple[bytes, dt.datetime | None] = (b"", None)
+
+
 def _log_row(row: tuple[int, int, bytes], make: Callable[[int, int, bytes, str, int, bytes, dt.datetime], C]) -> C:
     """A row of LOG_COLUMNS: the 16-byte key, the 26-character time, then "ref_key column body"
     (neither a number nor a column name holds a space)."""
+    global _last_time
     shard, added_id, packed = row
     ref_end = packed.index(32, 42)
     column_end = packed.index(32, ref_end + 1)
+    text, last = packed[16:42], _last_time  # _last_time read once: other threads replace it
+    if last[0] == text and last[1] is not None:
+        created = last[1]
+    else:
+        created = _utc_datetime(text)
+        _last_time = (text, created)
     return make(shard, added_id, packed[:16], packed[ref_end + 1:column_end].decode(), int(packed[42:ref_end]),
-                packed[column_end + 1:], _utc_datetime(packed[16:42]))
+                packed[column_end + 1:], created)
 
 
 def _log_row_to_cell(row: tuple[int, int, bytes]) -> Cell:
