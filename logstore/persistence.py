@@ -267,6 +267,8 @@ def make_cell(
     created_at: dt.datetime,
 ) -> Cell:
     key = uuid_from_bytes(row_key)
+    # Decoded here and in make_packed_cell alike, not through a helper taking the decoder: that was a
+    # call more per cell read.
     try:
         body = decode_body(blob)
     except CorruptCellError as exc:
