@@ -269,7 +269,7 @@ class MySQLRecorder(NodeRecorder):
         except pymysql.err.OperationalError as exc:
             if t.ssl_mode != "PREFERRED" or code(exc) != SSL_REQUIRED_UNSUPPORTED:
                 raise
-        # PREFERRED and the server offers no TLS: in clear, and so from now on (one refused handshake per process).
+        # PREFERRED and the server offers no TLS: in clear from now on (one refused attempt per store opened).
         self._without_tls.add(t)
         return connect(ssl_disabled=True)
 
