@@ -307,3 +307,24 @@ def test_preferred_tls_to_a_server_without_it_is_refused_once_and_loads_no_ca_st
     assert asked_tls[0] and asked_tls.count(True) == 1, asked_tls
     assert len(asked_tls) >= 5, asked_tls  # the refused attempt, the first connection and three reconnections
     assert loads == []
+
+
+def test_times_parsed_from_a_page_are_remembered_within_a_bound(mysql_database: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read remembers the time texts it parsed (a transaction's cells share one, and a page of many shards
+    holds many transactions' cells): every cell still gets its own transaction's time, and what is remembered
+    stays within its bound, however many transactions a tailer reads in its life."""
+    from logstore.backends.mysql import recorder
+
+    monkeypatch.setattr(recorder, "_TIMES_KEPT", 2)
+    monkeypatch.setattr(recorder, "_times", {})
+    with logstore.open(mysql_database, shards=4) as store:
+        written = []
+        for n in range(5):
+            written += store.put_cells([(uuid.uuid4(), "BASE", 1, {"n": n, "i": i}) for i in range(6)])
+            time.sleep(0.002)  # each transaction its own time
+        assert len({cell.created_at for cell in written}) == 5
+        read = [cell for cells in store.get_cells_for_shards(dict.fromkeys(range(4), 0), 100).values()
+                for cell in cells]
+    assert sorted(read, key=lambda c: (c.shard, c.added_id)) == sorted(written, key=lambda c: (c.shard, c.added_id))
+    assert 1 <= len(recorder._times) <= 2

@@ -346,10 +346,16 @@ def test_a_message_value_is_the_whole_record_serialized(
 
 
 @pytest.mark.parametrize("value_format", ["json", "msgpack"])
-def test_a_message_carries_its_own_cells_time_when_times_repeat(value_format: Literal["json", "msgpack"]) -> None:
-    """encode_cell reuses the text of the last UTC time it rendered (a transaction's cells share one): each
-    message still names its cell's time, the same instant in another zone with that zone's offset."""
+def test_a_message_carries_its_own_cells_time_when_times_repeat(value_format: Literal["json", "msgpack"],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode_cell reuses the texts of the UTC times it rendered (a transaction's cells share one), and keeps
+    a bounded number of them: each message still names its cell's time, the same instant in another zone
+    with that zone's offset."""
+    from tailer import messages
     from tailer.messages import decode_cell, encode_cell
+
+    monkeypatch.setattr(messages, "_RENDERED_KEPT", 2)
+    monkeypatch.setattr(messages, "_rendered", {})
 
     utc = dt.datetime(2026, 11, 25, 9, 30, 0, 250_000, tzinfo=dt.UTC)
     times = [utc, utc.replace(), utc.astimezone(dt.timezone(dt.timedelta(hours=1))), utc,
@@ -360,6 +366,25 @@ def test_a_message_carries_its_own_cells_time_when_times_repeat(value_format: Li
         assert dict(message.headers)["created_at"] == when.isoformat().encode()
         decoded = decode_cell(message.value, message.headers)
         assert decoded.created_at == when and decoded.created_at.utcoffset() == when.utcoffset()
+    assert 1 <= len(messages._rendered) <= 2
+
+
+def test_a_json_body_the_fast_encoder_cannot_write_exactly_is_decided_by_the_careful_one() -> None:
+    """orjson writes NaN and Infinity as null and refuses integers over 64 bits: a body holding them is still
+    refused (NaN, Infinity, next to a real null too) or written as the whole record's serialization."""
+    from pydantic_core import to_json
+
+    from tailer.messages import encode_cell
+
+    def cell(body: dict[str, Any]) -> logstore.Cell:  # built directly: the store refuses such bodies
+        return logstore.Cell(uuid.uuid4(), "BASE", 1, body, 1, 3, dt.datetime(2026, 11, 25, tzinfo=dt.UTC))
+
+    for bad in ({"x": float("nan")}, {"x": [None, float("inf")]}, {"n": None, "x": -float("inf")}):
+        with pytest.raises(ValueError, match="not JSON compliant"):
+            encode_cell(cell(bad))
+    for good in ({"x": "NaN", "y": "Infinity", "z": None}, {"big": 2**64, "n": None}, {"k": "null"}):
+        c = cell(good)
+        assert encode_cell(c).value == to_json({**c.to_json()})
 
 
 def test_cellstream_tail_tunes_its_process_for_streaming(

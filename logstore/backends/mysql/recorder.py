@@ -180,24 +180,26 @@ def _row_to_cell(row: tuple[Any, ...]) -> Cell:
     return make_cell(shard, added_id, row_key, column, ref_key, blob, created)
 
 
-# The last time text parsed by _log_row and its datetime: a transaction's cells share their time and a page holds
-# runs of them, so most rows skip the parse (and cells of a run share one datetime object).
-_last_time: tuple[bytes, dt.datetime | None] = (b"", None)
+# Time texts parsed by _log_row, and their datetimes. A transaction's cells share their time, and a page of a
+# backlog holds, for each shard, cells of many writers' batches: pages of thousands of shards need the times of
+# a few batches, each many times, which a memo of the last time alone misses. Cleared when full; other threads
+# share it, and a dict's get, set and clear are each atomic under the GIL.
+_times: dict[bytes, dt.datetime] = {}
+_TIMES_KEPT = 4096
 
 
 def _log_row(row: tuple[int, int, bytes], make: Callable[[int, int, bytes, str, int, bytes, dt.datetime], C]) -> C:
     """A row of LOG_COLUMNS: the 16-byte key, the 26-character time, then "ref_key column body"
     (neither a number nor a column name holds a space)."""
-    global _last_time
     shard, added_id, packed = row
     ref_end = packed.index(32, 42)
     column_end = packed.index(32, ref_end + 1)
-    text, last = packed[16:42], _last_time  # _last_time read once: other threads replace it
-    if last[0] == text and last[1] is not None:
-        created = last[1]
-    else:
-        created = _utc_datetime(text)
-        _last_time = (text, created)
+    text = packed[16:42]
+    created = _times.get(text)
+    if created is None:
+        if len(_times) >= _TIMES_KEPT:
+            _times.clear()
+        created = _times[text] = _utc_datetime(text)
     return make(shard, added_id, packed[:16], packed[ref_end + 1:column_end].decode(), int(packed[42:ref_end]),
                 packed[column_end + 1:], created)
 
