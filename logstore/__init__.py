@@ -33,7 +33,7 @@ from logstore.lazy import lazy_exports
 if TYPE_CHECKING:
     from logstore.cell import Cell, PackedCell
     from logstore.config import DEFAULT_SHARDS, ClusterConfig, MySQLTarget, NodeTarget, StoreOptions
-    from logstore.persistence import NodeRecorder, OffsetRecord
+    from logstore.persistence import NodeRecorder, OffsetRecord, UndecodedPages
     from logstore.store import ShardInfo, Store
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "Store",
     "StoreNotFoundError",
     "StoreOptions",
+    "UndecodedPages",
     "open",
 ]
 
@@ -70,6 +71,7 @@ _LAZY = {
     "ClusterConfig": "logstore.config",
     "StoreOptions": "logstore.config",
     "OffsetRecord": "logstore.persistence",
+    "UndecodedPages": "logstore.persistence",
     "ShardInfo": "logstore.store",
     "Store": "logstore.store",
 }

@@ -181,6 +181,15 @@ class NodeRecorder(ABC):
                 out[shard] = [repack(c) for c in page]
         return out
 
+    def read_logs(
+        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool
+    ) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
+        """The pages of ``get_logs`` (``packed``: of ``get_packed_logs``) read now, and a function that decodes
+        them (see :class:`UndecodedPages`). Backends that read rows apart from decoding them override this; by
+        default the pages are decoded now as well."""
+        pages = self.get_packed_logs(locations, limit, columns) if packed else self.get_logs(locations, limit, columns)
+        return lambda: pages
+
     @abstractmethod
     def first_at(self, shard: int, when: dt.datetime) -> int | None:
         """The lowest added_id created at or after ``when`` (UTC), or None."""
@@ -334,6 +343,27 @@ def decode_pages(pages: Mapping[int, list[R]], to_cell: Callable[[R], C],
         except CorruptCellError as exc:
             out[shard] = exc
     return out
+
+
+class UndecodedPages:
+    """Pages of several shards read by :meth:`~logstore.store.Store.read_pages` and not decoded yet:
+    :meth:`decode` builds the cells (or a page's CorruptCellError) on the thread that calls it.
+
+    Reading is I/O, for a worker thread; decoding holds the GIL, but for each body's zlib call, which lets it
+    go. A reader thread beside a busy event loop then waits for the GIL back after every cell: in a
+    measurement, 30 µs a cell where the same decoding alone takes 1.8. Decoded on the loop's own thread,
+    the GIL is not handed over for it."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: Sequence[Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]]) -> None:
+        self._parts = parts
+
+    def decode(self) -> dict[int, Sequence[AnyCell] | CorruptCellError]:
+        out: dict[int, Sequence[AnyCell] | CorruptCellError] = {}
+        for part in self._parts:
+            out.update(part())
+        return out
 
 
 def split_existing(

@@ -35,7 +35,15 @@ from logstore.errors import (
 )
 from logstore.index_tables.persistence import IndexRecorder
 from logstore.index_tables.store import IndexStore
-from logstore.persistence import Coordinates, NodeMeta, NodeRecorder, OffsetRecord, PendingCell, PendingRecord
+from logstore.persistence import (
+    Coordinates,
+    NodeMeta,
+    NodeRecorder,
+    OffsetRecord,
+    PendingCell,
+    PendingRecord,
+    UndecodedPages,
+)
 
 logger = logging.getLogger(__name__)
 MAX_PAGE = 100_000
@@ -428,6 +436,16 @@ class Store:
         for recorder, group, names in self._page_reads(locations, limit, columns):
             out.update(recorder.get_packed_logs(group, limit, names))
         return out
+
+    def read_pages(
+        self, locations: Mapping[int, int], limit: int = 1000, *, columns: Sequence[str] | None = None,
+        packed: bool = False,
+    ) -> UndecodedPages:
+        """The pages of ``get_cells_for_shards`` (``packed``: of ``get_packed_cells_for_shards``), read now and
+        decoded by the :meth:`~logstore.persistence.UndecodedPages.decode` of what this returns: a reader that
+        reads in a worker thread and handles the cells on its event loop decodes them there."""
+        return UndecodedPages([recorder.read_logs(group, limit, names, packed)
+                               for recorder, group, names in self._page_reads(locations, limit, columns)])
 
     def _page_reads(self, locations: Mapping[int, int], limit: int, columns: Sequence[str] | None
                     ) -> list[tuple[NodeRecorder, list[tuple[int, int]], list[str] | None]]:

@@ -8,15 +8,26 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
-from logstore import CorruptCellError, LogstoreError
+from logstore import CorruptCellError, LogstoreError, UndecodedPages
 from logstore.cell import AnyCell, Cell, PackedCell
 from tailer.interfaces import Claim
 from tailer.messages import coordinates
 
 # A read's result per shard: its page, or the error that ended it (a CorruptCellError holds the cells before).
 Pages = dict[int, Sequence[AnyCell] | LogstoreError]
+# What a read thread hands the loop: the pages, still to be decoded (on the loop), or each shard's read error.
+Read = UndecodedPages | Pages
 # (every shard's cell count, if read; pages of the idle shards whose count moved; seconds the counting took)
-Look = tuple[dict[int, int] | None, Pages, float]
+Look = tuple[dict[int, int] | None, Read, float]
+
+
+def decoded(read: Read) -> Pages:
+    """A read's pages, decoded on the calling thread: the loop's (see :class:`logstore.UndecodedPages`)."""
+    if isinstance(read, UndecodedPages):
+        pages: Pages = {}
+        pages.update(read.decode())
+        return pages
+    return read
 
 
 class Pending(NamedTuple):
@@ -46,7 +57,7 @@ class ShardState:
     singles_until: int = 0  # after a refused batch: one message at a time until this is acked
     count_seen: int | None = None
     drained: bool = False
-    reading: asyncio.Future[Pages] | None = None  # the read batch this shard's next page is in
+    reading: asyncio.Future[Read] | None = None  # the read batch this shard's next page is in
     read_from: int = 0
     read_limit: int = 0
     read_reserved: int = 0

@@ -39,7 +39,7 @@ from tailer.messages import coordinates, deadletter_record
 from tailer.metrics import Lag, TailerMetrics
 from tailer.polling import PollSchedule
 from tailer.publishers.topics import TopicSink
-from tailer.shardstate import Look, Pages, Pending, ShardState, page_of
+from tailer.shardstate import Look, Pending, Read, ShardState, decoded, page_of
 
 logger = logging.getLogger(__name__)
 _BACKOFF = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)
@@ -109,7 +109,7 @@ class Tailer:
         self._touched: set[int] = set()  # whose reads or deliveries moved since they were last placed
         self._acked: set[int] = set()  # whose deliveries settled since _collect last ran
         self._failing: set[int] = set()  # with a delivery that failed since _collect last rewound them
-        self._reads: dict[asyncio.Future[Pages], tuple[tuple[int, ...], int]] = {}  # -> (shards, cells reserved)
+        self._reads: dict[asyncio.Future[Read], tuple[tuple[int, ...], int]] = {}  # -> (shards, cells reserved)
         self._unsettled = 0  # deliveries handed to the sink whose futures have not settled
         self._to_commit: set[int] = set()  # acknowledged since their last commit: what a commit looks at
         self._lags: dict[int, Lag] = {}  # the lagging shards at the last measurement
@@ -385,7 +385,7 @@ class Tailer:
         busy = False
         for future in [f for f in self._reads if f.done()]:
             shards, _reserved = self._reads.pop(future)
-            pages = future.result()
+            pages = decoded(future.result())
             for shard in shards:
                 st = self._shards.get(shard)
                 if st is None or st.reading is not future:  # released meanwhile
@@ -456,12 +456,13 @@ class Tailer:
     def _looked(self, done: asyncio.Future[Look], idle: dict[int, tuple[int | None, int]], complete: bool,
                 started: float) -> None:
         self._wakeup.set()
-        pages: asyncio.Future[Pages] = asyncio.get_running_loop().create_future()
+        pages: asyncio.Future[Read] = asyncio.get_running_loop().create_future()
         if done.cancelled() or done.exception() is not None:  # a bug, not a store error: stop the worker
             pages.set_exception(done.exception() or asyncio.CancelledError())
             self._reads[pages] = ((), 0)
             return
-        counts, found, self._look_cost = done.result()
+        counts, read, self._look_cost = done.result()
+        found = decoded(read)
         if counts is not None:
             self._counts, self._counts_at = counts, started
             if complete and not found:
@@ -569,12 +570,13 @@ class Tailer:
             reserved += st.read_reserved
         self._reads[future] = (tuple(positions), reserved)
 
-    def _fetch(self, positions: dict[int, int], limit: int) -> Pages:
-        """(in a worker thread) Pages of several shards; a failed read comes back as each shard's error."""
+    def _fetch(self, positions: dict[int, int], limit: int) -> Read:
+        """(in a worker thread) Pages of several shards, read and not decoded (the loop decodes them: see
+        :class:`logstore.UndecodedPages`); a failed read comes back as each shard's error."""
         try:
-            if self.sink.packed_bodies:  # the bodies go on as MessagePack: decompressed, never decoded
-                return dict(self.store.get_packed_cells_for_shards(positions, limit, columns=self.config.columns))
-            return dict(self.store.get_cells_for_shards(positions, limit, columns=self.config.columns))
+            # With packed_bodies the bodies go on as MessagePack: decompressed, never decoded.
+            return self.store.read_pages(positions, limit, columns=self.config.columns,
+                                         packed=self.sink.packed_bodies)
         except LogstoreError as exc:
             return dict.fromkeys(positions, exc)
 

@@ -377,6 +377,29 @@ class StoreContract:
                 assert [c.packed for c in page] == [msgpack.packb(c.body, use_bin_type=True)
                                                     for c in decoded[shard]]  # type: ignore[union-attr]
 
+    @pytest.mark.parametrize("packed", [False, True], ids=["decoded", "packed"])
+    def test_pages_read_apart_from_their_decoding_are_those_of_a_read_at_that_moment(
+        self, store: logstore.Store, packed: bool
+    ) -> None:
+        """Store.read_pages reads when called and decodes when asked (on the caller's thread): the cells are
+        those get_cells_for_shards (packed: get_packed_cells_for_shards) read then, whatever came after."""
+        for i in range(60):
+            store.put_cell(uuid.uuid4(), random.choice(["BASE", "STATUS"]), i, {"i": i})
+        locations = {shard: random.choice([0, 0, store.head(shard) // 2]) for shard in range(self.shards)}
+        one = next(iter(locations))
+        read = store.get_packed_cells_for_shards if packed else store.get_cells_for_shards
+        for where, limit, columns in ((locations, 1000, None), (locations, 3, None), (locations, 1000, ["STATUS"]),
+                                      ({one: 0}, 1000, None)):
+            now = read(where, limit, columns=columns)
+            undecoded = store.read_pages(where, limit, columns=columns, packed=packed)
+            store.put_cells([(keys_in_shard(store, shard, 1)[0], "STATUS", 100 + limit, {"later": True})
+                             for shard in where])
+            assert undecoded.decode() == now
+            if limit == 1000:
+                assert read(where, limit, columns=columns) != now  # the later cells are there to be read
+        with pytest.raises(InvalidArgumentError, match="shard must be"):
+            store.read_pages({0: 0, self.shards: 0})
+
     def test_many_shard_read_reaches_shards_never_written(self, url: str) -> None:
         # Shards without storage yet (no table on MySQL) read as empty, beside shards with cells.
         with logstore.open(url, shards=self.shards) as store:
@@ -386,17 +409,20 @@ class StoreContract:
             assert pages[cell.shard] == [cell]
             assert all(page == [] for shard, page in pages.items() if shard != cell.shard)
 
-    @pytest.mark.parametrize("packed", [False, True], ids=["decoded", "packed"])
+    @pytest.mark.parametrize(("packed", "apart"), [(False, False), (True, False), (False, True), (True, True)],
+                             ids=["decoded", "packed", "decoded apart", "packed apart"])
     def test_a_damaged_cell_spoils_only_its_own_shard_page_of_a_many_shard_read(
-        self, store: logstore.Store, url: str, packed: bool
+        self, store: logstore.Store, url: str, packed: bool, apart: bool
     ) -> None:
         [bad_key] = keys_in_shard(store, 2, 1)
         [good_key] = keys_in_shard(store, 5, 1)
         bad = [store.put_cell(bad_key, "BASE", ref, {"ref": ref}) for ref in range(1, 4)]
         good = [store.put_cell(good_key, "BASE", ref, {"ref": ref}) for ref in range(1, 4)]
         self.corrupt_body(url, bad[1])
-        read = store.get_packed_cells_for_shards if packed else store.get_cells_for_shards
-        pages = read({2: 0, 5: 0})
+        if apart:
+            pages: Any = store.read_pages({2: 0, 5: 0}, packed=packed).decode()
+        else:
+            pages = (store.get_packed_cells_for_shards if packed else store.get_cells_for_shards)({2: 0, 5: 0})
 
         def cells(page: Any) -> list[logstore.Cell]:
             return [c.to_cell() if packed else c for c in page]

@@ -115,22 +115,22 @@ def test_nothing_later_of_a_shard_goes_out_after_a_failed_delivery_until_the_fai
     a_cells = store.put_cells([(key, "BASE", 1, {"i": i}) for i, key in enumerate(keys_in(store, A, 4))])
     b_cells = store.put_cells([(key, "BASE", 1, {"i": i}) for i, key in enumerate(keys_in(store, B, 2))])
     publisher = RestartingPublisher()
-    read = store.get_cells_for_shards
+    read = store.read_pages
 
     def gated(locations: Mapping[int, int], limit: int = 1000, *,
-              columns: Sequence[str] | None = None) -> dict[int, Any]:
+              columns: Sequence[str] | None = None, packed: bool = False) -> Any:
         page = limit > 1  # not the lag measurement's look at the oldest unacknowledged cells
         if page and B in locations:  # B fails only once A's first page is in flight on the old producer
             assert publisher.a_sent.wait(10)
         later = page and locations.get(A, 0) > 0  # A's pages after its first
         if later:
             assert publisher.release_a.wait(10)
-        pages = read(locations, limit, columns=columns)
+        pages = read(locations, limit, columns=columns, packed=packed)
         if later:
             publisher.a_read.set()
         return pages
 
-    monkeypatch.setattr(store, "get_cells_for_shards", gated)
+    monkeypatch.setattr(store, "read_pages", gated)
     config = TailerConfig(name="order", partitions=2, page_size=2)
     tailer = Tailer(store, config, LocalCoordinator(tmp_path / "offsets.json", store.shard_count), publisher)
     every = {(c.shard, c.added_id) for c in a_cells + b_cells}

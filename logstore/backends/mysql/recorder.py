@@ -31,7 +31,7 @@ import datetime as dt
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from functools import partial
 from typing import Any, TypeVar
@@ -202,6 +202,10 @@ def _log_row(row: tuple[int, int, bytes], make: Callable[[int, int, bytes, str, 
         created = _times[text] = _utc_datetime(text)
     return make(shard, added_id, packed[:16], packed[ref_end + 1:column_end].decode(), int(packed[42:ref_end]),
                 packed[column_end + 1:], created)
+
+
+def _added_id_of_log_row(row: tuple[int, int, bytes]) -> int:
+    return row[1]
 
 
 def _log_row_to_cell(row: tuple[int, int, bytes]) -> Cell:
@@ -574,18 +578,24 @@ class MySQLRecorder(NodeRecorder):
     def get_logs(
         self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
     ) -> dict[int, list[Cell] | CorruptCellError]:
-        return self._logs(locations, limit, columns, _log_row_to_cell)
+        return self._logs(locations, limit, columns, _log_row_to_cell)()
 
     def get_packed_logs(
         self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
     ) -> dict[int, list[PackedCell] | CorruptCellError]:
-        return self._logs(locations, limit, columns, _log_row_to_packed_cell)
+        return self._logs(locations, limit, columns, _log_row_to_packed_cell)()
+
+    def read_logs(
+        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool
+    ) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
+        return self._logs(locations, limit, columns, _log_row_to_packed_cell if packed else _log_row_to_cell)
 
     def _logs(self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None,
-              to_cell: Callable[[Any], C]) -> dict[int, list[C] | CorruptCellError]:
+              to_cell: Callable[[Any], C]) -> Callable[[], dict[int, list[C] | CorruptCellError]]:
+        """The rows of the pages, read now; the function returned decodes them."""
         if len(locations) < 2:  # one shard: its own page query
-            return decode_pages({shard: self._log_rows(shard, location, limit, columns)
-                                 for shard, location in locations}, to_cell, order=lambda row: row[1])
+            rows = {shard: self._log_rows(shard, location, limit, columns) for shard, location in locations}
+            return partial(decode_pages, rows, to_cell, _added_id_of_log_row)
         args: Sequence[object]
         if columns:  # the cells of some columns are not dense: each shard's page needs its own LIMIT
             where, extra = _after(columns)
@@ -597,7 +607,7 @@ class MySQLRecorder(NodeRecorder):
         by_shard: dict[int, list[tuple[Any, ...]]] = {shard: [] for shard, _ in locations}
         for row in self._read(sql, args):
             by_shard[row[0]].append(row)
-        return decode_pages(by_shard, to_cell, order=lambda row: row[1])
+        return partial(decode_pages, by_shard, to_cell, _added_id_of_log_row)
 
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         if not columns:  # dense ids: the cells after a location are the ids up to the head

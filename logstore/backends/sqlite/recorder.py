@@ -16,8 +16,9 @@ import sqlite3
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -134,6 +135,10 @@ class _ThreadConnection:
 def _micros(when: dt.datetime) -> int:
     delta = when - _EPOCH
     return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def _added_id_of_row(row: _Row) -> int:
+    return row[0]
 
 
 def _row_to_cell(row: tuple[int, int, bytes, str, int, bytes, int]) -> Cell:
@@ -349,15 +354,21 @@ class SQLiteRecorder(NodeRecorder):
         """One statement per 500 shards: each statement releases and retakes the GIL, and a reader thread
         retaking it behind a busy event loop waits a switch interval, so a query per shard cost a
         4096-shard reader far more than the reading did."""
-        return self._logs(locations, limit, columns, _row_to_cell)
+        return self._logs(locations, limit, columns, _row_to_cell)()
 
     def get_packed_logs(
         self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
     ) -> dict[int, list[PackedCell] | CorruptCellError]:
-        return self._logs(locations, limit, columns, _row_to_packed_cell)
+        return self._logs(locations, limit, columns, _row_to_packed_cell)()
+
+    def read_logs(
+        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool
+    ) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
+        return self._logs(locations, limit, columns, _row_to_packed_cell if packed else _row_to_cell)
 
     def _logs(self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None,
-              to_cell: Callable[[_Row], _C]) -> dict[int, list[_C] | CorruptCellError]:
+              to_cell: Callable[[_Row], _C]) -> Callable[[], dict[int, list[_C] | CorruptCellError]]:
+        """The rows of the pages, read now; the function returned decodes them."""
         by_shard: dict[int, list[_Row]] = {s: [] for s, _ in locations}
         for group in _chunks(locations):
             sql = _pages_sql(len(group), columns)
@@ -366,7 +377,7 @@ class SQLiteRecorder(NodeRecorder):
             with self._errors("read log"):
                 for row in self._conn().execute(sql, args).fetchall():
                     by_shard[row[1]].append(row)
-        return decode_pages(by_shard, to_cell, order=lambda row: row[0])  # row[0]: added_id
+        return partial(decode_pages, by_shard, to_cell, _added_id_of_row)
 
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         sql = "SELECT COUNT(*) FROM cells WHERE shard = ? AND added_id > ?"
