@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from logstore import CorruptCellError, LogstoreError, UndecodedPages
 from logstore.cell import AnyCell, Cell, PackedCell
@@ -24,9 +24,7 @@ Look = tuple[dict[int, int] | None, Read, float]
 def decoded(read: Read) -> Pages:
     """A read's pages, decoded on the calling thread: the loop's (see :class:`logstore.UndecodedPages`)."""
     if isinstance(read, UndecodedPages):
-        pages: Pages = {}
-        pages.update(read.decode())
-        return pages
+        return cast(Pages, read.decode())  # a fresh dict of pages and CorruptCellErrors: Pages' values, not copied
     return read
 
 
