@@ -11,8 +11,9 @@
 3. Shard count: the no-op drain of the same ``--scaling-cells`` cells from a store of
    ``--shards`` shards and from one of ``--base-shards`` (64), each drain a new app
    from the beginning, ``--rounds`` times alternating which goes first, on every store
-   of ``--backends`` (SQLite, and MariaDB at ``--mysql``). Prints the ratio of the
-   best rounds against the target (>= 0.7).
+   of ``--backends`` (SQLite, and MariaDB at ``--mysql``), with an async handler and,
+   on SQLite, with a synchronous one too (run in the thread pool). Prints the ratio of
+   the best rounds against the target (>= 0.7).
 
 Parts 1 and 2 use ``--shards`` shards (default 4096, the store's default). Results go
 to bench/results/app.json. Default store: a fresh SQLite directory (the embedded
@@ -152,9 +153,13 @@ async def _noop(cell: Cell) -> None:
     return None
 
 
-def drain_seconds(store: logstore.Store, name: str, cells: int) -> float:
+def _noop_sync(cell: Cell) -> None:
+    return None
+
+
+def drain_seconds(store: logstore.Store, name: str, cells: int, sync: bool = False) -> float:
     app = App(name, store=store)
-    app.trigger("TPUT")(_noop)
+    app.trigger("TPUT")(_noop_sync if sync else _noop)
     started = time.perf_counter()
     counts = app.drain(timeout=600)
     seconds = time.perf_counter() - started
@@ -179,6 +184,10 @@ def shard_scaling(backends: list[str], server: str, cells: int, base: int, shard
             out[backend] = compare_shard_counts(
                 f"{backend}: no-op drain", cells, base, shards, rounds, 0.7,
                 lambda n, r: drain_seconds(stores[n], f"bench-scaling-{r}", cells))  # noqa: B023 (run at once)
+            if backend == "sqlite":
+                out["sqlite_sync"] = compare_shard_counts(
+                    f"{backend}: no-op drain, synchronous handler", cells, base, shards, rounds, 0.7,
+                    lambda n, r: drain_seconds(stores[n], f"bench-scaling-sync-{r}", cells, sync=True))  # noqa: B023
     return out
 
 

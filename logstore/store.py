@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import threading
 import time
@@ -43,6 +42,7 @@ from logstore.persistence import (
     PendingCell,
     PendingRecord,
     UndecodedPages,
+    offset_doc,
 )
 
 logger = logging.getLogger(__name__)
@@ -559,7 +559,7 @@ class Store:
             self.check_shard(shard)
             if type(location) is not int or not 0 <= location < 1 << 63:
                 raise InvalidArgumentError(f"location must be an integer in [0, 2^63), got {location!r}")
-            rows[shard] = (location, json.dumps(doc, separators=(",", ":"), default=str))
+            rows[shard] = (location, offset_doc(doc))
         fenced: set[int] = set()
         for node, group in self._by_node(rows).items():
             fenced |= self._recorders[node].commit_offsets(consumer, owner, {s: rows[s] for s in group})

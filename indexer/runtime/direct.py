@@ -10,10 +10,18 @@ every handler succeeded or dead-lettered each of its cells: one future per page,
 per cell. So a shard's cells are never handled concurrently nor out of order, and a
 crash re-delivers at most the cells after the last commit.
 
-The queues are worked by a pool of at most ``max_active_shards`` tasks, a batch of a
-shard at a time in round robin, rather than by a task per shard: with 4096 shards a
-task per shard with cells cost more than the cells did. The pool grows only while
-all its tasks wait on handlers, so handlers that never wait are run by one task.
+The queues are worked by a pool of at most ``max_active_shards`` tasks in round robin,
+rather than by a task per shard: with 4096 shards a task per shard with cells cost more
+than the cells did. The pool grows only while all its tasks wait on handlers, so
+handlers that never wait are run by one task. A task takes a batch off the front of the
+line: the next cells of one shard and, within ``page_size`` cells, those of the shards
+after it, as many as its share of the line (the line over the batches that can run at
+once: tasks, or the pool's threads for synchronous handlers), or all of them while the
+handlers do not wait (one task runs them one after another anyway). At 4096 shards a page
+holds a few cells, and a call of the processor per page (a trip to the thread pool, for a
+synchronous handler) cost more than its cells. The shards of a batch wait for each
+other as a partition's cells do in Kafka mode: a cell whose handler retries holds up the
+cells after it.
 """
 
 from __future__ import annotations
@@ -61,6 +69,10 @@ class HandlerSink(Sink):
         self._scheduled: set[int] = set()  # runnable or being worked on: one worker per shard at a time
         self._workers: set[asyncio.Task[None]] = set()
         self._busy = 0  # workers inside a batch (waiting on its handlers, if they wait)
+        # Batches at once that handlers can use: a pool's threads run the synchronous ones.
+        self.lanes = min(max_workers, processor.max_parallel_batches or max_workers)
+        self._ticks = 0  # loop callbacks run while batches were handled (see _work)
+        self._waited = True  # whether the last batch's handlers waited (gave the loop a turn)
         self._running = False
 
     async def start(self) -> None:
@@ -133,27 +145,27 @@ class HandlerSink(Sink):
             task.add_done_callback(self._workers.discard)  # also if it never ran
 
     async def _worker(self) -> None:
-        """Work the runnable shards a batch at a time, each going to the back of the line after its batch."""
+        """Work the shards in line a batch at a time, each shard of a batch going to the back of the line after it."""
         loop = asyncio.get_running_loop()
         pause_at = loop.time() + _SLICE
         try:
             while self._runnable and self.processor.stalled is None:
-                shard = self._runnable.popleft()
-                queue = self._queues[shard]
-                again = False
+                taken = self._take()
                 self._busy += 1
                 if self._runnable and self._busy == len(self._workers):  # the others wait on handlers too
                     self._spawn()
+                again = False
                 try:
-                    again = await self._work(shard, queue) and bool(queue)
+                    again = await self._work(taken)
                 finally:  # a shard is never left scheduled without being in line
                     self._busy -= 1
-                    if again:
-                        self._runnable.append(shard)
-                    else:
-                        self._scheduled.discard(shard)
-                        if not queue:  # an idle shard keeps no queue (deliver makes one)
-                            del self._queues[shard]
+                    for shard, queue, _items in taken:
+                        if again and queue:
+                            self._runnable.append(shard)
+                        else:
+                            self._scheduled.discard(shard)
+                            if not queue:  # an idle shard keeps no queue (deliver makes one)
+                                del self._queues[shard]
                 if loop.time() >= pause_at:  # handlers that never wait must not hold up the worker loop for long
                     await asyncio.sleep(0)
                     pause_at = loop.time() + _SLICE
@@ -161,42 +173,83 @@ class HandlerSink(Sink):
             # At once, not in a done callback: a shard made runnable from now on needs a new worker.
             self._workers.discard(asyncio.current_task())
 
-    async def _work(self, shard: int, queue: deque[_Item]) -> bool:
-        """The next batch of the shard's queue; False when the app stalled (the batch stays queued)."""
-        while queue and queue[0].future.done():  # abandoned
-            queue.popleft()
+    def _take(self) -> list[tuple[int, deque[_Item], list[_Item]]]:
+        """The next batch, off the front of the line: the first shard's next cells and, within ``batch_size``
+        cells, the next shards' too: as many as handlers that do not wait can take (all of them: one task runs
+        them one after another either way), or when they wait, a share of the line split over the batches that
+        can still start. A dead letter goes alone. (shard, its queue, its items) each."""
+        lanes = max(1, self.lanes - self._busy)  # the batches that can still start beside those under way
+        most = len(self._runnable) if not self._waited else -(-len(self._runnable) // lanes)
+        taken: list[tuple[int, deque[_Item], list[_Item]]] = []
+        size = 0
+        while self._runnable and len(taken) < most:
+            shard = self._runnable[0]
+            queue = self._queues[shard]
+            while queue and queue[0].future.done():  # abandoned
+                queue.popleft()
+            head = queue[0].cells if queue else []
+            if taken and (head is None or size + len(head) > self.batch_size):
+                break
+            self._runnable.popleft()
+            items = self._items(queue, self.batch_size - size)
+            taken.append((shard, queue, items))
+            if head is None:
+                break
+            size += sum(len(item.cells or ()) for item in items)
+        return taken
+
+    def _items(self, queue: deque[_Item], room: int) -> list[_Item]:
+        """The shard's next items: a dead letter alone, or consecutive runs of cells within ``room`` cells (the
+        first run whatever its size: runs are not split)."""
         if not queue:
-            return True
-        batch = [queue.popleft()]
-        size = len(batch[0].cells or ())
-        while (size and queue and queue[0].cells is not None and size + len(queue[0].cells) <= self.batch_size
+            return []
+        items = [queue.popleft()]
+        size = len(items[0].cells or ())
+        while (size and queue and queue[0].cells is not None and size + len(queue[0].cells) <= room
                and not queue[0].future.done()):
             size += len(queue[0].cells)
-            batch.append(queue.popleft())
+            items.append(queue.popleft())
+        return items
+
+    async def _work(self, taken: list[tuple[int, deque[_Item], list[_Item]]]) -> bool:
+        """Handle a batch; False when the app stalled (the batch stays queued, in front)."""
+        batch = [item for _shard, _queue, items in taken for item in items]
+        if not batch:
+            return True
+        ticks = self._ticks
+        asyncio.get_running_loop().call_soon(self._tick)  # runs before the batch ends only if a handler waits
         try:
             done = await self._handle(batch)
         except Exception as exc:  # e.g. the store is down while dead-lettering: redeliver from here
-            logger.warning("shard %d: cells not settled (%s); they will be delivered again", shard, exc)
+            logger.warning("shards %s: cells not settled (%s); they will be delivered again",
+                           ", ".join(str(shard) for shard, _queue, _items in taken), exc)
             error = PublishError(f"not settled: {type(exc).__name__}: {exc}", retriable=True)
-            for rest in [*batch, *queue]:
-                if not rest.future.done():
-                    rest.future.set_exception(error)
-            queue.clear()
+            for _shard, queue, items in taken:
+                for rest in [*items, *queue]:
+                    if not rest.future.done():
+                        rest.future.set_exception(error)
+                queue.clear()
             return True
+        finally:
+            self._waited = self._ticks != ticks
         if not done:
-            queue.extendleft(reversed(batch))  # stalled: unacknowledged (abandoned when the app stops)
+            for _shard, queue, items in taken:  # stalled: unacknowledged (abandoned when the app stops)
+                queue.extendleft(reversed(items))
             return False
         for item in batch:
             if not item.future.done():
                 item.future.set_result(None)
         return True
 
+    def _tick(self) -> None:
+        self._ticks += 1
+
     async def _handle(self, batch: list[_Item]) -> bool:
         first = batch[0]
         if first.cells is not None:
             return await self.processor.process_many(
                 [(cell, {"mode": "direct", "shard": cell.shard, "added_id": cell.added_id})
-                 for item in batch for cell in item.cells or ()])
+                 for item in batch for cell in item.cells or ()], by_shard=True)
         where, failure = tailer_deadletter(first.deadletter or {})
         source = {"mode": "direct", "shard": where.get("shard"), "added_id": where.get("added_id")}
         return await self.processor.undecodable(where, source, failure)

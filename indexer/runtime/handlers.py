@@ -52,6 +52,17 @@ def tailer_deadletter(record: dict[str, Any]) -> tuple[dict[str, Any], Failure]:
                           f"{stage}:{kind}", False)
 
 
+def _shard_runs(items: Sequence[tuple[Cell, dict[str, Any]]]) -> list[Sequence[tuple[Cell, dict[str, Any]]]]:
+    """``items`` cut where the shard changes."""
+    runs: list[Sequence[tuple[Cell, dict[str, Any]]]] = []
+    start = 0
+    for at in range(1, len(items) + 1):
+        if at == len(items) or items[at][0].shard != items[start][0].shard:
+            runs.append(items[start:at])
+            start = at
+    return runs
+
+
 class BatchApplier(Protocol):
     """A handler that takes a whole batch of a column's cells at once (an index version, a sink). One that
     only buffers what it applied also has ``flush()`` (blocking), which :meth:`Processor.checkpoint` calls
@@ -79,8 +90,8 @@ class Trigger:
     applier: BatchApplier | None = None
     batch: BatchHandler | None = None
 
-    @property
-    def is_async(self) -> bool:
+    @functools.cached_property
+    def is_async(self) -> bool:  # cached: asked for every page, and inspect's answer is not cheap
         return inspect.iscoroutinefunction(self.fn)
 
 
@@ -120,6 +131,17 @@ class Processor:
         self.on_deadletter: Callable[[DeadLetter], Awaitable[None]] | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(config.concurrency, thread_name_prefix="handler")
         self._combiners: dict[str, Combiner] = {}  # batch handlers: the batches of many shards in one call
+        # Each handler's labelled children of processed and seconds: a labels() lookup per page was, at 4096
+        # shards of a few cells each, a cost per shard.
+        self._meters: dict[str, tuple[Any, Any]] = {}
+
+    @property
+    def max_parallel_batches(self) -> int | None:
+        """How many batches can be handled at once: ``concurrency`` when a handler runs in the thread pool (a
+        synchronous handler or batch handler, an applier), else no bound (None)."""
+        in_pool = any(t.applier is not None or (not inspect.iscoroutinefunction(t.batch) if t.batch is not None
+                                                  else not t.is_async) for t in self.triggers)
+        return self.config.concurrency if in_pool else None
 
     def load_open_counts(self) -> None:
         """(blocking) Count the open dead letters per handler, for the stall threshold."""
@@ -138,10 +160,12 @@ class Processor:
         """Run the column's handlers on ``cell``; False when a handler stalled (do not acknowledge)."""
         return await self.process_many([(cell, source)])
 
-    async def process_many(self, items: Sequence[tuple[Cell, dict[str, Any]]]) -> bool:
-        """Run the handlers on consecutive cells of one source partition: batch handlers take them at
-        once, the others one cell after another. True when every handler succeeded or dead-lettered every
-        cell; False when one stalled; a RetriableError when a batch could not be settled (handle it again)."""
+    async def process_many(self, items: Sequence[tuple[Cell, dict[str, Any]]], *, by_shard: bool = False) -> bool:
+        """Run the handlers on consecutive cells of one source partition (Kafka mode), or of several shards one
+        after another (direct mode, ``by_shard``): batch handlers take them at once (a shard's at a time with
+        ``by_shard``), the others one cell after another. True when every handler succeeded or dead-lettered
+        every cell; False when one stalled; a RetriableError when a batch could not be settled (handle it
+        again)."""
         for trigger in self._in_turn:
             mine = [(c, s) for c, s in items if c.column == trigger.column]
             if not mine:
@@ -149,7 +173,11 @@ class Processor:
             if trigger.applier is not None:
                 settled = await self._apply_batch(trigger, trigger.applier, mine)
             elif trigger.batch is not None:
-                settled = await self._run_batch(trigger, trigger.batch, mine)
+                settled = True
+                for part in _shard_runs(mine) if by_shard else (mine,):
+                    settled = await self._run_batch(trigger, trigger.batch, part)
+                    if not settled:
+                        break
             else:
                 settled = await self._run_cells(trigger, mine)
             if not settled:
@@ -203,19 +231,26 @@ class Processor:
         else:
             took, failed = await asyncio.get_running_loop().run_in_executor(self._pool, work)
         if took:
-            labels = (self.config.name, trigger.name)
             self.counts = self.counts._replace(processed=self.counts.processed + len(took))
-            self.metrics.processed.labels(*labels).inc(len(took))
-            seconds = self.metrics.seconds.labels(*labels)
+            processed, seconds = self._meters_of(trigger.name)
+            processed.inc(len(took))
             for one in took:
                 seconds.observe(one)
         return len(took), failed
+
+    def _meters_of(self, handler: str) -> tuple[Any, Any]:
+        """The handler's processed counter and seconds histogram (labelled children)."""
+        meters = self._meters.get(handler)
+        if meters is None:
+            labels = (self.config.name, handler)
+            meters = self._meters[handler] = (self.metrics.processed.labels(*labels),
+                                              self.metrics.seconds.labels(*labels))
+        return meters
 
     async def _run_batch(self, trigger: Trigger, batch: BatchHandler,
                          items: Sequence[tuple[Cell, dict[str, Any]]]) -> bool:
         """The cells in one call of ``batch``, under the retry policy; past it, one by one."""
         cells = [cell for cell, _ in items]
-        labels = (self.config.name, trigger.name)
 
         async def call() -> None:
             if inspect.iscoroutinefunction(batch):
@@ -227,7 +262,7 @@ class Processor:
         outcome = await deliver(call, trigger.max_attempts, self.config.backoff,
                                 on_retry=functools.partial(self._retrying, trigger, cells), **self._timing)
         if outcome.ok:
-            self._processed(labels, len(cells), time.perf_counter() - started)
+            self._processed(trigger.name, len(cells), time.perf_counter() - started)
             return True
         assert outcome.failure is not None
         logger.warning("%s: a batch of %d cells failed (%s: %s); handling its cells one by one", trigger.name,
@@ -258,7 +293,6 @@ class Processor:
                                               Outcome(False, 1, describe(exc), now, now)):
                     return False
         batch = [cell for cell, _ in items]
-        labels = (self.config.name, trigger.name)
 
         retrying = functools.partial(self._retrying, trigger, [cell for cell, _ in kept])
         started = time.perf_counter()
@@ -268,7 +302,7 @@ class Processor:
         outcome = await deliver(lambda: combiner.apply(prepared, batch), trigger.max_attempts, self.config.backoff,
                                 on_retry=retrying, **self._timing)
         if outcome.ok:
-            self._processed(labels, len(prepared), time.perf_counter() - started)
+            self._processed(trigger.name, len(prepared), time.perf_counter() - started)
             return True
         assert outcome.failure is not None
         if outcome.failure.retriable:
@@ -305,11 +339,12 @@ class Processor:
             except Exception:  # a hook's bookkeeping must not turn a retry into a lost cell
                 logger.exception("hook %s: retrying failed; the retry goes on", type(hook).__name__)
 
-    def _processed(self, labels: tuple[str, str], cells: int, seconds: float) -> None:
+    def _processed(self, handler: str, cells: int, seconds: float) -> None:
         """A batch call of ``seconds`` handled ``cells``."""
         self.counts = self.counts._replace(processed=self.counts.processed + cells)
-        self.metrics.processed.labels(*labels).inc(cells)
-        self.metrics.seconds.labels(*labels).observe(seconds)
+        processed, observed = self._meters_of(handler)
+        processed.inc(cells)
+        observed.observe(seconds)
 
     async def checkpoint(self) -> None:
         """Before the source commits positions: flush every buffering handler (raises what a flush raised)."""
@@ -330,16 +365,13 @@ class Processor:
     async def run(self, trigger: Trigger, cell: Cell, failed: BaseException | None = None) -> Outcome:
         """The handler's attempts at ``cell`` under the retry policy (``failed``: its first attempt, made
         already, raised this)."""
-        labels = (self.config.name, trigger.name)
 
         started = time.perf_counter()
         outcome = await deliver(functools.partial(self._call, trigger, cell), trigger.max_attempts,
                                 self.config.backoff, on_retry=functools.partial(self._retrying, trigger, [cell]),
                                 failed=failed, **self._timing)
         if outcome.ok:
-            self.counts = self.counts._replace(processed=self.counts.processed + 1)
-            self.metrics.processed.labels(*labels).inc()
-            self.metrics.seconds.labels(*labels).observe(time.perf_counter() - started)
+            self._processed(trigger.name, 1, time.perf_counter() - started)
         return outcome
 
     async def _call(self, trigger: Trigger, cell: Cell) -> None:

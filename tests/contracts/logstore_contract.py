@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import json
 import random
 import threading
 import time
@@ -491,6 +492,17 @@ class StoreContract:
         assert store.commit_offsets("billing", "worker-a", docs) == set()
         found = store.read_offsets("billing")
         assert {s: (r.location, r.doc) for s, r in found.items()} == docs
+
+    def test_offset_docs_read_back_as_json_writes_them(self, store: logstore.Store) -> None:
+        store.claim_offsets("billing", "worker-a", [0, 1, 2])
+        docs = {0: {"at": dt.datetime(2026, 1, 2, 3, 4, 5), "id": uuid.UUID(int=7),
+                    "nested": {"ok": [True, None, 1.5]}},
+                1: {"big": 2**70, 1: "an int key"},
+                2: {"note": "100% \u2713", "at": dt.datetime(2026, 1, 2)}}
+        assert store.commit_offsets("billing", "worker-a", {s: (1, doc) for s, doc in docs.items()}) == set()
+        found = store.read_offsets("billing")
+        assert {s: found[s].doc for s in docs} == {s: json.loads(json.dumps(doc, default=str))
+                                                    for s, doc in docs.items()}
 
     def test_a_commit_of_an_unclaimed_shard_is_refused_and_writes_nothing(self, store: logstore.Store) -> None:
         store.claim_offsets("billing", "worker-a", [0])

@@ -1,10 +1,13 @@
-"""Handlers that take cells a list at a time (``@app.batch_trigger``) and synchronous handlers run a page per
-trip to the thread pool, in direct mode on the embedded default (Kafka mode: tests/indexer/test_app_kafka.py)."""
+"""Handlers that take cells a list at a time (``@app.batch_trigger``), synchronous handlers run a page per
+trip to the thread pool, and the pages of many shards handled together, in direct mode on the embedded default
+(Kafka mode: tests/indexer/test_app_kafka.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -89,3 +92,94 @@ def test_a_sync_handler_runs_a_page_per_trip_to_the_pool_and_a_failure_keeps_its
     assert trips < 201 / 4, f"{trips} trips to the pool for 201 cells"
     [entry] = app.dlq.list()
     assert entry.attempts == 4
+
+
+MANY = 64  # shards: a few cells each, as the default 4096 shards hold them under a light load
+
+
+@pytest.fixture
+def many(sqlite_url: str) -> Iterator[logstore.Store]:
+    with logstore.open(sqlite_url, shards=MANY) as opened:
+        yield opened
+
+
+def _in_shard_order(cells: list[logstore.Cell], written: list[logstore.Cell]) -> bool:
+    by_shard: dict[int, list[int]] = defaultdict(list)
+    for cell in cells:
+        by_shard[cell.shard].append(cell.added_id)
+    return (sorted(c.added_id for c in cells) == sorted(c.added_id for c in written)
+            and all(ids == sorted(ids) for ids in by_shard.values()))
+
+
+def test_a_sync_handler_takes_the_pages_of_several_shards_per_trip_to_the_pool(many: logstore.Store) -> None:
+    cells = write(many, 4 * MANY)
+    shards = len({c.shard for c in cells})
+    seen: list[logstore.Cell] = []
+    app = App("shared-trips", store=many)
+    app.trigger("BASE")(seen.append)
+    trips = 0
+    pool = app.processor._pool
+    submit = pool.submit
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal trips
+        trips += 1
+        return submit(*args, **kwargs)
+
+    pool.submit = counted  # type: ignore[method-assign]
+    assert app.drain(30).processed == len(cells)
+    assert _in_shard_order(seen, cells)
+    assert trips <= shards / 3, f"{trips} trips to the pool for the pages of {shards} shards"
+
+
+def test_handlers_that_never_wait_take_the_pages_of_many_shards_in_one_call(many: logstore.Store) -> None:
+    cells = write(many, 4 * MANY)
+    shards = len({c.shard for c in cells})
+    seen: list[logstore.Cell] = []
+    lists: list[list[logstore.Cell]] = []
+    app = App("one-task", store=many)
+
+    @app.trigger("BASE")
+    async def handle(cell: logstore.Cell) -> None:
+        seen.append(cell)
+
+    @app.batch_trigger("BASE")
+    async def handle_lists(batch: list[logstore.Cell]) -> None:
+        lists.append(batch)
+
+    calls = 0
+    process_many = app.processor.process_many
+
+    async def counted(*args: Any, **kwargs: Any) -> bool:
+        nonlocal calls
+        calls += 1
+        return await process_many(*args, **kwargs)
+
+    app.processor.process_many = counted  # type: ignore[method-assign]
+    assert app.drain(30).processed == 2 * len(cells)
+    assert _in_shard_order(seen, cells)
+    assert calls <= shards / 3, f"{calls} calls of the processor for the pages of {shards} shards"
+    assert all(len({c.shard for c in batch}) == 1 for batch in lists)  # a batch handler's list: one shard's
+    assert _in_shard_order([c for batch in lists for c in batch], cells)
+
+
+def test_handlers_that_wait_still_run_the_shards_at_the_same_time(many: logstore.Store) -> None:
+    cells = write(many, MANY)
+    active: set[int] = set()
+    most = 0
+    seen: list[logstore.Cell] = []
+    app = App("waiting", store=many)
+
+    @app.trigger("BASE")
+    async def slow(cell: logstore.Cell) -> None:
+        nonlocal most
+        assert cell.shard not in active
+        active.add(cell.shard)
+        most = max(most, len(active))
+        await asyncio.sleep(0.05)
+        seen.append(cell)
+        active.discard(cell.shard)
+
+    assert app.drain(30).processed == len(cells)
+    assert _in_shard_order(seen, cells)
+    assert most >= len({c.shard for c in cells}) / 4, f"at most {most} shards at once"

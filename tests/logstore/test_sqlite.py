@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import sqlite3
 from pathlib import Path
 
@@ -58,3 +59,15 @@ def test_sqlite_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         logstore.open("sqlite:///")
     with pytest.raises(logstore.InvalidArgumentError, match="unsupported store URL scheme 'redis'"):
         logstore.open("redis://localhost")
+
+
+def test_offset_docs_are_stored_as_ascii_and_docs_of_older_versions_with_nan_still_read(sqlite_url: str) -> None:
+    with logstore.open(sqlite_url, shards=2) as store:
+        store.claim_offsets("billing", "worker-a")
+        store.commit_offsets("billing", "worker-a", {0: (1, {"note": "100% \u2713 caf\u00e9"})})
+        with sqlite3.connect(sqlite_file(sqlite_url)) as conn:
+            [(stored,)] = conn.execute("SELECT doc FROM cellstream_offsets WHERE shard = 0").fetchall()
+            assert stored.isascii(), stored  # any column charset holds it (MariaDB's table may not be utf8mb4)
+            conn.execute("""UPDATE cellstream_offsets SET doc = '{"lag":NaN}' WHERE shard = 1""")
+        found = store.read_offsets("billing")
+        assert found[0].doc == {"note": "100% \u2713 caf\u00e9"} and math.isnan(found[1].doc["lag"])
