@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import datetime as dt
 import functools
 import heapq
@@ -109,6 +110,9 @@ class Tailer:
         self._touched: set[int] = set()  # whose reads or deliveries moved since they were last placed
         self._acked: set[int] = set()  # whose deliveries settled since _collect last ran
         self._failing: set[int] = set()  # with a delivery that failed since _collect last rewound them
+        # The acknowledgement callbacks' context, one for all: asyncio copies the current one per callback
+        # otherwise, an object per page that the collector walks (_settled reads no context variable).
+        self._callback_context = contextvars.Context()
         self._reads: dict[asyncio.Future[Read], tuple[tuple[int, ...], int]] = {}  # -> (shards, cells reserved)
         self._unsettled = 0  # deliveries handed to the sink whose futures have not settled
         self._to_commit: set[int] = set()  # acknowledged since their last commit: what a commit looks at
@@ -700,7 +704,8 @@ class Tailer:
         st.inflight.append(pending)
         st.position = pending.added_id
         self._unsettled += pending.messages
-        pending.future.add_done_callback(functools.partial(self._settled, st.shard, pending.messages))
+        pending.future.add_done_callback(functools.partial(self._settled, st.shard, pending.messages),
+                                         context=self._callback_context)
 
     def _settled(self, shard: int, messages: int, future: asyncio.Future[Any]) -> None:
         # The exception is retrieved here (a rewind may drop the future unread) and marks the shard for _broken.

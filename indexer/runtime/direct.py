@@ -93,7 +93,9 @@ class HandlerSink(Sink):
     async def deliver(self, shard: int, column: str, items: Sequence[Any]) -> list[tuple[asyncio.Future[Any], int]]:
         if not self._running:
             raise PublishError("the app is stopping", retriable=True)
-        item = _Item(list(items), None, asyncio.get_running_loop().create_future())
+        # The worker's list is the sink's from now on (it builds one per run): not copied.
+        cells = items if isinstance(items, list) else list(items)
+        item = _Item(cells, None, asyncio.get_running_loop().create_future())
         self._queue(shard).append(item)
         self._kick(shard)
         return [(item.future, len(items))]
