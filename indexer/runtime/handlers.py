@@ -1,18 +1,19 @@
 """Handlers and the processor that runs them: retries, dead letters and the stall threshold.
 
 The processor is the same for both modes and for replays; the modes only differ in
-where cells come from and how a position is acknowledged. It takes a page of a shard's
-(or partition's) cells and runs each handler of their columns over them in order (each
-with its own retries and dead letters), and returns only when each handler has either
-succeeded or dead-lettered every cell: only then may the source advance past them. The
-one exception is a stall, which leaves the cells unacknowledged and stops the app.
+where cells come from and how a position is acknowledged. It takes a batch of cells (a
+partition's, or the pages of one or several shards) and runs each handler of their
+columns over them in order (each with its own retries and dead letters), and returns
+only when each handler has either succeeded or dead-lettered every cell: only then may
+the source advance past them. The one exception is a stall, which leaves the cells
+unacknowledged and stops the app.
 
-A handler runs over the page cell after cell (a synchronous one in one trip to the
+A handler runs over the batch cell after cell (a synchronous one in one trip to the
 thread pool) until a cell fails; that cell then gets the retry policy (the failure
 counts as its first attempt) and the next run goes on after it. A batch handler
-(:meth:`~indexer.App.batch_trigger`) takes the page's cells of its column in one call;
-when the call still fails after its attempts, the cells are handled one by one, so only
-the cells that fail are dead-lettered.
+(:meth:`~indexer.App.batch_trigger`) takes the cells of its column in one call (a
+partition's, or a shard's at a time); when the call still fails after its attempts, the
+cells are handled one by one, so only the cells that fail are dead-lettered.
 """
 
 from __future__ import annotations
