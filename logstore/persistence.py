@@ -238,7 +238,7 @@ class NodeRecorder(ABC):
 
 def offset_record(shard: int, location: int | None, owner: str, doc: str | bytes) -> OffsetRecord:
     try:
-        parsed = orjson.loads(doc)  # a record per shard read, 4096 at a claim: json.loads was most of it
+        parsed = orjson.loads(doc)  # a record per shard read: 4096 at each claim of a store coordinator
     except orjson.JSONDecodeError:  # NaN and Infinity, which older versions' json.dumps could store
         parsed = json.loads(doc)
     return OffsetRecord(int(shard), None if location is None else int(location), owner, parsed)

@@ -63,6 +63,20 @@ def test_a_failing_batch_is_handled_cell_by_cell_and_only_the_bad_cell_is_dead_l
     assert replayed.after == "open" and "cannot charge" in (replayed.error or "")
 
 
+def _count_trips(app: App) -> list[int]:
+    """The number of jobs handed to the app's handler thread pool from now on, in a one-item list."""
+    trips = [0]
+    pool = app.processor._pool
+    submit = pool.submit
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        trips[0] += 1
+        return submit(*args, **kwargs)
+
+    pool.submit = counted  # type: ignore[method-assign]
+    return trips
+
+
 def test_a_sync_handler_runs_a_page_per_trip_to_the_pool_and_a_failure_keeps_its_attempts(
         store: logstore.Store) -> None:
     write(store, 200)
@@ -76,20 +90,11 @@ def test_a_sync_handler_runs_a_page_per_trip_to_the_pool_and_a_failure_keeps_its
 
     app = App("trips", store=store, backoff=FAST, page_size=100)
     app.trigger("BASE", max_attempts=4)(handle)
-    trips = 0
-    pool = app.processor._pool  # the handlers' thread pool: count the work handed to it
-    submit = pool.submit
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        nonlocal trips
-        trips += 1
-        return submit(*args, **kwargs)
-
-    pool.submit = counted  # type: ignore[method-assign]
+    trips = _count_trips(app)
     counts = app.drain(30)
     assert counts == (200, 3, 1)
     assert attempts == [flaky.added_id] * 4  # the first, made within the page's trip, counts as one of four
-    assert trips < 201 / 4, f"{trips} trips to the pool for 201 cells"
+    assert trips[0] < 201 / 4, f"{trips[0]} trips to the pool for 201 cells"
     [entry] = app.dlq.list()
     assert entry.attempts == 4
 
@@ -117,19 +122,10 @@ def test_a_sync_handler_takes_the_pages_of_several_shards_per_trip_to_the_pool(m
     seen: list[logstore.Cell] = []
     app = App("shared-trips", store=many)
     app.trigger("BASE")(seen.append)
-    trips = 0
-    pool = app.processor._pool
-    submit = pool.submit
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        nonlocal trips
-        trips += 1
-        return submit(*args, **kwargs)
-
-    pool.submit = counted  # type: ignore[method-assign]
+    trips = _count_trips(app)
     assert app.drain(30).processed == len(cells)
     assert _in_shard_order(seen, cells)
-    assert trips <= shards / 3, f"{trips} trips to the pool for the pages of {shards} shards"
+    assert trips[0] <= shards / 3, f"{trips[0]} trips to the pool for the pages of {shards} shards"
 
 
 def test_handlers_that_never_wait_take_the_pages_of_many_shards_in_one_call(many: logstore.Store) -> None:
