@@ -15,7 +15,9 @@
    on SQLite, with a synchronous one too (run in the thread pool). Prints the ratio of
    the best rounds against the target (>= 0.7).
 
-Parts 1 and 2 use ``--shards`` shards (default 4096, the store's default). Results go
+The process is tuned as ``cellstream run`` tunes an app's (``tune_for_streaming``: the collector's
+thresholds, start-up frozen, the switch interval). Parts 1 and 2 use ``--shards`` shards (default 4096, the
+store's default). Results go
 to bench/results/app.json. Default store: a fresh SQLite directory (the embedded
 default); pass a mysql:// URL of an empty database for MariaDB.
 """
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
 from bench.scaling import compare_shard_counts
 from bench.scratch import scratch_database
+from cellstream.cli.common import tune_for_streaming
 from indexer import App
 from logstore import Cell
 
@@ -208,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-latency", help=argparse.SUPPRESS)
     parser.add_argument("--expected", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    tune_for_streaming()  # the app runs in this process (or, for latency, its child): as in a `cellstream run` one
     if args.serve_latency:
         serve_latency(args.store, args.serve_latency, args.expected)
         return 0

@@ -45,9 +45,6 @@ from tailer.shardstate import Look, Pending, Read, ShardState, decoded, page_of
 logger = logging.getLogger(__name__)
 _BACKOFF = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)
 _CLAIM_RETRY = 0.5
-# Claims and releases block on a coordinator round trip per shard (ZooKeeper): they go to the default
-# executor in this many chunks, enough to keep all of its threads busy.
-_COORDINATION_CHUNKS = 32
 # Counting every shard's cells costs in proportion to the shards (5-15 ms for 4096 on SQLite), so the
 # looks are spaced to take at most a share of the time; with few shards the poll interval decides. When
 # every shard is idle the looks are all there is to do, and their spacing is the latency of a new cell.
@@ -312,11 +309,11 @@ class Tailer:
         return []
 
     async def _in_threads(self, work: Callable[[list[_T]], list[_R]], items: list[_T]) -> list[_R]:
-        """``work`` over ``items`` in a few chunks run in threads, results in order: a thread per item
-        costs a hop per shard, one thread a ZooKeeper round trip after another."""
+        """``work`` over ``items`` in the coordinator's :attr:`~Coordinator.coordination_threads` chunks run in
+        threads, results in order: a thread per item costs a hop per shard."""
         if not items:
             return []
-        size = -(-len(items) // _COORDINATION_CHUNKS)
+        size = -(-len(items) // self.coordinator.coordination_threads)
         chunks = await asyncio.gather(*(asyncio.to_thread(work, items[i:i + size])
                                         for i in range(0, len(items), size)))
         return [result for chunk in chunks for result in chunk]

@@ -30,7 +30,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cellstream.cli import logs
-from cellstream.cli.common import Output, add_kafka_config, add_zookeeper_auth, kafka_override, zookeeper_auth
+from cellstream.cli.common import (
+    Output,
+    add_kafka_config,
+    add_zookeeper_auth,
+    kafka_override,
+    tune_for_streaming,
+    zookeeper_auth,
+)
 from cellstream.cli.exits import Exit
 from cellstream.errors import UsageError
 
@@ -143,6 +150,9 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
             "--workers > 1 needs shared coordination: give the app zookeeper=... (direct mode) or brokers=...")
     logs.starting("run", args, app=app.name, mode="kafka" if app.brokers else "direct",
                   kafka_security=app.config.kafka.masked() if app.brokers and app.config.kafka else None)
+    if args.drain or args.workers == 1:
+        # The process is the app's, as a tail command's is its tailer's: direct mode runs the same worker loop.
+        tune_for_streaming()
     if args.drain:
         counts = app.drain(args.timeout)
         out.emit(counts._asdict(), f"processed {counts.processed}, retried {counts.retried}, "
@@ -157,7 +167,9 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
 def _worker(spec: str, metrics_port: int | None, per_shard_metrics: bool, kafka_config: str | None,
             zookeeper_auth_file: str | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards SIGTERM; Ctrl-C goes to the parent
-    load_app(spec, per_shard_metrics, kafka_config, zookeeper_auth_file).run(metrics_port=metrics_port)
+    app = load_app(spec, per_shard_metrics, kafka_config, zookeeper_auth_file)
+    tune_for_streaming()
+    app.run(metrics_port=metrics_port)
 
 
 def _run_workers(args: argparse.Namespace) -> int:

@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     from tailer.security import KafkaSecurity
 
 
-# The garbage collector's thresholds for a process that streams cells (cellstream tail). Each cell leaves a
-# few container objects behind (a decoded body is dicts and lists), and with Python's default (700, 10, 10)
-# the collections cost the tailer 10-15% of its JSON throughput at 4096 shards (35,000-36,000 against
+# The garbage collector's thresholds for a process that streams cells (cellstream tail, cellstream run). Each
+# cell leaves a few container objects behind (a decoded body is dicts and lists), and with Python's default
+# (700, 10, 10) the collections cost the tailer 10-15% of its JSON throughput at 4096 shards (35,000-36,000 against
 # 40,000-42,000 cells/s, same runs alternating). Reference cycles are still collected, 70 times less often.
 STREAMING_GC_THRESHOLDS = (50_000, 20, 20)
 

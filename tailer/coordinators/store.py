@@ -17,6 +17,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from logstore import LogstoreError, OffsetRecord, Store
 from tailer.errors import CoordinationError, FencedError
@@ -80,8 +81,15 @@ class StoreCoordinator(Coordinator):
         return Claim(shard, initial() if location is None else location, 0, self.worker_id, deadlettered)
 
     def commit(self, offsets: Mapping[int, tuple[Claim, Offset]]) -> dict[int, Claim | BaseException]:
-        docs = {shard: (offset.location, {"deadlettered": offset.deadlettered, "last_error": offset.last_error})
-                for shard, (_claim, offset) in offsets.items()}
+        # One doc object per distinct (dead letters, last error): the store encodes each object once.
+        shared: dict[tuple[int, int], dict[str, Any]] = {}
+        docs: dict[int, tuple[int, dict[str, Any]]] = {}
+        for shard, (_claim, offset) in offsets.items():
+            key = (offset.deadlettered, id(offset.last_error))  # the error is alive: held by ``offsets``
+            doc = shared.get(key)
+            if doc is None:
+                doc = shared[key] = {"deadlettered": offset.deadlettered, "last_error": offset.last_error}
+            docs[shard] = (offset.location, doc)
         try:
             fenced = self.store.commit_offsets(self.consumer, self.worker_id, docs)
         except LogstoreError as exc:

@@ -104,6 +104,10 @@ def translate(exc: BaseException, what: str) -> CoordinationError:
 class ZooKeeperCoordinator(Coordinator):
     """One worker's membership in a tailer, coordinated through ZooKeeper."""
 
+    # Claims and releases block on a round trip per shard: the worker runs them in this many chunks, enough to
+    # keep all of the default executor's threads busy.
+    coordination_threads = 32
+
     def __init__(
         self,
         zookeeper: str,

@@ -6,6 +6,7 @@ import getpass
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -107,3 +108,35 @@ def test_bad_input_is_one_line_and_a_documented_exit_code(sqlite_url: str, tmp_p
     assert code == 4 and "not an indexer.App" in err
     code, _, err = run(capsys, "run", spec, "--workers", "2")
     assert code == 4 and "--workers > 1" in err
+
+
+@pytest.mark.parametrize("drain", [True, False])
+def test_run_tunes_its_process_for_streaming(sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             drain: bool) -> None:
+    """An app process is a streaming process as a tailer's is (direct mode runs the tailer's worker loop):
+    ``cellstream run`` sets the collector's thresholds, freezes what loading the app allocated and shortens
+    the switch interval before the app serves. At 4096 shards a direct-mode drain had one or two full
+    collections of 20-30 ms each with Python's defaults."""
+    import gc
+    import sys
+
+    import indexer
+    from cellstream.cli.common import STREAMING_GC_THRESHOLDS, STREAMING_SWITCH_INTERVAL
+
+    seen: list[tuple[tuple[int, int, int], int, float]] = []
+
+    def serve(app: indexer.App, *args: Any, **kwargs: Any) -> indexer.Counts:
+        seen.append((gc.get_threshold(), gc.get_freeze_count(), sys.getswitchinterval()))
+        return indexer.Counts(0, 0, 0)
+
+    logstore.open(sqlite_url, shards=8).close()
+    module = tmp_path / "tunedapp.py"
+    module.write_text(APP.format(url=sqlite_url, fixed=True))
+    gc.set_threshold(700, 10, 10)  # Python's defaults (tests/conftest.py restores the suite's after each test)
+    sys.setswitchinterval(0.005)
+    monkeypatch.setattr(indexer.App, "drain" if drain else "run", serve)
+    assert main(["run", f"{module}:app", *(["--drain"] if drain else [])]) == 0
+    [(thresholds, frozen, interval)] = seen
+    assert thresholds == STREAMING_GC_THRESHOLDS != (700, 10, 10)
+    assert frozen > 10_000  # the imported modules' objects at least
+    assert interval == STREAMING_SWITCH_INTERVAL != 0.005

@@ -525,6 +525,9 @@ class StoreContract:
             store.claim_offsets("c", "w", [self.shards])
         with pytest.raises(logstore.InvalidArgumentError, match="location"):
             store.commit_offsets("c", "w", {0: (-1, {})})
+        for shard in (self.shards, -1, "0"):
+            with pytest.raises(logstore.InvalidArgumentError, match="shard"):
+                store.commit_offsets("c", "w", {shard: (1, {})})  # type: ignore[dict-item]
 
     # -- concurrency and the no-skip guarantee ----------------------------
     def test_threads_share_one_store(self, store: logstore.Store) -> None:

@@ -86,15 +86,33 @@ def held_tailer(store: logstore.Store, tmp_path: Path, **options: Any) -> tuple[
     return Tailer(store, config, LocalCoordinator(tmp_path / "offsets.json", store.shard_count), publisher), publisher
 
 
+class CountedCoordinator(LocalCoordinator):
+    """The file coordinator, counting its calls of claim_many and release_many (the shards of each)."""
+
+    def __init__(self, path: Path, shard_count: int) -> None:
+        super().__init__(path, shard_count)
+        self.calls: list[tuple[str, int]] = []
+
+    def claim_many(self, wanted: Any) -> Any:
+        self.calls.append(("claim", len(wanted)))
+        return super().claim_many(wanted)
+
+    def release_many(self, claims: Any) -> None:
+        self.calls.append(("release", len(claims)))
+        super().release_many(claims)
+
+
 def test_claiming_and_releasing_4096_shards_logs_one_line_each(
     sqlite_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Also: a coordinator answering claims from memory gets them in one call, one thread hop (in 32 chunks,
+    as for ZooKeeper's round trips, they had cost 4 ms more at 4096 shards)."""
     caplog.set_level(logging.DEBUG, logger="tailer.worker")
     with logstore.open(sqlite_url, shards=4096) as store:
         store.put_cells([(uuid.uuid4(), "BASE", 1, {"n": i}) for i in range(20)])
         config = TailerConfig(name="t", partitions=4)
-        tailer = Tailer(store, config, LocalCoordinator(tmp_path / "offsets.json", 4096),
-                        DirectoryPublisher(tmp_path / "topics"))
+        coordinator = CountedCoordinator(tmp_path / "offsets.json", 4096)
+        tailer = Tailer(store, config, coordinator, DirectoryPublisher(tmp_path / "topics"))
 
         async def scenario() -> None:
             async with tailer:
@@ -107,6 +125,7 @@ def test_claiming_and_releasing_4096_shards_logs_one_line_each(
     assert len(info) == 2, info
     detail = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert sum(1 for m in detail if m.startswith("shard ") and " claimed at location " in m) == 4096
+    assert coordinator.calls == [("claim", 4096), ("release", 4096)]
 
 
 def test_lag_is_exported_as_totals_and_the_most_lagging_shards_by_default(
