@@ -112,6 +112,14 @@ _CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES {
 _UPSERT_OFFSETS = ("INSERT INTO cellstream_offsets (consumer, shard, owner, location, doc) VALUES {}"
                    " ON DUPLICATE KEY UPDATE location = VALUES(location), doc = VALUES(doc), commits = commits + 1")
 _OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = %s ORDER BY shard"
+
+
+def _hex(known: dict[str, str], text: str) -> str:
+    """``text``'s UTF-8 as hex digits, from ``known`` when it was seen before."""
+    out = known.get(text)
+    if out is None:
+        out = known[text] = text.encode().hex()
+    return out
 CELL_COLUMNS = "shard, added_id, row_key, column_name, ref_key, body, created_at"
 # A log row as three fields: pymysql spends more on each field of a row than on its bytes, so a page of
 # cells comes back with the key, time, ref_key, column and body packed in one (see _log_row_to_cell).
@@ -677,12 +685,14 @@ class MySQLRecorder(NodeRecorder):
             try:
                 held_rows = run_script(cur, [
                     ("START TRANSACTION", ()),
+                    # The shards as literals (ints), not placeholders: pymysql escaped each (5 ms of 4096).
                     (f"SELECT GROUP_CONCAT(shard) FROM cellstream_offsets WHERE consumer = %s AND owner = %s"
-                     f" AND shard IN ({', '.join(['%s'] * len(shards))}) FOR UPDATE", [consumer, owner, *shards])])
+                     f" AND shard IN ({', '.join(map(str, map(int, shards)))}) FOR UPDATE", [consumer, owner])])
                 [[listed]] = held_rows[1].rows or ()  # one row, not one per shard: pymysql parses rows slowly
                 held = sorted(map(int, listed.split(","))) if listed else []
                 # Literals only (the docs as hex): no placeholder, so no escaping pass over thousands of rows.
-                rows = [f"({who}, {s}, {holder}, {offsets[s][0]}, X'{offsets[s][1].encode().hex()}')" for s in held]
+                hexed: dict[str, str] = {}  # each distinct doc once: most shards share one
+                rows = [f"({who}, {s}, {holder}, {offsets[s][0]}, X'{_hex(hexed, offsets[s][1])}')" for s in held]
                 statements: list[Statement | Weighed] = [
                     ((_UPSERT_OFFSETS.format(", ".join(rows[i:i + 1000])), ()), sum(map(len, rows[i:i + 1000])) + 200)
                     for i in range(0, len(rows), 1000)]
