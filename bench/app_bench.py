@@ -16,10 +16,9 @@
    the best rounds against the target (>= 0.7).
 
 The process is tuned as ``cellstream run`` tunes an app's (``tune_for_streaming``: the collector's
-thresholds, start-up frozen, the switch interval). Parts 1 and 2 use ``--shards`` shards (default 4096, the
-store's default). Results go
-to bench/results/app.json. Default store: a fresh SQLite directory (the embedded
-default); pass a mysql:// URL of an empty database for MariaDB.
+thresholds, start-up frozen, the switch interval). Parts 1 and 2 use ``--shards`` shards (default 4096,
+the store's default). Results go to bench/results/app.json. Default store: a fresh SQLite directory (the
+embedded default); pass a mysql:// URL of an empty database for MariaDB.
 """
 
 from __future__ import annotations

@@ -112,14 +112,6 @@ _CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES {
 _UPSERT_OFFSETS = ("INSERT INTO cellstream_offsets (consumer, shard, owner, location, doc) VALUES {}"
                    " ON DUPLICATE KEY UPDATE location = VALUES(location), doc = VALUES(doc), commits = commits + 1")
 _OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = %s ORDER BY shard"
-
-
-def _hex(known: dict[str, str], text: str) -> str:
-    """``text``'s UTF-8 as hex digits, from ``known`` when it was seen before."""
-    out = known.get(text)
-    if out is None:
-        out = known[text] = text.encode().hex()
-    return out
 CELL_COLUMNS = "shard, added_id, row_key, column_name, ref_key, body, created_at"
 # A log row as three fields: pymysql spends more on each field of a row than on its bytes, so a page of
 # cells comes back with the key, time, ref_key, column and body packed in one (see _log_row_to_cell).
@@ -755,3 +747,11 @@ class MySQLRecorder(NodeRecorder):
         self._pool.close()
         for pool in self._replicas:
             pool.close()
+
+
+def _hex(known: dict[str, str], text: str) -> str:
+    """``text``'s UTF-8 as hex digits, from ``known`` when it was seen before."""
+    out = known.get(text)
+    if out is None:
+        out = known[text] = text.encode().hex()
+    return out
