@@ -294,7 +294,6 @@ class Processor:
                                               Outcome(False, 1, describe(exc), now, now)):
                     return False
         batch = [cell for cell, _ in items]
-
         retrying = functools.partial(self._retrying, trigger, [cell for cell, _ in kept])
         started = time.perf_counter()
         combiner = self._combiners.get(trigger.name)
@@ -366,7 +365,6 @@ class Processor:
     async def run(self, trigger: Trigger, cell: Cell, failed: BaseException | None = None) -> Outcome:
         """The handler's attempts at ``cell`` under the retry policy (``failed``: its first attempt, made
         already, raised this)."""
-
         started = time.perf_counter()
         outcome = await deliver(functools.partial(self._call, trigger, cell), trigger.max_attempts,
                                 self.config.backoff, on_retry=functools.partial(self._retrying, trigger, [cell]),
