@@ -70,7 +70,8 @@ class NodeMeta(NamedTuple):
 
 
 class OffsetRecord(NamedTuple):
-    """A consumer's committed position in one shard; ``location`` None when it never committed."""
+    """A consumer's committed position in one shard; ``location`` None when it never committed. The records of
+    one claim may share a ``doc`` object: read it, never change it."""
 
     shard: int
     location: int | None
@@ -237,11 +238,41 @@ class NodeRecorder(ABC):
 
 
 def offset_record(shard: int, location: int | None, owner: str, doc: str | bytes) -> OffsetRecord:
+    return OffsetRecord(int(shard), None if location is None else int(location), owner, _offset_doc(doc))
+
+
+def claimed_records(rows: Iterable[Sequence[Any]], owner: str, wanted: set[int]) -> list[OffsetRecord] | None:
+    """The records of ``wanted`` shards, now held by ``owner``, from a read of one row per distinct doc: (the
+    doc, its shards and their locations comma-separated in one order with -1 for none, how many). A claim of
+    4096 shards read them a row each, and the rows cost more than the claim; most shards share one doc, which
+    is parsed once and shared by its records (read them, never change them). None if a row came back cut
+    short (a server's limit on the length of a group's text): read them a row each then."""
+    out: list[OffsetRecord] = []
+    for doc, shards, locations, count in rows:
+        listed, at = _text(shards).split(","), _text(locations).split(",")
+        if not len(listed) == len(at) == int(count):
+            return None
+        parsed = _offset_doc(doc)
+        out += [OffsetRecord(shard, None if location < 0 else location, owner, parsed)
+                for shard, location in zip(map(int, listed), map(int, at), strict=True) if shard in wanted]
+    out.sort(key=_by_shard)
+    return out
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _by_shard(record: OffsetRecord) -> int:
+    return record.shard
+
+
+def _offset_doc(doc: str | bytes) -> dict[str, Any]:
     try:
-        parsed = orjson.loads(doc)  # a record per shard read: 4096 at each claim of a store coordinator
+        parsed: dict[str, Any] = orjson.loads(doc)
     except orjson.JSONDecodeError:  # NaN and Infinity, which older versions' json.dumps could store
         parsed = json.loads(doc)
-    return OffsetRecord(int(shard), None if location is None else int(location), owner, parsed)
+    return parsed
 
 
 _DOC_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS  # to default=str, as json does

@@ -162,6 +162,17 @@ class Sink(ABC):
         refused as a whole (the worker hands them over one at a time to find the culprit).
         """
 
+    #: The worker hands the pages of a read of several shards over as one :meth:`deliver_group`.
+    delivers_groups = False
+
+    async def deliver_group(self, runs: Sequence[tuple[int, str, Sequence[Any]]]) -> asyncio.Future[Any]:
+        """Hand over runs of several shards (each as :meth:`deliver` takes one; a shard's in added_id order) as
+        one delivery with one future, which fails if any of them does: each shard then resends its runs.
+        Raises PublishError like :meth:`deliver`. This default delivers each run and settles once all did."""
+        futures = [future for shard, column, items in runs
+                   for future, _count in await self.deliver(shard, column, items)]
+        return asyncio.ensure_future(all_of(futures))
+
     @abstractmethod
     async def deadletter(self, shard: int, record: dict[str, Any]) -> asyncio.Future[Any]:
         """Record a cell the worker gives up on (:func:`tailer.messages.deadletter_record`) in the shard's
@@ -254,3 +265,11 @@ class Publisher(ABC):
 
     async def after_failure(self, exc: BaseException, future: asyncio.Future[Any]) -> None:  # noqa: B027
         """Called when the delivery of ``future`` failed with ``exc`` (e.g. to replace a broken client)."""
+
+
+async def all_of(futures: Sequence[asyncio.Future[Any]]) -> None:
+    """Once every future settled, the first failure among them (each one's is retrieved: none goes unread):
+    the one future of a group delivered in parts."""
+    for outcome in await asyncio.gather(*futures, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome

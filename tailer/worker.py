@@ -55,6 +55,8 @@ _LOOK_SHARE = 0.25
 _LOOK_SHARE_BACKLOG = 0.02
 # Measuring the lag reads every live shard: the measurements are spaced to take at most this share too.
 _LAG_SHARE = 0.05
+# A page's runs of one column: (the cells, the sink's form of each).
+_Runs = list[tuple[list[AnyCell], list[Any]]]
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -387,6 +389,10 @@ class Tailer:
         for future in [f for f in self._reads if f.done()]:
             shards, _reserved = self._reads.pop(future)
             pages = decoded(future.result())
+            # The pages of a read of many shards go to a sink that takes groups as one delivery: at 4096
+            # shards a read holds a hundred pages of a few cells, and a delivery per page cost more than they.
+            group: list[tuple[ShardState, _Runs]] | None = (
+                [] if self.sink.delivers_groups and len(shards) > 1 else None)
             for shard in shards:
                 st = self._shards.get(shard)
                 if st is None or st.reading is not future:  # released meanwhile
@@ -394,7 +400,12 @@ class Tailer:
                 st.reading = None
                 self._touched.add(shard)
                 if shard in pages and st.read_from == st.position:  # else a rewind made it stale
-                    busy = await self._send_page(st, *page_of(pages, shard)) or busy
+                    if group is not None and (runs := self._plain_runs(st, pages[shard])) is not None:
+                        group.append((st, runs))
+                    else:
+                        busy = await self._send_page(st, *page_of(pages, shard)) or busy
+            if group:
+                busy = await self._send_group(group) or busy
         now = self._clock()
         self._start_reads(now)
         if self._ready or self._unsettled >= self.config.page_size:
@@ -601,6 +612,60 @@ class Tailer:
             st.drained = True
         return True
 
+    def _plain_runs(self, st: ShardState, page: Sequence[AnyCell] | LogstoreError) -> _Runs | None:
+        """A page's runs of one column as (cells, what the sink accepted), when nothing in it needs more than a
+        delivery: no read error, no cell to pass over or dead-letter, no column new to the sink, no failed
+        delivery or refused cell in the shard. None sends the page alone (:meth:`_send_page`)."""
+        if (isinstance(page, LogstoreError) or not page or st.shard in self._failing
+                or st.acked < st.singles_until):
+            return None
+        runs: _Runs = []
+        column = ""
+        accept, prepared, everything = self.sink.accept, self._prepared, self.config.columns is None
+        try:
+            for cell in page:
+                if cell.column != column:
+                    column = cell.column
+                    if (everything and column[0] == "_") or column not in prepared:
+                        return None
+                    cells: list[AnyCell] = []
+                    items: list[Any] = []
+                    runs.append((cells, items))
+                items.append(accept(cell))
+                cells.append(cell)
+        except (TypeError, ValueError, PublishError):
+            return None  # sent alone, which dead-letters the cell
+        return runs
+
+    async def _send_group(self, group: list[tuple[ShardState, _Runs]]) -> bool:
+        """Deliver the plain pages of several shards as one delivery with one future (one settling for all:
+        a failure rewinds each of them)."""
+        try:
+            future = await self.sink.deliver_group(
+                [(st.shard, cells[0].column, items) for st, runs in group for cells, items in runs])
+        except PublishError as exc:
+            for st, runs in group:
+                if not exc.retriable:  # refused as a whole: each shard looks for the culprit alone
+                    st.singles_until = max(st.singles_until, runs[-1][0][-1].added_id)
+                self._failed(st, exc, "publish")
+            return False
+        messages = 0
+        for st, runs in group:
+            read = 0
+            for cells, _items in runs:
+                last = cells[-1]
+                st.inflight.append(Pending(last.added_id, future, cells[0], self.sink.destination(last.column),
+                                           False, len(cells)))
+                read += len(cells)
+            st.position = st.inflight[-1].added_id
+            messages += read
+            if read < st.read_limit:
+                st.drained = True
+        self._unsettled += messages
+        future.add_done_callback(functools.partial(self._settled, tuple(st.shard for st, _runs in group), messages),
+                                 context=self._callback_context)
+        return True
+
     async def _send_cells(self, st: ShardState, cells: Sequence[AnyCell]) -> bool:
         """Deliver cells in order: each run of cells of one column together, and a cell the sink does
         not accept as a dead letter in its place. False once the shard failed."""
@@ -701,15 +766,15 @@ class Tailer:
         st.inflight.append(pending)
         st.position = pending.added_id
         self._unsettled += pending.messages
-        pending.future.add_done_callback(functools.partial(self._settled, st.shard, pending.messages),
+        pending.future.add_done_callback(functools.partial(self._settled, (st.shard,), pending.messages),
                                          context=self._callback_context)
 
-    def _settled(self, shard: int, messages: int, future: asyncio.Future[Any]) -> None:
-        # The exception is retrieved here (a rewind may drop the future unread) and marks the shard for _broken.
+    def _settled(self, shards: tuple[int, ...], messages: int, future: asyncio.Future[Any]) -> None:
+        # The exception is retrieved here (a rewind may drop the future unread) and marks the shards for _broken.
         if future.cancelled() or future.exception() is not None:
-            self._failing.add(shard)
+            self._failing.update(shards)
         self._unsettled -= messages
-        self._acked.add(shard)  # _collect looks at the shards whose deliveries settled, not at every shard
+        self._acked.update(shards)  # _collect looks at the shards whose deliveries settled, not at every shard
         self._wakeup.set()
 
     def _take_acked(self) -> list[ShardState]:

@@ -3,25 +3,27 @@
 The tailer worker (:class:`tailer.worker.Tailer`) already reads the shard logs in
 order, owns shards through a coordinator (offsets in the store, or shared through
 ZooKeeper) and commits only positions whose deliveries were acknowledged. Here its
-sink is :class:`HandlerSink`: instead of sending cells to Kafka it queues each run
-the worker hands over (consecutive cells of a shard and a column, up to a page) for the
-handlers, one queue per shard worked through in order, and acknowledges the run once
-every handler succeeded or dead-lettered each of its cells: one future per page, not
-per cell. So a shard's cells are never handled concurrently nor out of order, and a
-crash re-delivers at most the cells after the last commit.
+sink is :class:`HandlerSink`: instead of sending cells to Kafka it takes what the
+worker hands over as units (a run of consecutive cells of a shard and a column, up to a
+page; or, from a read of many shards, all their pages at once, split by shard when the
+handlers wait so that shards run side by side) and acknowledges a unit
+once every handler succeeded or dead-lettered each of its cells: one future per unit,
+not per cell. A unit runs only after every earlier unit with one of its shards has
+settled, and a failed or abandoned unit fails those waiting for it: so a shard's cells
+are never handled concurrently nor out of order, and a crash re-delivers at most the
+cells after the last commit.
 
-The queues are worked by a pool of at most ``max_active_shards`` tasks in round robin,
-rather than by a task per shard: with 4096 shards a task per shard with cells cost more
-than the cells did. The pool grows only while all its tasks wait on handlers, so
-handlers that never wait are run by one task. A task takes a batch off the front of the
-line: the next cells of one shard and, within ``page_size`` cells, those of the shards
-after it, as many as its share of the line (the line over the batches that can run at
-once: tasks, or the pool's threads for synchronous handlers), or all of them while the
-handlers do not wait (one task runs them one after another anyway). At 4096 shards a page
-holds a few cells, and a call of the processor per page (a trip to the thread pool, for a
-synchronous handler) cost more than its cells. The shards of a batch wait for each
-other as a partition's cells do in Kafka mode: a cell whose handler retries holds up the
-cells after it.
+The units are worked by a pool of at most ``max_active_shards`` tasks in the order they
+became runnable, rather than by a task per shard: with 4096 shards a task per shard with
+cells cost more than the cells did. The pool grows only while all its tasks wait on
+handlers, so handlers that never wait are run by one task. A task takes a batch off the
+front of the line: units within ``page_size`` cells, as many as its share of the line
+(the line over the batches that can run at once: tasks, or the pool's threads for
+synchronous handlers), or all of them while the handlers do not wait (one task runs them
+one after another anyway). At 4096 shards a page holds a few cells, and a delivery and a
+call of the processor per page (a trip to the thread pool, for a synchronous handler)
+cost more than its cells. The shards of a batch wait for each other as a partition's
+cells do in Kafka mode: a cell whose handler retries holds up the cells after it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from indexer.runtime.config import AppConfig
 from indexer.runtime.handlers import Processor, tailer_deadletter
@@ -40,7 +42,7 @@ from logstore.extras import require
 from tailer.config import TailerConfig
 from tailer.coordinators.store import StoreCoordinator
 from tailer.errors import PublishError
-from tailer.interfaces import Coordinator, Sink
+from tailer.interfaces import Coordinator, Sink, all_of
 from tailer.metrics import TailerMetrics
 from tailer.worker import Tailer
 
@@ -48,25 +50,36 @@ logger = logging.getLogger(__name__)
 _SLICE = 0.002  # seconds a handler worker runs batches that never wait before it lets the loop run
 
 
-class _Item(NamedTuple):
-    """A run of a shard's cells handed over together and acknowledged together, or a dead-letter record."""
+class _Unit:
+    """Cells handed over together and acknowledged together (a run of a shard, or the runs of several shards
+    that the worker read at once), or a dead-letter record. It runs once every unit handed over before it
+    with one of its shards has settled: so a shard's cells are handled in order, never two at once."""
 
-    cells: list[Cell] | None
-    deadletter: dict[str, Any] | None  # the tailer's dead-letter record of a cell it could not read
-    future: asyncio.Future[None]
+    __slots__ = ("cells", "deadletter", "future", "shards", "taken", "then", "waits")
+
+    def __init__(self, shards: tuple[int, ...], cells: list[Cell] | None, deadletter: dict[str, Any] | None) -> None:
+        self.shards = shards
+        self.cells = cells
+        self.deadletter = deadletter  # the tailer's dead-letter record of a cell it could not read
+        self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waits = 0  # units before it, with one of its shards, not settled yet
+        self.then: list[_Unit] | None = None  # units waiting for this one
+        self.taken = False  # under way: a worker is handling it
 
 
 class HandlerSink(Sink):
     """The tailer's sink in direct mode: hands cells to the processor, in order per shard."""
 
+    delivers_groups = True
+
     def __init__(self, processor: Processor, batch_size: int, max_workers: int = 256) -> None:
         self.processor = processor
-        # Consecutive cells of a shard handled together (an index applies them at once); runs are not split.
+        # Cells handled together by a worker (an index applies them at once); a unit is never split.
         self.batch_size = batch_size
         self.max_workers = max_workers
-        self._queues: dict[int, deque[_Item]] = {}
-        self._runnable: deque[int] = deque()  # shards with cells queued and no worker on them, in turn
-        self._scheduled: set[int] = set()  # runnable or being worked on: one worker per shard at a time
+        self._last: dict[int, _Unit] = {}  # per shard, its last unit not settled: the next one waits for it
+        self._unsettled: dict[_Unit, None] = {}  # in the order handed over
+        self._runnable: deque[_Unit] = deque()  # units nothing waits for, not under way, in turn
         self._workers: set[asyncio.Task[None]] = set()
         self._busy = 0  # workers inside a batch (waiting on its handlers, if they wait)
         # Batches at once that handlers can use: a pool's threads run the synchronous ones.
@@ -79,9 +92,9 @@ class HandlerSink(Sink):
         self._running = True
 
     async def stop(self) -> None:
-        """Abandon what is queued; wait for the handlers under way (the worker's drain already did)."""
+        """Abandon what is not under way; wait for the handlers under way (the worker's drain already did)."""
         self._running = False
-        self.abandon(list(self._queues))
+        self.abandon(list(self._last))
         if self._workers:
             await asyncio.gather(*self._workers, return_exceptions=True)
 
@@ -94,20 +107,38 @@ class HandlerSink(Sink):
         if not self._running:
             raise PublishError("the app is stopping", retriable=True)
         # The worker's list is the sink's from now on (it builds one per run): not copied.
-        cells = items if isinstance(items, list) else list(items)
-        item = _Item(cells, None, asyncio.get_running_loop().create_future())
-        self._queue(shard).append(item)
-        self._kick(shard)
-        return [(item.future, len(items))]
+        unit = _Unit((shard,), items if isinstance(items, list) else list(items), None)
+        self._add(unit)
+        return [(unit.future, len(items))]
+
+    async def deliver_group(self, runs: Sequence[tuple[int, str, Sequence[Any]]]) -> asyncio.Future[Any]:
+        if not self._running:
+            raise PublishError("the app is stopping", retriable=True)
+        by_shard: dict[int, list[Cell]] = {}  # a shard's runs come one after another: kept in order
+        for shard, _column, items in runs:
+            cells = by_shard.get(shard)
+            if cells is None:
+                by_shard[shard] = list(items)
+            else:
+                cells += items
+        if self._waited:
+            # Handlers that wait run shards side by side: a unit per shard, shared out over the batches as
+            # the line is. Only handlers that never wait take the group as one unit (one task runs it all).
+            units = [_Unit((shard,), cells, None) for shard, cells in by_shard.items()]
+            for unit in units:
+                self._add(unit)
+            return asyncio.ensure_future(all_of([unit.future for unit in units]))
+        unit = _Unit(tuple(by_shard), [cell for cells in by_shard.values() for cell in cells], None)
+        self._add(unit)
+        return unit.future
 
     async def deadletter(self, shard: int, record: dict[str, Any]) -> asyncio.Future[Any]:
         """A stored cell the worker could not decode: each handler of its column dead-letters it."""
         if not self._running:
             raise PublishError("the app is stopping", retriable=True)
-        item = _Item(None, record, asyncio.get_running_loop().create_future())
-        self._queue(shard).append(item)
-        self._kick(shard)
-        return item.future
+        unit = _Unit((shard,), None, record)
+        self._add(unit)
+        return unit.future
 
     async def before_commit(self) -> None:
         """Flush the handlers that buffer (warehouse sinks) before the worker commits their positions."""
@@ -118,140 +149,143 @@ class HandlerSink(Sink):
             raise PublishError(f"a handler could not flush: {type(exc).__name__}: {exc}", retriable=retriable) from exc
 
     def abandon(self, shards: Iterable[int]) -> None:
-        """Cancel what is queued; cells being handled (taken off the queue) finish."""
-        for shard in shards:
-            queue = self._queues.get(shard)
-            while queue:
-                queue.popleft().future.cancel()
+        """Cancel the units of ``shards`` not under way, and with them those waiting for them (the cells of
+        other shards in them too: they are delivered again). Units under way finish."""
+        leaving = set(shards)
+        for unit in list(self._unsettled):
+            if not unit.taken and not unit.future.done() and not leaving.isdisjoint(unit.shards):
+                self._settle(unit, asyncio.CancelledError())
 
-    def _queue(self, shard: int) -> deque[_Item]:
-        queue = self._queues.get(shard)  # not setdefault: that builds a deque on every call
-        if queue is None:
-            queue = self._queues[shard] = deque()
-        return queue
+    def _add(self, unit: _Unit) -> None:
+        last = self._last
+        for shard in unit.shards:
+            before = last.get(shard)
+            if before is not None:
+                if before.then is None:
+                    before.then = []
+                before.then.append(unit)
+                unit.waits += 1
+            last[shard] = unit
+        self._unsettled[unit] = None
+        if not unit.waits:
+            self._runnable.append(unit)
+            if self._busy == len(self._workers):  # else a worker not waiting on a handler comes back for it
+                self._spawn()
 
-    def _kick(self, shard: int) -> None:
-        if shard in self._scheduled:  # its worker takes the new cells in turn
-            return
-        self._scheduled.add(shard)
-        self._runnable.append(shard)
-        if self._busy == len(self._workers):  # else a worker not waiting on a handler comes back for it
-            self._spawn()
+    def _settle(self, unit: _Unit, error: BaseException | None) -> None:
+        """Acknowledge ``unit`` (``error`` None) or fail it, and with it every unit waiting for it: a shard's
+        later cells must not be handled before the worker has resent the failed ones."""
+        failed = [unit]
+        while failed:
+            unit = failed.pop()
+            if unit.future.done():  # failed already, through another of its shards
+                continue
+            if error is None:
+                unit.future.set_result(None)
+            elif isinstance(error, asyncio.CancelledError):
+                unit.future.cancel()
+            else:
+                unit.future.set_exception(error)
+            del self._unsettled[unit]
+            for shard in unit.shards:
+                if self._last.get(shard) is unit:
+                    del self._last[shard]
+            for later in unit.then or ():
+                later.waits -= 1
+                if error is not None:
+                    failed.append(later)
+                elif not later.waits:
+                    self._runnable.append(later)
+            if error is None and self._runnable and self._busy == len(self._workers):
+                self._spawn()
 
     def _spawn(self) -> None:
         """One more worker, within ``max_workers``. Workers are added only while every one waits on a
-        handler: a task per kicked shard cost 4096 shards more than their cells when handlers never wait."""
+        handler: a task per unit cost 4096 shards more than their cells when handlers never wait."""
         if len(self._workers) < self.max_workers:
             task = asyncio.create_task(self._worker(), name=f"handlers-{len(self._workers)}")
             self._workers.add(task)
             task.add_done_callback(self._workers.discard)  # also if it never ran
 
     async def _worker(self) -> None:
-        """Work the shards in line a batch at a time, each shard of a batch going to the back of the line after it."""
+        """Work the units in line a batch at a time."""
         loop = asyncio.get_running_loop()
         pause_at = loop.time() + _SLICE
         try:
             while self._runnable and self.processor.stalled is None:
                 taken = self._take()
+                if not taken:
+                    continue
                 self._busy += 1
                 if self._runnable and self._busy == len(self._workers):  # the others wait on handlers too
                     self._spawn()
-                again = False
                 try:
-                    again = await self._work(taken)
-                finally:  # a shard is never left scheduled without being in line
+                    await self._work(taken)
+                finally:
                     self._busy -= 1
-                    for shard, queue, _items in taken:
-                        if again and queue:
-                            self._runnable.append(shard)
-                        else:
-                            self._scheduled.discard(shard)
-                            if not queue:  # an idle shard keeps no queue (deliver makes one)
-                                del self._queues[shard]
                 if loop.time() >= pause_at:  # handlers that never wait must not hold up the worker loop for long
                     await asyncio.sleep(0)
                     pause_at = loop.time() + _SLICE
         finally:
-            # At once, not in a done callback: a shard made runnable from now on needs a new worker.
+            # At once, not in a done callback: a unit made runnable from now on needs a new worker.
             self._workers.discard(asyncio.current_task())
 
-    def _take(self) -> list[tuple[int, deque[_Item], list[_Item]]]:
-        """The next batch, off the front of the line: the first shard's next cells and, within ``batch_size``
-        cells, the next shards' too: as many as handlers that do not wait can take (all of them: one task runs
-        them one after another either way), or when they wait, a share of the line split over the batches that
-        can still start. A dead letter goes alone. (shard, its queue, its items) each."""
+    def _take(self) -> list[_Unit]:
+        """The next batch, off the front of the line: units within ``batch_size`` cells (the first whatever its
+        size), as many as handlers that do not wait can take (all of them: one task runs them one after another
+        either way), or when they wait, a share of the line split over the batches that can still start. A
+        dead letter goes alone."""
         lanes = max(1, self.lanes - self._busy)  # the batches that can still start beside those under way
         most = len(self._runnable) if not self._waited else -(-len(self._runnable) // lanes)
-        taken: list[tuple[int, deque[_Item], list[_Item]]] = []
+        taken: list[_Unit] = []
         size = 0
         while self._runnable and len(taken) < most:
-            shard = self._runnable[0]
-            queue = self._queues[shard]
-            while queue and queue[0].future.done():  # abandoned
-                queue.popleft()
-            head = queue[0].cells if queue else []
-            if taken and (head is None or size + len(head) > self.batch_size):
+            unit = self._runnable[0]
+            if unit.future.done():  # abandoned
+                self._runnable.popleft()
+                continue
+            if taken and (unit.cells is None or size + len(unit.cells) > self.batch_size):
                 break
             self._runnable.popleft()
-            items = self._items(queue, self.batch_size - size)
-            taken.append((shard, queue, items))
-            if head is None:
+            unit.taken = True
+            taken.append(unit)
+            if unit.cells is None:
                 break
-            size += sum(len(item.cells or ()) for item in items)
+            size += len(unit.cells)
         return taken
 
-    def _items(self, queue: deque[_Item], room: int) -> list[_Item]:
-        """The shard's next items: a dead letter alone, or consecutive runs of cells within ``room`` cells (the
-        first run whatever its size: runs are not split)."""
-        if not queue:
-            return []
-        items = [queue.popleft()]
-        size = len(items[0].cells or ())
-        while (size and queue and queue[0].cells is not None and size + len(queue[0].cells) <= room
-               and not queue[0].future.done()):
-            size += len(queue[0].cells)
-            items.append(queue.popleft())
-        return items
-
-    async def _work(self, taken: list[tuple[int, deque[_Item], list[_Item]]]) -> bool:
-        """Handle a batch; False when the app stalled (the batch stays queued, in front)."""
-        batch = [item for _shard, _queue, items in taken for item in items]
-        if not batch:
-            return True
+    async def _work(self, taken: list[_Unit]) -> None:
+        """Handle a batch and settle its units; when the app stalled, they stay unsettled, in front."""
         ticks = self._ticks
         asyncio.get_running_loop().call_soon(self._tick)  # runs before the batch ends only if a handler waits
         try:
-            done = await self._handle(batch)
+            done = await self._handle(taken)
         except Exception as exc:  # e.g. the store is down while dead-lettering: redeliver from here
             logger.warning("shards %s: cells not settled (%s); they will be delivered again",
-                           ", ".join(str(shard) for shard, _queue, _items in taken), exc)
+                           ", ".join(str(shard) for unit in taken for shard in unit.shards), exc)
             error = PublishError(f"not settled: {type(exc).__name__}: {exc}", retriable=True)
-            for _shard, queue, items in taken:
-                for rest in [*items, *queue]:
-                    if not rest.future.done():
-                        rest.future.set_exception(error)
-                queue.clear()
-            return True
+            for unit in taken:
+                self._settle(unit, error)
+            return
         finally:
             self._waited = self._ticks != ticks
-        if not done:
-            for _shard, queue, items in taken:  # stalled: unacknowledged (abandoned when the app stops)
-                queue.extendleft(reversed(items))
-            return False
-        for item in batch:
-            if not item.future.done():
-                item.future.set_result(None)
-        return True
+        if not done:  # stalled: unacknowledged (abandoned when the app stops)
+            for unit in reversed(taken):
+                unit.taken = False
+                self._runnable.appendleft(unit)
+            return
+        for unit in taken:
+            self._settle(unit, None)
 
     def _tick(self) -> None:
         self._ticks += 1
 
-    async def _handle(self, batch: list[_Item]) -> bool:
+    async def _handle(self, batch: list[_Unit]) -> bool:
         first = batch[0]
         if first.cells is not None:
             return await self.processor.process_many(
                 [(cell, {"mode": "direct", "shard": cell.shard, "added_id": cell.added_id})
-                 for item in batch for cell in item.cells or ()], by_shard=True)
+                 for unit in batch for cell in unit.cells or ()], by_shard=True)
         where, failure = tailer_deadletter(first.deadletter or {})
         source = {"mode": "direct", "shard": where.get("shard"), "added_id": where.get("added_id")}
         return await self.processor.undecodable(where, source, failure)

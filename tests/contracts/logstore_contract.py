@@ -486,6 +486,16 @@ class StoreContract:
         assert found[3].location == 5 and found[1].location is None
         assert store.read_offsets("other") == {}
 
+    def test_a_claim_reads_back_each_shards_own_location_and_doc(self, store: logstore.Store) -> None:
+        store.claim_offsets("billing", "worker-a")
+        docs = {0: (5, {"e": "A"}), 1: (6, {"e": "a"}), 2: (7, {"e": "a "}), 3: (8, {"e": "a"})}  # case, spaces
+        assert store.commit_offsets("billing", "worker-a", docs) == set()
+        claimed = store.claim_offsets("billing", "worker-b")
+        assert list(claimed) == list(range(self.shards))
+        assert {s: (r.location, r.doc) for s, r in claimed.items() if s in docs} == docs
+        assert all(r.owner == "worker-b" for r in claimed.values())
+        assert all((r.location, r.doc) == (None, {}) for s, r in claimed.items() if s not in docs)
+
     def test_a_commit_of_every_shard_keeps_each_doc(self, store: logstore.Store) -> None:
         store.claim_offsets("billing", "worker-a")
         docs = {s: (s + 1, {"note": f"100% ✓ {s}", "quote": "it's"}) for s in range(self.shards)}

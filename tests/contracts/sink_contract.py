@@ -22,9 +22,9 @@ from tailer.messages import coordinates, deadletter_record
 SHARD = 3
 
 
-def cells(first: int, n: int, column: str = "BASE") -> list[Cell]:
+def cells(first: int, n: int, column: str = "BASE", shard: int = SHARD) -> list[Cell]:
     now = dt.datetime.now(dt.UTC)
-    return [Cell(uuid.uuid4(), column, 1, {"n": i}, i, SHARD, now) for i in range(first, first + n)]
+    return [Cell(uuid.uuid4(), column, 1, {"n": i}, i, shard, now) for i in range(first, first + n)]
 
 
 def record_of(cell: Cell) -> dict[str, Any]:
@@ -60,6 +60,27 @@ class SinkContract:
         asyncio.run(run())
         assert self.received(sink) == [("cell", i) for i in range(1, 6)] + [("deadletter", 6)] + [
             ("cell", i) for i in range(7, 11)]
+
+    def test_a_group_of_several_shards_runs_keeps_each_shards_order_with_what_follows(self, sink: Sink) -> None:
+        other = cells(100, 3, shard=SHARD + 1)  # another shard (another partition): not in received()
+
+        async def run() -> None:
+            await sink.start()
+            try:
+                await sink.prepare("BASE")
+                group = await sink.deliver_group([
+                    (SHARD + 1, "BASE", [sink.accept(c) for c in other]),
+                    (SHARD, "BASE", [sink.accept(c) for c in cells(1, 3)]),
+                    (SHARD, "BASE", [sink.accept(c) for c in cells(4, 2)]),
+                ])
+                futures = [group, *(f for f, _ in await sink.deliver(SHARD, "BASE", [sink.accept(c)
+                                                                                    for c in cells(6, 3)]))]
+                await asyncio.wait_for(asyncio.gather(*futures), 30)
+                await sink.before_commit()
+            finally:
+                await sink.stop()
+        asyncio.run(run())
+        assert [event for event in self.received(sink) if event[1] < 100] == [("cell", i) for i in range(1, 9)]
 
     def test_each_future_covers_its_count_of_the_items_in_order(self, sink: Sink) -> None:
         batch = cells(1, 40)

@@ -15,6 +15,7 @@ import pytest
 from pymysql.constants import SERVER_STATUS
 
 import logstore
+from logstore.backends.mysql import recorder as mysql_recorder
 from logstore.config import parse_node_url
 from tests.contracts.logstore_contract import StoreContract, assert_no_skip, store_recorders
 from tests.harness.shared_servers import mysql_admin
@@ -328,3 +329,18 @@ def test_times_parsed_from_a_page_are_remembered_within_a_bound(mysql_database: 
                 for cell in cells]
     assert sorted(read, key=lambda c: (c.shard, c.added_id)) == sorted(written, key=lambda c: (c.shard, c.added_id))
     assert 1 <= len(recorder._times) <= 2
+
+
+def test_a_claim_whose_grouped_read_comes_back_cut_short_reads_a_row_a_shard(
+        mysql_database: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim reads a row per distinct doc with its shards in one text, which group_concat_max_len could cut
+    short; the count in the row tells, and the claim then reads the shards a row each."""
+    with logstore.open(mysql_database, shards=16) as store:
+        store.claim_offsets("billing", "worker-a")
+        docs = {s: (s + 10, {"n": s % 3}) for s in range(0, 16, 2)}
+        store.commit_offsets("billing", "worker-a", docs)
+        whole = store.claim_offsets("billing", "worker-b")
+        monkeypatch.setattr(mysql_recorder, "_CLAIMED", mysql_recorder._CLAIMED.replace("COUNT(*)", "COUNT(*) + 1"))
+        again = store.claim_offsets("billing", "worker-c", range(8))
+    assert {s: (r.location, r.doc) for s, r in whole.items() if s in docs} == docs
+    assert again == {s: whole[s]._replace(owner="worker-c") for s in range(8)}

@@ -63,7 +63,7 @@ class TestKafkaTopics(SinkContract):
 
 
 class TestHandlers(SinkContract):
-    """Direct mode: one queue per shard, so cells and dead letters keep one order across both kinds."""
+    """Direct mode: a shard's deliveries run in the order handed over, so cells and dead letters keep one order."""
 
     @pytest.fixture
     def sink(self, sqlite_url: str) -> Iterator[Sink]:

@@ -64,6 +64,7 @@ from logstore.persistence import (
     PendingCell,
     PendingRecord,
     check_meta,
+    claimed_records,
     decode_log,
     decode_pages,
     make_cell,
@@ -112,6 +113,11 @@ _CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES {
 _UPSERT_OFFSETS = ("INSERT INTO cellstream_offsets (consumer, shard, owner, location, doc) VALUES {}"
                    " ON DUPLICATE KEY UPDATE location = VALUES(location), doc = VALUES(doc), commits = commits + 1")
 _OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = %s ORDER BY shard"
+# One row per distinct doc, not per shard (see claimed_records): pymysql builds each row in Python. Grouped by
+# the doc's bytes: the column's collation would take docs differing in case or trailing spaces for one.
+_CLAIMED = ("SELECT CAST(doc AS BINARY) AS d, GROUP_CONCAT(shard ORDER BY shard),"
+            " GROUP_CONCAT(IFNULL(location, -1) ORDER BY shard), COUNT(*) FROM cellstream_offsets"
+            " WHERE consumer = %s GROUP BY d")
 CELL_COLUMNS = "shard, added_id, row_key, column_name, ref_key, body, created_at"
 # A log row as three fields: pymysql spends more on each field of a row than on its bytes, so a page of
 # cells comes back with the key, time, ref_key, column and body packed in one (see _log_row_to_cell).
@@ -661,8 +667,12 @@ class MySQLRecorder(NodeRecorder):
         def run(cur: pymysql.cursors.Cursor) -> list[OffsetRecord]:
             for start in range(0, len(rows), 5000):
                 cur.execute(_CLAIM.format(", ".join(rows[start:start + 5000])))
-            cur.execute(_OFFSETS, (consumer,))
-            return [offset_record(*row) for row in cur.fetchall() if row[0] in wanted]
+            cur.execute(_CLAIMED, (consumer,))
+            records = claimed_records(cur.fetchall(), owner, wanted)
+            if records is None:  # a group's text longer than group_concat_max_len: a row a shard, then
+                cur.execute(_OFFSETS, (consumer,))
+                records = [offset_record(*row) for row in cur.fetchall() if row[0] in wanted]
+            return records
         return self._call("claim offsets", run)
 
     def commit_offsets(self, consumer: str, owner: str, offsets: dict[int, tuple[int, str]]) -> set[int]:
