@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 from selenium import webdriver
-from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException, WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -53,8 +53,18 @@ def shot(driver: WebDriver, name: str) -> None:
 
 
 def until(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    """Until ``check()`` is true. A page that reloads itself (a job's) may be replaced while the check reads
+    it: an element gone stale or not rendered yet counts as not yet (a CI run failed on a stale one)."""
     deadline = time.monotonic() + timeout
-    while not check():
+    while True:
+        try:
+            if check():
+                return
+        except (StaleElementReferenceException, NoSuchElementException):
+            pass
+        except WebDriverException as exc:
+            if "does not belong to the document" not in (exc.msg or ""):
+                raise
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
 
