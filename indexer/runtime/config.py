@@ -25,9 +25,8 @@ class AppConfig(BaseModel):
     concurrency: int = Field(8, ge=1, le=256, description="threads running synchronous handlers (shards in parallel)")
     max_active_shards: int = Field(
         256, ge=1, le=100_000,
-        description="direct mode: batches handled at the same time (a batch holds one shard's cells or, when "
-                    "handlers do not wait or more shards wait than tasks, several shards'); the shards with cells "
-                    "queued take turns in round robin",
+        description="direct mode: batches handled at the same time (a batch holds one shard's cells or several "
+                    "shards'); what waits is taken in the order it became ready, each shard's cells in order",
     )
     start_from: StartFrom = Field("beginning", description="where a shard with no committed offset starts")
     page_size: int = Field(500, ge=1, le=10_000)

@@ -114,23 +114,20 @@ class HandlerSink(Sink):
     async def deliver_group(self, runs: Sequence[tuple[int, str, Sequence[Any]]]) -> asyncio.Future[Any]:
         if not self._running:
             raise PublishError("the app is stopping", retriable=True)
+        if not self._waited:  # handlers that never wait take the group as one unit: one task runs it all
+            unit = _Unit(tuple(dict.fromkeys(shard for shard, _column, _items in runs)),
+                         [cell for _shard, _column, items in runs for cell in items], None)
+            self._add(unit)
+            return unit.future
+        # Handlers that wait run shards side by side: a unit per shard, shared out over the batches as the
+        # line is.
         by_shard: dict[int, list[Cell]] = {}  # a shard's runs come one after another: kept in order
         for shard, _column, items in runs:
-            cells = by_shard.get(shard)
-            if cells is None:
-                by_shard[shard] = list(items)
-            else:
-                cells += items
-        if self._waited:
-            # Handlers that wait run shards side by side: a unit per shard, shared out over the batches as
-            # the line is. Only handlers that never wait take the group as one unit (one task runs it all).
-            units = [_Unit((shard,), cells, None) for shard, cells in by_shard.items()]
-            for unit in units:
-                self._add(unit)
-            return asyncio.ensure_future(all_of([unit.future for unit in units]))
-        unit = _Unit(tuple(by_shard), [cell for cells in by_shard.values() for cell in cells], None)
-        self._add(unit)
-        return unit.future
+            by_shard.setdefault(shard, []).extend(items)
+        units = [_Unit((shard,), cells, None) for shard, cells in by_shard.items()]
+        for unit in units:
+            self._add(unit)
+        return asyncio.ensure_future(all_of([unit.future for unit in units]))
 
     async def deadletter(self, shard: int, record: dict[str, Any]) -> asyncio.Future[Any]:
         """A stored cell the worker could not decode: each handler of its column dead-letters it."""
