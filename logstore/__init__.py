@@ -33,7 +33,8 @@ from logstore.lazy import lazy_exports
 if TYPE_CHECKING:
     from logstore.cell import Cell, PackedCell
     from logstore.config import DEFAULT_SHARDS, ClusterConfig, MySQLTarget, NodeTarget, StoreOptions
-    from logstore.persistence import NodeRecorder, OffsetRecord, UndecodedPages
+    from logstore.offsets import OffsetRecord
+    from logstore.persistence import NodeRecorder, UndecodedPages
     from logstore.store import ShardInfo, Store
 
 __all__ = [
@@ -70,7 +71,7 @@ _LAZY = {
     "DEFAULT_SHARDS": "logstore.config",
     "ClusterConfig": "logstore.config",
     "StoreOptions": "logstore.config",
-    "OffsetRecord": "logstore.persistence",
+    "OffsetRecord": "logstore.offsets",
     "UndecodedPages": "logstore.persistence",
     "ShardInfo": "logstore.store",
     "Store": "logstore.store",

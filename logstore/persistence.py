@@ -16,18 +16,17 @@ Contract every recorder keeps (tests/logstore_contract.py checks it on each one)
 from __future__ import annotations
 
 import datetime as dt
-import json
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import msgpack
-import orjson
 
 from logstore.cell import AnyCell, Cell, PackedCell, decode_body, same_json, unpack_body
 from logstore.errors import CellConflictError, ConfigurationError, CorruptCellError, StorageError
 from logstore.index_tables.persistence import IndexRecorder
+from logstore.offsets import OffsetRecord
 from logstore.retry import RetryPolicy
 
 FORMAT_VERSION = 1
@@ -67,16 +66,6 @@ class NodeMeta(NamedTuple):
     shard_count: int
     first: int
     last: int
-
-
-class OffsetRecord(NamedTuple):
-    """A consumer's committed position in one shard; ``location`` None when it never committed. The records of
-    one claim may share a ``doc`` object: read it, never change it."""
-
-    shard: int
-    location: int | None
-    owner: str
-    doc: dict[str, Any]
 
 
 class NodeRecorder(ABC):
@@ -219,8 +208,9 @@ class NodeRecorder(ABC):
         """Cells per shard, for every shard of the node."""
 
     # Consumer offsets: the one mutable table. A consumer (a tailer or an app) keeps
-    # its position per shard on the node holding the shard; the owner column fences
-    # a process that lost the shards to another (its commits change nothing).
+    # its position per shard on the node holding the shard, all of a node's in one row
+    # (logstore.offsets); each shard's owner fences a process that lost the shard to
+    # another (its commits change nothing).
     @abstractmethod
     def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
         """Make ``owner`` the holder of the consumer's offsets of ``shards`` (creating them); return them."""
@@ -235,60 +225,6 @@ class NodeRecorder(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
-
-
-def offset_record(shard: int, location: int | None, owner: str, doc: str | bytes) -> OffsetRecord:
-    return OffsetRecord(int(shard), None if location is None else int(location), owner, _offset_doc(doc))
-
-
-def claimed_records(rows: Iterable[Sequence[Any]], owner: str, wanted: set[int]) -> list[OffsetRecord] | None:
-    """The records of ``wanted`` shards, now held by ``owner``, from a read of one row per distinct doc: (the
-    doc, its shards and their locations comma-separated in one order with -1 for none, how many). A claim of
-    4096 shards read them a row each, and the rows cost more than the claim; most shards share one doc, which
-    is parsed once and shared by its records (read them, never change them). None if a row came back cut
-    short (a server's limit on the length of a group's text): read them a row each then."""
-    out: list[OffsetRecord] = []
-    for doc, shards, locations, count in rows:
-        listed, at = _text(shards).split(","), _text(locations).split(",")
-        if not len(listed) == len(at) == int(count):
-            return None
-        parsed = _offset_doc(doc)
-        out += [OffsetRecord(shard, None if location < 0 else location, owner, parsed)
-                for shard, location in zip(map(int, listed), map(int, at), strict=True) if shard in wanted]
-    out.sort(key=_by_shard)
-    return out
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _by_shard(record: OffsetRecord) -> int:
-    return record.shard
-
-
-def _offset_doc(doc: str | bytes) -> dict[str, Any]:
-    try:
-        parsed: dict[str, Any] = orjson.loads(doc)
-    except orjson.JSONDecodeError:  # NaN and Infinity, which older versions' json.dumps could store
-        parsed = json.loads(doc)
-    return parsed
-
-
-_DOC_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS  # to default=str, as json does
-
-
-def offset_doc(doc: Mapping[str, Any]) -> str:
-    """An offset's doc as stored: compact JSON in ASCII (any column charset holds it), values JSON cannot
-    hold as their ``str``. orjson writes it where its output is ASCII, json.dumps otherwise (and where orjson
-    refuses: keys that are not strings, integers over 64 bits); a commit writes one per shard."""
-    try:
-        out = orjson.dumps(doc, default=str, option=_DOC_OPTIONS)
-        if out.isascii():
-            return out.decode()
-    except TypeError:
-        pass
-    return json.dumps(doc, separators=(",", ":"), default=str)
 
 
 def check_meta(node: str, found: NodeMeta, wanted: NodeMeta) -> None:

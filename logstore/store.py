@@ -34,15 +34,14 @@ from logstore.errors import (
 )
 from logstore.index_tables.persistence import IndexRecorder
 from logstore.index_tables.store import IndexStore
+from logstore.offsets import OffsetRecord, offset_doc
 from logstore.persistence import (
     Coordinates,
     NodeMeta,
     NodeRecorder,
-    OffsetRecord,
     PendingCell,
     PendingRecord,
     UndecodedPages,
-    offset_doc,
 )
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,8 @@ from logstore.config import HttpTarget, StoreOptions
 from logstore.errors import ConfigurationError, CorruptCellError, StorageUnavailableError
 from logstore.index_tables.persistence import IndexRecorder
 from logstore.node.wire import cell_from_json, dumps, error_from_json, loads
-from logstore.persistence import NodeMeta, NodeRecorder, OffsetRecord, PendingCell, check_meta
+from logstore.offsets import OffsetRecord
+from logstore.persistence import NodeMeta, NodeRecorder, PendingCell, check_meta
 from logstore.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)

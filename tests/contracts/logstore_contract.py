@@ -9,11 +9,12 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import json
+import math
 import random
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -31,6 +32,33 @@ def _read_all(store: logstore.Store, shard: int) -> list[logstore.Cell]:
         if not page:
             return cells
         cells.extend(page)
+
+
+# The offsets of the table a row per shard that older versions kept (consumer, shard, owner, location, doc).
+OLD_OFFSETS = [("billing", 0, "worker-a", 17, '{"deadlettered":2}'), ("billing", 1, "worker-a", None, "{}"),
+               ("billing", 2, "worker-b", 5, '{"lag":NaN}'), ("kept", 0, "worker-old", 1, "{}"),
+               ("other", 3, "worker-x", 4, '{"e":"caf\\u00e9"}')]
+
+
+def check_old_offsets_move(url: str, write_old: Callable[[], None], old_table_exists: Callable[[], bool]) -> None:
+    """A store whose node still has the offsets table a row per shard moves them to a row per consumer when it
+    opens: locations, owners (fencing) and docs intact; a consumer already in the new table keeps its own."""
+    with logstore.open(url, shards=4) as store:
+        store.claim_offsets("kept", "worker-new")
+        store.commit_offsets("kept", "worker-new", {0: (9, {})})
+    write_old()
+    with logstore.open(url) as store:
+        found = store.read_offsets("billing")
+        assert {s: (r.location, r.owner) for s, r in found.items()} == {
+            0: (17, "worker-a"), 1: (None, "worker-a"), 2: (5, "worker-b")}
+        assert found[0].doc == {"deadlettered": 2} and math.isnan(found[2].doc["lag"])
+        assert store.read_offsets("other")[3].doc == {"e": "caf\u00e9"}
+        kept = store.read_offsets("kept")
+        assert (kept[0].location, kept[0].owner, len(kept)) == (9, "worker-new", 4)
+        assert store.commit_offsets("billing", "worker-a", {0: (20, {}), 2: (6, {})}) == {2}
+    assert not old_table_exists()
+    with logstore.open(url) as store:  # opening again moves nothing again
+        assert {s: r.location for s, r in store.read_offsets("billing").items()} == {0: 20, 1: None, 2: 5}
 
 
 class StoreContract:
@@ -527,6 +555,31 @@ class StoreContract:
         assert store.commit_offsets("billing", "worker-a", {1: (99, {}), 3: (4, {})}) == {1}
         assert store.read_offsets("billing")[1].location == 10
         assert store.read_offsets("billing")[3].location == 4  # worker-a still holds shard 3
+
+    def test_owners_committing_at_once_lose_none_of_each_others_commits(self, store: logstore.Store) -> None:
+        """A node keeps a consumer's offsets in one row, which every commit rewrites: two owners committing
+        their own shards at the same time must each find the other's last commit there."""
+        evens, odds = list(range(0, self.shards, 2)), list(range(1, self.shards, 2))
+        store.claim_offsets("billing", "worker-a", evens)
+        store.claim_offsets("billing", "worker-b", odds)
+        errors: list[BaseException] = []
+
+        def commit(owner: str, shards: list[int]) -> None:
+            try:
+                for location in range(1, 41):
+                    assert store.commit_offsets("billing", owner, {s: (location, {"n": location}) for s in shards}) \
+                        == set()
+            except BaseException as exc:
+                errors.append(exc)
+        threads = [threading.Thread(target=commit, args=args) for args in (("worker-a", evens), ("worker-b", odds))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        found = store.read_offsets("billing")
+        assert {s: (r.location, r.owner, r.doc) for s, r in found.items()} == {
+            s: (40, "worker-a" if s % 2 == 0 else "worker-b", {"n": 40}) for s in range(self.shards)}
 
     def test_offset_arguments_are_checked(self, store: logstore.Store) -> None:
         with pytest.raises(logstore.InvalidArgumentError, match="consumer"):

@@ -15,9 +15,14 @@ import pytest
 from pymysql.constants import SERVER_STATUS
 
 import logstore
-from logstore.backends.mysql import recorder as mysql_recorder
 from logstore.config import parse_node_url
-from tests.contracts.logstore_contract import StoreContract, assert_no_skip, store_recorders
+from tests.contracts.logstore_contract import (
+    OLD_OFFSETS,
+    StoreContract,
+    assert_no_skip,
+    check_old_offsets_move,
+    store_recorders,
+)
 from tests.harness.shared_servers import mysql_admin
 from tests.harness.stores import two_nodes
 
@@ -331,16 +336,19 @@ def test_times_parsed_from_a_page_are_remembered_within_a_bound(mysql_database: 
     assert 1 <= len(recorder._times) <= 2
 
 
-def test_a_claim_whose_grouped_read_comes_back_cut_short_reads_a_row_a_shard(
-        mysql_database: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A claim reads a row per distinct doc with its shards in one text, which group_concat_max_len could cut
-    short; the count in the row tells, and the claim then reads the shards a row each."""
-    with logstore.open(mysql_database, shards=16) as store:
-        store.claim_offsets("billing", "worker-a")
-        docs = {s: (s + 10, {"n": s % 3}) for s in range(0, 16, 2)}
-        store.commit_offsets("billing", "worker-a", docs)
-        whole = store.claim_offsets("billing", "worker-b")
-        monkeypatch.setattr(mysql_recorder, "_CLAIMED", mysql_recorder._CLAIMED.replace("COUNT(*)", "COUNT(*) + 1"))
-        again = store.claim_offsets("billing", "worker-c", range(8))
-    assert {s: (r.location, r.doc) for s, r in whole.items() if s in docs} == docs
-    assert again == {s: whole[s]._replace(owner="worker-c") for s in range(8)}
+def test_offsets_of_the_table_a_row_per_shard_move_to_a_row_per_consumer(mysql_database: str) -> None:
+    def write_old() -> None:
+        with _connect(mysql_database) as conn, conn.cursor() as cur:
+            cur.execute("CREATE TABLE cellstream_offsets (consumer VARCHAR(200) CHARACTER SET utf8mb4 COLLATE"
+                        " utf8mb4_bin NOT NULL, shard INT NOT NULL, owner VARCHAR(200) NOT NULL, location BIGINT NULL,"
+                        " doc TEXT NOT NULL, commits BIGINT NOT NULL DEFAULT 0, PRIMARY KEY (consumer, shard))")
+            cur.executemany("INSERT INTO cellstream_offsets (consumer, shard, owner, location, doc)"
+                            " VALUES (%s, %s, %s, %s, %s)", OLD_OFFSETS)
+            conn.commit()
+
+    def old_table_exists() -> bool:
+        with _connect(mysql_database) as conn, conn.cursor() as cur:
+            cur.execute("SHOW TABLES LIKE 'cellstream_offsets'")
+            return bool(cur.fetchall())
+
+    check_old_offsets_move(mysql_database, write_old, old_table_exists)

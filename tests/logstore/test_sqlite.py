@@ -1,14 +1,14 @@
 from __future__ import annotations
 
-import math
 import sqlite3
 from pathlib import Path
 
+import msgpack
 import pytest
 
 import logstore
 from logstore.backends.sqlite.recorder import DB_FILE
-from tests.contracts.logstore_contract import StoreContract
+from tests.contracts.logstore_contract import OLD_OFFSETS, StoreContract, check_old_offsets_move
 from tests.harness.stores import sqlite_file
 
 
@@ -61,13 +61,28 @@ def test_sqlite_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         logstore.open("redis://localhost")
 
 
-def test_offset_docs_are_stored_as_ascii_and_docs_of_older_versions_with_nan_still_read(sqlite_url: str) -> None:
+def test_offsets_of_the_table_a_row_per_shard_move_to_a_row_per_consumer(sqlite_url: str) -> None:
+    def write_old() -> None:
+        with sqlite3.connect(sqlite_file(sqlite_url)) as conn:
+            conn.execute("CREATE TABLE cellstream_offsets (consumer TEXT NOT NULL, shard INTEGER NOT NULL, owner TEXT"
+                         " NOT NULL, location INTEGER, doc TEXT NOT NULL DEFAULT '{}', commits INTEGER NOT NULL"
+                         " DEFAULT 0, PRIMARY KEY (consumer, shard))")
+            conn.executemany("INSERT INTO cellstream_offsets (consumer, shard, owner, location, doc)"
+                             " VALUES (?, ?, ?, ?, ?)", OLD_OFFSETS)
+
+    def old_table_exists() -> bool:
+        with sqlite3.connect(sqlite_file(sqlite_url)) as conn:
+            return bool(conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'cellstream_offsets'").fetchall())
+
+    check_old_offsets_move(sqlite_url, write_old, old_table_exists)
+
+
+def test_offset_docs_are_stored_as_ascii(sqlite_url: str) -> None:
     with logstore.open(sqlite_url, shards=2) as store:
         store.claim_offsets("billing", "worker-a")
         store.commit_offsets("billing", "worker-a", {0: (1, {"note": "100% \u2713 caf\u00e9"})})
         with sqlite3.connect(sqlite_file(sqlite_url)) as conn:
-            [(stored,)] = conn.execute("SELECT doc FROM cellstream_offsets WHERE shard = 0").fetchall()
-            assert stored.isascii(), stored  # any column charset holds it (MariaDB's table may not be utf8mb4)
-            conn.execute("""UPDATE cellstream_offsets SET doc = '{"lag":NaN}' WHERE shard = 1""")
-        found = store.read_offsets("billing")
-        assert found[0].doc == {"note": "100% \u2713 caf\u00e9"} and math.isnan(found[1].doc["lag"])
+            [(stored,)] = conn.execute("SELECT offsets FROM cellstream_consumers").fetchall()
+        docs = msgpack.unpackb(stored)[2]
+        assert all(doc.isascii() for doc in docs) and len(docs) == 2, docs  # any column charset holds them
+        assert store.read_offsets("billing")[0].doc == {"note": "100% \u2713 caf\u00e9"}

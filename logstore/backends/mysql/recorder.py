@@ -55,21 +55,19 @@ from logstore.backends.mysql.pool import Connection, Pool, ReadFallback, Stateme
 from logstore.cell import AnyCell, Cell, PackedCell
 from logstore.config import MySQLTarget, StoreOptions
 from logstore.errors import ConfigurationError, CorruptCellError, ShardMovedError, StorageError, StoreNotFoundError
+from logstore.offsets import ConsumerOffsets, OffsetRecord, move_old_offsets
 from logstore.persistence import (
     FORMAT_VERSION,
     Coordinates,
     NodeMeta,
     NodeRecorder,
-    OffsetRecord,
     PendingCell,
     PendingRecord,
     check_meta,
-    claimed_records,
     decode_log,
     decode_pages,
     make_cell,
     make_packed_cell,
-    offset_record,
     split_existing,
 )
 from logstore.retry import RetryPolicy, retry_call
@@ -102,22 +100,18 @@ _SCHEMA = (
     " UNIQUE KEY cell (row_key, column_name, ref_key),"
     " KEY created (shard, created_at)"
     ") ENGINE=InnoDB",
-    "CREATE TABLE IF NOT EXISTS cellstream_offsets ("
-    " consumer VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, shard INT NOT NULL,"
-    " owner VARCHAR(200) NOT NULL, location BIGINT NULL, doc TEXT NOT NULL,"
-    " commits BIGINT NOT NULL DEFAULT 0, PRIMARY KEY (consumer, shard)) ENGINE=InnoDB",
+    # A consumer's offsets of the node's shards as one value (logstore.offsets).
+    "CREATE TABLE IF NOT EXISTS cellstream_consumers ("
+    " consumer VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL PRIMARY KEY,"
+    " offsets LONGBLOB NOT NULL) ENGINE=InnoDB",
 )
-_CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner, doc) VALUES {}"
-          " ON DUPLICATE KEY UPDATE owner = VALUES(owner)")
-# Only ever run on rows locked as held by the committing owner: it updates, never inserts.
-_UPSERT_OFFSETS = ("INSERT INTO cellstream_offsets (consumer, shard, owner, location, doc) VALUES {}"
-                   " ON DUPLICATE KEY UPDATE location = VALUES(location), doc = VALUES(doc), commits = commits + 1")
-_OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = %s ORDER BY shard"
-# One row per distinct doc, not per shard (see claimed_records): pymysql builds each row in Python. Grouped by
-# the doc's bytes: the column's collation would take docs differing in case or trailing spaces for one.
-_CLAIMED = ("SELECT CAST(doc AS BINARY) AS d, GROUP_CONCAT(shard ORDER BY shard),"
-            " GROUP_CONCAT(IFNULL(location, -1) ORDER BY shard), COUNT(*) FROM cellstream_offsets"
-            " WHERE consumer = %s GROUP BY d")
+# The row is created apart, in a statement of its own: two claims creating it at once inside their
+# transactions would each take a shared lock on it and then wait for the other's to write it.
+_NEW_CONSUMER = "INSERT IGNORE INTO cellstream_consumers (consumer, offsets) VALUES (%s, '')"
+_OFFSETS = "SELECT offsets FROM cellstream_consumers WHERE consumer = %s"
+_SAVE_OFFSETS = "UPDATE cellstream_consumers SET offsets = X'{}' WHERE consumer = %s"
+# The table of a row per shard, before logstore.offsets: moved over when a node opens.
+_OLD_OFFSETS = "SELECT consumer, shard, location, owner, doc FROM cellstream_offsets ORDER BY consumer, shard"
 CELL_COLUMNS = "shard, added_id, row_key, column_name, ref_key, body, created_at"
 # A log row as three fields: pymysql spends more on each field of a row than on its bytes, so a page of
 # cells comes back with the key, time, ref_key, column and body packed in one (see _log_row_to_cell).
@@ -394,6 +388,7 @@ class MySQLRecorder(NodeRecorder):
             _check_layout(self.name, _read_meta(cur) or {})
             for statement in (*_SCHEMA, mysql_pending.SCHEMA):
                 cur.execute(statement)
+            self._move_old_offsets(cur)
             values = [("format_version", str(FORMAT_VERSION)), ("layout", str(LAYOUT)),
                       ("shard_count", str(meta.shard_count)), ("first", str(meta.first)), ("last", str(meta.last))]
             # INSERT IGNORE: of two processes creating the node at once, the first wins
@@ -409,6 +404,29 @@ class MySQLRecorder(NodeRecorder):
         stored = self.read_meta(retry)
         assert stored is not None
         check_meta(self.name, stored, meta)
+
+    def _move_old_offsets(self, cur: pymysql.cursors.Cursor) -> None:
+        """The offsets of the table a row per shard moved to a row per consumer, and that table dropped: a process
+        of an older version still running fails its commits. Two processes opening the node at once both copy
+        the same rows (INSERT IGNORE), and the table is dropped once."""
+        cur.execute("SHOW TABLES LIKE 'cellstream\\_offsets'")
+        if not cur.fetchall():
+            return
+        cur.execute("START TRANSACTION")
+        try:
+            cur.execute("SELECT consumer FROM cellstream_consumers")
+            kept = {str(consumer) for (consumer,) in cur.fetchall()}
+            cur.execute(_OLD_OFFSETS)
+            moved = move_old_offsets(cur.fetchall(), lambda consumer, value: cur.execute(
+                f"INSERT IGNORE INTO cellstream_consumers (consumer, offsets) VALUES (%s, X'{value.hex()}')",
+                (consumer,)), kept)
+            cur.execute("COMMIT")
+        except BaseException:
+            with suppress(pymysql.Error, OSError):
+                cur.execute("ROLLBACK")
+            raise
+        cur.execute("DROP TABLE IF EXISTS cellstream_offsets")
+        logger.info("storage node %s: the offsets of %d consumers moved to a row each", self.name, moved)
 
     # -- writes ---------------------------------------------------------------------
     def _inserts(self, rows: list[str]) -> list[Weighed]:
@@ -658,59 +676,52 @@ class MySQLRecorder(NodeRecorder):
 
     # -- consumer offsets -----------------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
-        wanted = set(shards)
-
-        # Literals, not placeholders: the driver's escaping of 4 values a shard was most of a claim's cost.
-        who = f"X'{consumer.encode().hex()}', {{}}, X'{owner.encode().hex()}', '{{{{}}}}'"
-        rows = [f"({who.format(int(shard))})" for shard in shards]
-
-        def run(cur: pymysql.cursors.Cursor) -> list[OffsetRecord]:
-            for start in range(0, len(rows), 5000):
-                cur.execute(_CLAIM.format(", ".join(rows[start:start + 5000])))
-            cur.execute(_CLAIMED, (consumer,))
-            records = claimed_records(cur.fetchall(), owner, wanted)
-            if records is None:  # a group's text longer than group_concat_max_len: a row a shard, then
-                cur.execute(_OFFSETS, (consumer,))
-                records = [offset_record(*row) for row in cur.fetchall() if row[0] in wanted]
-            return records
-        return self._call("claim offsets", run)
+        def change(offsets: ConsumerOffsets) -> bool:
+            offsets.claim(owner, shards)
+            return True
+        return self._change_offsets("claim offsets", consumer, change).records(set(shards))
 
     def commit_offsets(self, consumer: str, owner: str, offsets: dict[int, tuple[int, str]]) -> set[int]:
-        """Two round trips whatever the number of shards: lock the rows ``owner`` still holds, then write
-        them all in one multi-row upsert (every row exists, so it only updates) and COMMIT."""
-        shards = sorted(offsets)
-        if not shards:
-            return set()
-        who, holder = f"X'{consumer.encode().hex()}'", f"X'{owner.encode().hex()}'"
+        """Two round trips whatever the number of shards: lock and read the consumer's row, then write it and
+        COMMIT."""
+        fenced: set[int] = set()
 
-        def run(cur: pymysql.cursors.Cursor) -> set[int]:
+        def change(stored: ConsumerOffsets) -> bool:
+            fenced.clear()
+            fenced.update(stored.commit(owner, offsets))
+            return len(fenced) < len(offsets)
+        if offsets:
+            self._change_offsets("commit offsets", consumer, change, create=False)
+        return fenced
+
+    def _change_offsets(self, what: str, consumer: str, change: Callable[[ConsumerOffsets], bool],
+                        create: bool = True) -> ConsumerOffsets:
+        """The consumer's offsets, read under a lock, changed by ``change`` and written back if it says so."""
+        where = f"{consumer} on storage node {self.name}"
+
+        def run(cur: pymysql.cursors.Cursor) -> ConsumerOffsets:
             try:
-                held_rows = run_script(cur, [
-                    ("START TRANSACTION", ()),
-                    # The shards as literals (ints), not placeholders: pymysql escaped each (5 ms of 4096).
-                    (f"SELECT GROUP_CONCAT(shard) FROM cellstream_offsets WHERE consumer = %s AND owner = %s"
-                     f" AND shard IN ({', '.join(map(str, map(int, shards)))}) FOR UPDATE", [consumer, owner])])
-                [[listed]] = held_rows[1].rows or ()  # one row, not one per shard: pymysql parses rows slowly
-                held = sorted(map(int, listed.split(","))) if listed else []
-                # Literals only (the docs as hex): no placeholder, so no escaping pass over thousands of rows.
-                hexed: dict[str, str] = {}  # each distinct doc once: most shards share one
-                rows = [f"({who}, {s}, {holder}, {offsets[s][0]}, X'{_hex(hexed, offsets[s][1])}')" for s in held]
-                statements: list[Statement | Weighed] = [
-                    ((_UPSERT_OFFSETS.format(", ".join(rows[i:i + 1000])), ()), sum(map(len, rows[i:i + 1000])) + 200)
-                    for i in range(0, len(rows), 1000)]
-                for packet in self._packets([*statements, ("COMMIT", ())]):
-                    run_script(cur, packet)
-                return set(shards).difference(held)
+                results = run_script(cur, [*([(_NEW_CONSUMER, [consumer])] if create else []),
+                                           ("START TRANSACTION", ()), (_OFFSETS + " FOR UPDATE", [consumer])])
+                rows = results[-1].rows or ()
+                offsets = ConsumerOffsets.decode(rows[0][0] if rows else None, where)
+                if change(offsets) and rows:
+                    run_script(cur, [(_SAVE_OFFSETS.format(offsets.encode().hex()), [consumer]), ("COMMIT", ())])
+                else:
+                    cur.execute("COMMIT")
+                return offsets
             except BaseException:
                 with suppress(pymysql.Error, OSError):
                     cur.execute("ROLLBACK")
                 raise
-        return self._call("commit offsets", run)
+        return self._call(what, run)
 
     def read_offsets(self, consumer: str) -> list[OffsetRecord]:
         def run(cur: pymysql.cursors.Cursor) -> list[OffsetRecord]:
             cur.execute(_OFFSETS, (consumer,))
-            return [offset_record(*row) for row in cur.fetchall()]
+            row = cur.fetchone()
+            return ConsumerOffsets.decode(None if row is None else row[0], f"{consumer} on storage node "
+                                          f"{self.name}").records()
         return self._call("read offsets", run, read=True)
 
     def run(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
@@ -757,11 +768,3 @@ class MySQLRecorder(NodeRecorder):
         self._pool.close()
         for pool in self._replicas:
             pool.close()
-
-
-def _hex(known: dict[str, str], text: str) -> str:
-    """``text``'s UTF-8 as hex digits, from ``known`` when it was seen before."""
-    out = known.get(text)
-    if out is None:
-        out = known[text] = text.encode().hex()
-    return out

@@ -26,20 +26,18 @@ from logstore.backends.sqlite.index_tables import SQLiteIndexRecorder
 from logstore.cell import AnyCell, Cell, PackedCell
 from logstore.config import SQLiteTarget, StoreOptions
 from logstore.errors import ConfigurationError, CorruptCellError, LogstoreError, StorageError, StorageUnavailableError
+from logstore.offsets import ConsumerOffsets, OffsetRecord, move_old_offsets
 from logstore.persistence import (
     FORMAT_VERSION,
     Coordinates,
     NodeMeta,
     NodeRecorder,
-    OffsetRecord,
     PendingCell,
     check_meta,
-    claimed_records,
     decode_log,
     decode_pages,
     make_cell,
     make_packed_cell,
-    offset_record,
     ordered_result,
     split_existing,
 )
@@ -70,15 +68,8 @@ _SCHEMA = (
     )""",
     "CREATE INDEX IF NOT EXISTS cells_log ON cells (shard, added_id)",
     "CREATE INDEX IF NOT EXISTS cells_created ON cells (shard, created_at)",
-    """CREATE TABLE IF NOT EXISTS cellstream_offsets (
-        consumer TEXT NOT NULL,
-        shard INTEGER NOT NULL,
-        owner TEXT NOT NULL,
-        location INTEGER,
-        doc TEXT NOT NULL DEFAULT '{}',
-        commits INTEGER NOT NULL DEFAULT 0,
-        PRIMARY KEY (consumer, shard)
-    )""",
+    # A consumer's offsets of the node's shards as one value (logstore.offsets).
+    "CREATE TABLE IF NOT EXISTS cellstream_consumers (consumer TEXT PRIMARY KEY, offsets BLOB NOT NULL)",
 )
 _COLS = "added_id, shard, row_key, column_name, ref_key, body, created_at"
 _SELECT_CELL = f"SELECT {_COLS} FROM cells WHERE row_key = ? AND column_name = ? AND ref_key = ?"
@@ -94,18 +85,10 @@ _INSERT = (
     " ON CONFLICT DO NOTHING"
 )
 _COUNT = "UPDATE cellstream_shards SET cells = cells + ? WHERE shard = ?"
-# Many shards a statement (see _chunks): a statement per shard cost 4096 shards more than their rows.
-_CLAIM = ("INSERT INTO cellstream_offsets (consumer, shard, owner) VALUES {}"
-          " ON CONFLICT (consumer, shard) DO UPDATE SET owner = excluded.owner")
-# The rows it returns are the shards still held; the others were fenced (or never claimed).
-_COMMIT = ("WITH v(shard, location, doc) AS (VALUES {}) UPDATE cellstream_offsets"
-           " SET location = v.location, doc = v.doc, commits = commits + 1 FROM v"
-           " WHERE consumer = ? AND owner = ? AND cellstream_offsets.shard = v.shard"
-           " RETURNING cellstream_offsets.shard")
-_OFFSETS = "SELECT shard, location, owner, doc FROM cellstream_offsets WHERE consumer = ? ORDER BY shard"
-# One row per distinct doc, not per shard (see claimed_records).
-_CLAIMED = ("SELECT doc, group_concat(shard), group_concat(IFNULL(location, -1)), count(*) FROM cellstream_offsets"
-            " WHERE consumer = ? GROUP BY doc")
+_OFFSETS = "SELECT offsets FROM cellstream_consumers WHERE consumer = ?"
+_SAVE_OFFSETS = "INSERT OR REPLACE INTO cellstream_consumers (consumer, offsets) VALUES (?, ?)"
+# The table of a row per shard, before logstore.offsets: moved over when a node opens.
+_OLD_OFFSETS = "SELECT consumer, shard, location, owner, doc FROM cellstream_offsets ORDER BY consumer, shard"
 
 _SHARDS_A_READ = 500  # shards a statement: at most 1,500 of SQLite's 32,766 variables
 
@@ -280,6 +263,7 @@ class SQLiteRecorder(NodeRecorder):
         with self._write() as conn:
             for statement in _SCHEMA:
                 conn.execute(statement)
+            self._move_old_offsets(conn)
             found = dict(conn.execute("SELECT name, value FROM cellstream_meta").fetchall())
             if not found:
                 conn.executemany(
@@ -439,28 +423,37 @@ class SQLiteRecorder(NodeRecorder):
 
     # -- consumer offsets -------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
-        wanted = set(shards)
         with self._write() as conn:
-            for group in _chunks(shards):
-                conn.execute(_CLAIM.format(", ".join(["(?, ?, ?)"] * len(group))),
-                             [a for shard in group for a in (consumer, shard, owner)])
-            records = claimed_records(conn.execute(_CLAIMED, (consumer,)), owner, wanted)
-        if records is None:  # SQLite's text has no limit that could cut a row short: a bug, never a wrong claim
-            raise StorageError(f"the offsets of {consumer} came back cut short")
-        return records
+            offsets = self._offsets(conn, consumer)
+            offsets.claim(owner, shards)
+            conn.execute(_SAVE_OFFSETS, (consumer, offsets.encode()))
+        return offsets.records(set(shards))
 
     def commit_offsets(self, consumer: str, owner: str, offsets: dict[int, tuple[int, str]]) -> set[int]:
-        held: set[int] = set()
         with self._write() as conn:
-            for group in _chunks(list(offsets)):
-                rows = conn.execute(_COMMIT.format(", ".join(["(?, ?, ?)"] * len(group))),
-                                    [*(a for s in group for a in (s, *offsets[s])), consumer, owner]).fetchall()
-                held.update(shard for (shard,) in rows)
-        return set(offsets).difference(held)
+            stored = self._offsets(conn, consumer)
+            fenced = stored.commit(owner, offsets)
+            if len(fenced) < len(offsets):
+                conn.execute(_SAVE_OFFSETS, (consumer, stored.encode()))
+        return fenced
 
     def read_offsets(self, consumer: str) -> list[OffsetRecord]:
         with self._errors("read offsets"):
-            return [offset_record(*row) for row in self._conn().execute(_OFFSETS, (consumer,)).fetchall()]
+            return self._offsets(self._conn(), consumer).records()
+
+    def _offsets(self, conn: sqlite3.Connection, consumer: str) -> ConsumerOffsets:
+        row = conn.execute(_OFFSETS, (consumer,)).fetchone()
+        return ConsumerOffsets.decode(None if row is None else row[0], f"{consumer} on storage node {self.name}")
+
+    def _move_old_offsets(self, conn: sqlite3.Connection) -> None:
+        """(in the write transaction that opens the node) The offsets of the table a row per shard moved to a row
+        per consumer, and that table dropped: a process of an older version still running fails its commits."""
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'cellstream_offsets'").fetchone():
+            kept = {consumer for (consumer,) in conn.execute("SELECT consumer FROM cellstream_consumers")}
+            moved = move_old_offsets(conn.execute(_OLD_OFFSETS).fetchall(),
+                                     lambda consumer, value: conn.execute(_SAVE_OFFSETS, (consumer, value)), kept)
+            conn.execute("DROP TABLE cellstream_offsets")
+            logger.info("storage node %s: the offsets of %d consumers moved to a row each", self.name, moved)
 
     def close(self) -> None:
         self._db.close()
