@@ -88,15 +88,20 @@ class ConsumerOffsets:
         """``owner`` holds ``shards`` from now on (the ones never claimed start with no location)."""
         me = self._owner(owner)
         index, owner_of = self._index, self.owner_of
-        fresh: int | None = None
+        fresh: list[int] = []
         for shard in shards:
             at = index.get(shard)
             if at is None:
-                if fresh is None:
-                    fresh = self._doc(EMPTY_DOC)
-                self._set(shard, None, me, fresh)
+                fresh.append(shard)
             else:
                 owner_of[at] = me
+        if fresh:  # a new consumer's thousands of shards at once, not a shard at a time
+            first, doc = len(self.shards), self._doc(EMPTY_DOC)
+            index.update(zip(fresh, range(first, first + len(fresh)), strict=True))
+            self.shards += fresh
+            self.locations += [None] * len(fresh)
+            self.owner_of += [me] * len(fresh)
+            self.doc_of += [doc] * len(fresh)
 
     def commit(self, owner: str, offsets: Mapping[int, tuple[int, str]]) -> set[int]:
         """Set (location, doc) of the shards ``owner`` holds; return the others (fenced), which stay as they were."""
@@ -117,16 +122,11 @@ class ConsumerOffsets:
 
     def records(self, wanted: set[int] | None = None) -> list[OffsetRecord]:
         """The records of ``wanted`` shards (default: all), by shard; each distinct doc parsed once and shared."""
-        parsed: dict[int, dict[str, Any]] = {}
-        owners, docs = self.owners, self.docs
-        out: list[OffsetRecord] = []
-        for shard, location, owner, doc in zip(self.shards, self.locations, self.owner_of, self.doc_of, strict=True):
-            if wanted is not None and shard not in wanted:
-                continue
-            body = parsed.get(doc)
-            if body is None:
-                body = parsed[doc] = parse_offset_doc(docs[doc])
-            out.append(OffsetRecord(shard, location, owners[owner], body))
+        owners = self.owners
+        docs = [parse_offset_doc(doc) for doc in self.docs]
+        rows = zip(self.shards, self.locations, self.owner_of, self.doc_of, strict=True)
+        out = [OffsetRecord(shard, location, owners[owner], docs[doc]) for shard, location, owner, doc in rows
+               if wanted is None or shard in wanted]
         out.sort(key=_by_shard)
         return out
 

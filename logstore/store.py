@@ -513,7 +513,7 @@ class Store:
         wanted = range(self.shard_count) if shards is None else sorted({self.check_shard(s) for s in shards})
         out: dict[int, int] = {}
         for node, group in self._by_node(wanted).items():
-            out.update(self._recorders[node].heads(group))
+            out.update(self._recorders[node].heads(wanted if group is None else group))
         return {s: out.get(s, 0) for s in wanted}
 
     def shard_stats(self) -> list[ShardInfo]:
@@ -544,7 +544,8 @@ class Store:
         self._check_consumer(consumer, owner)
         out: dict[int, OffsetRecord] = {}
         for node, group in self._by_node(wanted).items():
-            out.update((r.shard, r) for r in self._recorders[node].claim_offsets(consumer, owner, group))
+            records = self._recorders[node].claim_offsets(consumer, owner, wanted if group is None else group)
+            out.update(zip([r.shard for r in records], records, strict=True))
         return out
 
     def commit_offsets(self, consumer: str, owner: str, offsets: Mapping[int, tuple[int, dict[str, Any]]]) -> set[int]:
@@ -570,7 +571,8 @@ class Store:
             rows[shard] = (location, text)
         fenced: set[int] = set()
         for node, group in self._by_node(rows).items():
-            fenced |= self._recorders[node].commit_offsets(consumer, owner, {s: rows[s] for s in group})
+            fenced |= self._recorders[node].commit_offsets(consumer, owner, rows if group is None else
+                                                           {s: rows[s] for s in group})
         return fenced
 
     def read_offsets(self, consumer: str) -> dict[int, OffsetRecord]:
@@ -581,13 +583,17 @@ class Store:
             out.update((r.shard, r) for r in recorder.read_offsets(consumer))
         return out
 
-    def _by_node(self, shards: Iterable[int]) -> dict[str, list[int]]:
+    def _by_node(self, shards: Iterable[int]) -> dict[str, list[int] | None]:
+        """``shards`` by the node holding them; None for all of them, in a store of one node (no pass over the
+        thousands of shards of a claim or a commit)."""
+        if self._closed:
+            raise StorageError("the store is closed")
+        if len(self._recorders) == 1:
+            return dict.fromkeys(self._recorders)
         groups: dict[str, list[int]] = {}
         for shard in shards:
             groups.setdefault(self._node_of[shard].name, []).append(shard)
-        if self._closed:
-            raise StorageError("the store is closed")
-        return groups
+        return dict(groups)
 
     @staticmethod
     def _check_consumer(consumer: object, owner: object) -> None:

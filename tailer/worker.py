@@ -869,14 +869,17 @@ class Tailer:
                 if st.acked > st.committed or st.deadlettered != st.claim.deadlettered}
         if not todo:
             return
+        committed = 0
         try:
-            await self._commit_todo(todo)
+            committed = await self._commit_todo(todo)
         finally:
-            # Whatever did not commit (deferred, skipped, failed) is tried again at the next commit.
-            self._to_commit.update(s for s, (_claim, offset) in todo.items() if (st := self._shards.get(s)) is not None
-                                   and (st.committed < offset.location or st.claim.deadlettered != offset.deadlettered))
+            if committed < len(todo):  # whatever did not commit (deferred, skipped, failed): at the next commit
+                self._to_commit.update(
+                    s for s, (_claim, offset) in todo.items() if (st := self._shards.get(s)) is not None
+                    and (st.committed < offset.location or st.claim.deadlettered != offset.deadlettered))
 
-    async def _commit_todo(self, todo: dict[int, tuple[Claim, Offset]]) -> None:
+    async def _commit_todo(self, todo: dict[int, tuple[Claim, Offset]]) -> int:
+        """Commit ``todo``; return how many of its shards committed."""
         try:
             await self.sink.before_commit()
         except PublishError as exc:
@@ -885,9 +888,9 @@ class Tailer:
                              exc)
                 self.error = exc
                 self._wakeup.set()
-                return
+                return 0
             logger.warning("%s: commit skipped, the sink did not flush: %s", self.config.name, exc)
-            return
+            return 0
         results = await asyncio.to_thread(self.coordinator.commit, todo)
         committed, fenced, deferred = 0, [], []
         for shard, result in results.items():
@@ -912,6 +915,7 @@ class Tailer:
                          len(fenced), fenced[0])
         if deferred:
             logger.info("%s: commits of %d shards deferred (e.g. %s)", self.config.name, len(deferred), deferred[0])
+        return committed
 
     # -- lag ------------------------------------------------------------------
     async def _measure_lag(self) -> None:

@@ -226,7 +226,7 @@ class SQLiteRecorder(NodeRecorder):
     parallel_reads = 1
 
     def __init__(self, name: str, target: SQLiteTarget, options: StoreOptions) -> None:
-        if sqlite3.sqlite_version_info < _SQLITE_NEEDED:  # RETURNING and UPDATE ... FROM
+        if sqlite3.sqlite_version_info < _SQLITE_NEEDED:  # as documented (the old offsets table needed RETURNING)
             raise ConfigurationError(f"SQLite {'.'.join(map(str, _SQLITE_NEEDED))} or later is needed; this Python"
                                      f" has {sqlite3.sqlite_version}")
         self.name = name
