@@ -4,9 +4,9 @@ Each backend stores a consumer's positions in the node's shards as one MessagePa
 (``cellstream_consumers``), read and written whole inside a write transaction. They were a row per shard
 (``cellstream_offsets``, moved over when a node opens): a claim and a commit of 4096 shards then wrote
 4096 rows, which cost an app more than a drain of a few cells a shard (on SQLite 7-10 ms a commit, on
-MariaDB 30-45 ms). The row holds, in order, the distinct
-owners and docs, then per shard its number, location (None before its first commit), owner and doc as
-indexes into those lists: most shards share an owner and a doc, and ints pack and parse quickly.
+MariaDB 30-45 ms). The row holds, in order, the distinct owners and docs, then per shard its number,
+location (None before its first commit), owner and doc as indexes into those lists: most shards share
+an owner and a doc, and ints pack and parse quickly.
 
 Fencing stays per shard: a commit changes only the shards its owner still holds.
 """
