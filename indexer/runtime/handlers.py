@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -53,15 +54,13 @@ def tailer_deadletter(record: dict[str, Any]) -> tuple[dict[str, Any], Failure]:
                           f"{stage}:{kind}", False)
 
 
-def _shard_runs(items: Sequence[tuple[Cell, dict[str, Any]]]) -> list[Sequence[tuple[Cell, dict[str, Any]]]]:
+def _shard_runs(items: Sequence[tuple[Cell, dict[str, Any]]]) -> list[list[tuple[Cell, dict[str, Any]]]]:
     """``items`` cut where the shard changes."""
-    runs: list[Sequence[tuple[Cell, dict[str, Any]]]] = []
-    start = 0
-    for at in range(1, len(items) + 1):
-        if at == len(items) or items[at][0].shard != items[start][0].shard:
-            runs.append(items[start:at])
-            start = at
-    return runs
+    return [list(run) for _shard, run in itertools.groupby(items, key=_shard_of)]
+
+
+def _shard_of(item: tuple[Cell, dict[str, Any]]) -> int:
+    return item[0].shard
 
 
 class BatchApplier(Protocol):
