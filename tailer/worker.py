@@ -201,7 +201,7 @@ class Tailer:
         # A look that found every owned shard idle at its count proves them caught up at its start, and
         # any shard that took cells or was adopted since is live until it has drained them.
         _generation, _epoch, desired = self.coordinator.assignment()
-        if self._quiet_at < since and not self._live and not self._look_soon:
+        if self._quiet_at < since and self._shards and not self._live and not self._look_soon:
             self._look_soon = True
             self._changed()  # wake the loop (thread-safe): the look is what the caller waits for
         return (self._quiet_at >= since and not self._live and len(desired) == len(self._shards)
@@ -278,6 +278,10 @@ class Tailer:
     async def _claim(self, now: float) -> None:
         """Claim the assigned shards not owned yet whose retry time has come; one summary line."""
         wanted = sorted(s for s in self._unclaimed if self._claim_after.get(s, 0.0) <= now)
+        if wanted and not self._shards and not self._counts and (self._looking is None or self._looking.done()):
+            # A new worker's first count runs beside its claims: its shards are then read as they are adopted,
+            # not after a look of their own (at 4096 shards, a pass over all of them and a trip to a thread).
+            self._look(now)
         results = await self._in_threads(self._claim_all, wanted)
         adopted: list[Claim] = []
         detail = logger.isEnabledFor(logging.DEBUG)  # asked once, not for each of thousands of shards
@@ -460,7 +464,8 @@ class Tailer:
         acknowledgement can take longer than a poll interval, and a cell landing meanwhile waited for it)."""
         # Within max_in_flight, as the reads of busy shards: a stalled broker must hold the reading back.
         idle = {**self._idle, **self._acking} if self._unsettled < self.config.max_in_flight else self._idle.copy()
-        complete = not self._live  # every owned shard idle: a look finding none moved proves them caught up
+        # Every owned shard idle: a look finding none moved proves them caught up (not one before any is owned).
+        complete = bool(self._shards) and not self._live
         self._looked_at = now
         self._looking = asyncio.ensure_future(asyncio.to_thread(self._counts_and_pages, idle))
         self._looking.add_done_callback(lambda done: self._looked(done, idle, complete, now))

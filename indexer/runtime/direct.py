@@ -6,7 +6,8 @@ ZooKeeper) and commits only positions whose deliveries were acknowledged. Here i
 sink is :class:`HandlerSink`: instead of sending cells to Kafka it takes what the
 worker hands over as units (a run of consecutive cells of a shard and a column, up to a
 page; or, from a read of many shards, all their pages at once, split by shard when the
-handlers wait so that shards run side by side) and acknowledges a unit
+handlers wait and their cells take long enough for shards side by side to gain more than the
+trips to the thread pool cost) and acknowledges a unit
 once every handler succeeded or dead-lettered each of its cells: one future per unit,
 not per cell. A unit runs only after every earlier unit with one of its shards has
 settled, and a failed or abandoned unit fails those waiting for it: so a shard's cells
@@ -48,6 +49,9 @@ from tailer.worker import Tailer
 
 logger = logging.getLogger(__name__)
 _SLICE = 0.002  # seconds a handler worker runs batches that never wait before it lets the loop run
+# Seconds of handling below which a read's shards are not split over the pool's threads: a trip to the pool
+# costs the loop some 50-100 µs, and a split into a batch per thread saves at most the handling time.
+_SPLIT_WORTH = 0.001
 
 
 class _Unit:
@@ -114,7 +118,9 @@ class HandlerSink(Sink):
     async def deliver_group(self, runs: Sequence[tuple[int, str, Sequence[Any]]]) -> asyncio.Future[Any]:
         if not self._running:
             raise PublishError("the app is stopping", retriable=True)
-        if not self._waited:  # handlers that never wait take the group as one unit: one task runs it all
+        if not self._waited or not self._worth_splitting(runs):
+            # Handlers that never wait, or whose cells take less than a few trips to the pool cost, take the
+            # group as one unit: one batch runs it all.
             unit = _Unit(tuple(dict.fromkeys(shard for shard, _column, _items in runs)),
                          [cell for _shard, _column, items in runs for cell in items], None)
             self._add(unit)
@@ -128,6 +134,14 @@ class HandlerSink(Sink):
         for unit in units:
             self._add(unit)
         return asyncio.ensure_future(all_of([unit.future for unit in units]))
+
+    def _worth_splitting(self, runs: Sequence[tuple[int, str, Sequence[Any]]]) -> bool:
+        """Whether the group's cells, handled one after another, would take long enough (by what cells recently
+        took) that running its shards side by side gains more than the trips to the pool cost. At 4096 shards
+        a read is a hundred shards of a few cells: a batch per thread of the pool cost a synchronous no-op
+        handler more than its cells did."""
+        per_cell = self.processor.cell_seconds
+        return per_cell is None or per_cell * sum(len(items) for _shard, _column, items in runs) >= _SPLIT_WORTH
 
     async def deadletter(self, shard: int, record: dict[str, Any]) -> asyncio.Future[Any]:
         """A stored cell the worker could not decode: each handler of its column dead-letters it."""

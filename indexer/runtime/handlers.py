@@ -42,6 +42,7 @@ from tailer.messages import coordinates
 logger = logging.getLogger(__name__)
 Handler = Callable[[Cell], Any]
 BatchHandler = Callable[[list[Cell]], Any]  # sync, or async
+_MEAN_WEIGHT = 0.2  # of a batch's mean in Processor.cell_seconds
 
 
 def tailer_deadletter(record: dict[str, Any]) -> tuple[dict[str, Any], Failure]:
@@ -134,6 +135,12 @@ class Processor:
         # Each handler's labelled children of processed and seconds: a labels() lookup per page was, at 4096
         # shards of a few cells each, a cost per shard.
         self._meters: dict[str, tuple[Any, Any]] = {}
+        # What a cell recently cost the handlers that take a cell at a time (a moving mean of their own time,
+        # trips to the pool aside); None until measured, and for apps with batch handlers or appliers, whose
+        # batches are timed with their trips. Direct mode splits a read's shards over the pool only when their
+        # cells take long enough to be worth the trips (see indexer.runtime.direct).
+        self.cell_seconds: float | None = None
+        self._per_cell_only = all(t.applier is None and t.batch is None for t in triggers)
 
     @property
     def max_parallel_batches(self) -> int | None:
@@ -231,6 +238,10 @@ class Processor:
         else:
             took, failed = await asyncio.get_running_loop().run_in_executor(self._pool, work)
         if took:
+            if self._per_cell_only:
+                mean = sum(took) / len(took)
+                last = self.cell_seconds
+                self.cell_seconds = mean if last is None else last + (mean - last) * _MEAN_WEIGHT
             self.counts = self.counts._replace(processed=self.counts.processed + len(took))
             processed, seconds = self._meters_of(trigger.name)
             processed.inc(len(took))

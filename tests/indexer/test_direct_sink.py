@@ -1,10 +1,12 @@
-"""Direct mode's sink (HandlerSink) with deliveries of several shards at once: each waits only for the earlier
-deliveries of its own shards, and giving one up gives up what waits for it."""
+"""Direct mode's sink (HandlerSink): deliveries of several shards at once each wait only for the earlier deliveries
+of their own shards, giving one up gives up what waits for it, and a read's shards run side by side only when
+their cells take long enough."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import time
 import uuid
 from typing import Any
 
@@ -132,3 +134,55 @@ def test_the_worker_hands_a_read_of_many_shards_over_as_one_delivery(sqlite_url:
     for got in seen:
         by_shard.setdefault(got.shard, []).append(got.added_id)
     assert sum(map(len, by_shard.values())) == 1000 and all(ids == sorted(ids) for ids in by_shard.values())
+
+
+def split_into(store: logstore.Store, cell_seconds: float | None) -> int:
+    """The batches a group of ten one-cell shards is handled in by a synchronous handler, when its cells were
+    measured to take ``cell_seconds`` each (None: not measured yet)."""
+    app = App("split", store=store, concurrency=8)
+    app.trigger("BASE")(lambda got: None)
+    processor = app.processor
+    batches = 0
+    process_many = processor.process_many
+
+    async def counted(items: Any, **kwargs: Any) -> bool:
+        nonlocal batches
+        batches += 1
+        return await process_many(items, **kwargs)
+
+    processor.process_many = counted  # type: ignore[method-assign]
+
+    async def run() -> None:
+        sink = HandlerSink(processor, batch_size=500, max_workers=8)
+        sink._waited = True  # as after the first batch of a handler that runs in the pool
+        await sink.start()
+        processor.cell_seconds = cell_seconds
+        group = await sink.deliver_group([(shard, "BASE", [cell(shard, shard)]) for shard in range(10)])
+        await asyncio.wait_for(group, 10)
+        await sink.stop()
+
+    asyncio.run(run())
+    app.close()
+    return batches
+
+
+def test_a_reads_shards_run_side_by_side_only_when_their_cells_take_long_enough(store: logstore.Store) -> None:
+    assert split_into(store, None) > 1  # nothing measured yet: split over the pool's threads
+    assert split_into(store, 0.01) > 1  # 10 cells of 10 ms: side by side
+    assert split_into(store, 1e-6) == 1  # 10 µs in all: one trip to the pool
+
+
+def test_the_processor_measures_what_a_cell_takes_its_handlers(store: logstore.Store) -> None:
+    async def measured(handler: Any) -> float | None:
+        app = App("measured", store=store)
+        app.trigger("BASE")(handler)
+        assert app.processor.cell_seconds is None
+        processor = app.processor
+        assert await processor.process_many([(cell(1, n), {}) for n in range(20)])
+        app.close()
+        return processor.cell_seconds
+
+    quick = asyncio.run(measured(lambda got: None))
+    slow = asyncio.run(measured(lambda got: time.sleep(0.005)))
+    assert quick is not None and quick < 0.001
+    assert slow is not None and slow >= 0.005
