@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -75,11 +75,12 @@ class TailerMetrics:
                                        "Age of the oldest cell of the shard not yet acknowledged",
                                        ["tailer", "shard"], registry=self.registry)
 
-    def add_shard(self, shard: int) -> None:
-        """A shard this worker now owns: with per-shard series, it shows from the start (at zero)."""
+    def add_shards(self, shards: Iterable[int]) -> None:
+        """Shards this worker now owns: with per-shard series, each shows from the start (at zero)."""
         if self.shard_lag_cells is not None and self.shard_lag_seconds is not None:
-            self.shard_lag_cells.labels(self.name, str(shard)).set(0)
-            self.shard_lag_seconds.labels(self.name, str(shard)).set(0)
+            for shard in shards:
+                self.shard_lag_cells.labels(self.name, str(shard)).set(0)
+                self.shard_lag_seconds.labels(self.name, str(shard)).set(0)
 
     def forget_shard(self, shard: int) -> None:
         if shard not in self._top and self.shard_lag_cells is None:  # the common case: nothing to remove

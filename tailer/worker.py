@@ -287,7 +287,6 @@ class Tailer:
         detail = logger.isEnabledFor(logging.DEBUG)  # asked once, not for each of thousands of shards
         for shard, claim in zip(wanted, results, strict=True):
             if isinstance(claim, Claim):
-                self._adopt(claim)
                 adopted.append(claim)
                 if detail:
                     logger.debug("shard %d claimed at location %d", shard, claim.location)
@@ -295,6 +294,7 @@ class Tailer:
                 if isinstance(claim, BaseException):
                     logger.debug("claim of shard %d failed: %s", shard, claim)
                 self._claim_after[shard] = self._clock() + _CLAIM_RETRY
+        self._adopt(adopted)
         self._next_claim = min((self._claim_after.get(s, 0.0) for s in self._unclaimed), default=0.0)
         if adopted:
             locations = [claim.location for claim in adopted]
@@ -339,14 +339,19 @@ class Tailer:
             return self.store.location_at(shard, start)
         return initial
 
-    def _adopt(self, claim: Claim) -> None:
-        shard = claim.shard
-        self._claim_after.pop(shard, None)
-        self._unclaimed.discard(shard)
-        at = claim.location
-        st = self._shards[shard] = ShardState(claim, at, at, at, claim.deadlettered)
-        self._place(st, self._clock())
-        self.metrics.add_shard(shard)
+    def _adopt(self, claims: list[Claim]) -> None:
+        """Own the claimed shards, each from its claim's location (at 4096 shards, in one pass)."""
+        now, shards, place = self._clock(), self._shards, self._place
+        for claim in claims:
+            at = claim.location
+            st = shards[claim.shard] = ShardState(claim, at, at, at, claim.deadlettered)
+            place(st, now)
+        taken = [claim.shard for claim in claims]
+        self._unclaimed.difference_update(taken)
+        if self._claim_after:
+            for shard in taken:
+                self._claim_after.pop(shard, None)
+        self.metrics.add_shards(taken)
 
     def _forget(self, shard: int) -> None:
         self._shards.pop(shard, None)

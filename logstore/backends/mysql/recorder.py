@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import operator
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -187,6 +188,8 @@ def _row_to_cell(row: tuple[Any, ...]) -> Cell:
 _times: dict[bytes, dt.datetime] = {}
 _TIMES_KEPT = 4096
 
+_ADDED_ID = operator.itemgetter(1)  # of a log row: its sort key within a shard's page (C, not a call of Python per row)
+
 
 def _log_row(row: tuple[int, int, bytes], make: Callable[[int, int, bytes, str, int, bytes, dt.datetime], C]) -> C:
     """A row of LOG_COLUMNS: the 16-byte key, the 26-character time, then "ref_key column body"
@@ -202,10 +205,6 @@ def _log_row(row: tuple[int, int, bytes], make: Callable[[int, int, bytes, str, 
         created = _times[text] = _utc_datetime(text)
     return make(shard, added_id, packed[:16], packed[ref_end + 1:column_end].decode(), int(packed[42:ref_end]),
                 packed[column_end + 1:], created)
-
-
-def _added_id_of_log_row(row: tuple[int, int, bytes]) -> int:
-    return row[1]
 
 
 def _log_row_to_cell(row: tuple[int, int, bytes]) -> Cell:
@@ -619,7 +618,7 @@ class MySQLRecorder(NodeRecorder):
         """The rows of the pages, read now; the function returned decodes them."""
         if len(locations) < 2:  # one shard: its own page query
             rows = {shard: self._log_rows(shard, location, limit, columns) for shard, location in locations}
-            return partial(decode_pages, rows, to_cell, _added_id_of_log_row)
+            return partial(decode_pages, rows, to_cell, _ADDED_ID)
         args: Sequence[object]
         if columns:  # the cells of some columns are not dense: each shard's page needs its own LIMIT
             where, extra = _after(columns)
@@ -631,7 +630,7 @@ class MySQLRecorder(NodeRecorder):
         by_shard: dict[int, list[tuple[Any, ...]]] = {shard: [] for shard, _ in locations}
         for row in self._read(sql, args):
             by_shard[row[0]].append(row)
-        return partial(decode_pages, by_shard, to_cell, _added_id_of_log_row)
+        return partial(decode_pages, by_shard, to_cell, _ADDED_ID)
 
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         if not columns:  # dense ids: the cells after a location are the ids up to the head
