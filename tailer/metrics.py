@@ -82,6 +82,12 @@ class TailerMetrics:
                 self.shard_lag_cells.labels(self.name, str(shard)).set(0)
                 self.shard_lag_seconds.labels(self.name, str(shard)).set(0)
 
+    def forget_shards(self, shards: Iterable[int]) -> None:
+        """:meth:`forget_shard` of each (a worker stopping: without per-shard series, no pass over its shards)."""
+        if self._top or self.shard_lag_cells is not None:
+            for shard in shards:
+                self.forget_shard(shard)
+
     def forget_shard(self, shard: int) -> None:
         if shard not in self._top and self.shard_lag_cells is None:  # the common case: nothing to remove
             return

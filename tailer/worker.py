@@ -164,8 +164,7 @@ class Tailer:
             await self._drain(self.config.stop_timeout)
             claims = [st.claim for st in self._shards.values()]
             await self._in_threads(self._release_all, claims)
-            for shard in self._shards:
-                self.metrics.forget_shard(shard)
+            self.metrics.forget_shards(self._shards)
             for held in (self._shards, self._live, self._idle, self._acking, self._ready, self._uncounted,
                          self._lags):
                 held.clear()

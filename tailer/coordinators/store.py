@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from logstore import LogstoreError, OffsetRecord, Store
@@ -108,6 +108,9 @@ class StoreCoordinator(Coordinator):
 
     def release(self, claim: Claim) -> None:
         """Nothing to hand over: the next process claims every shard when it starts."""
+
+    def release_many(self, claims: Sequence[Claim]) -> None:
+        """Nothing to hand over (no call per shard of the thousands a stopping worker releases)."""
 
 
 def _position(record: OffsetRecord) -> tuple[int | None, int]:
