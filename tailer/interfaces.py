@@ -20,6 +20,7 @@ thread. Sink and publisher methods are coroutines, but for the cheap per-cell on
 from __future__ import annotations
 
 import asyncio
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -165,13 +166,24 @@ class Sink(ABC):
     #: The worker hands the pages of a read of several shards over as one :meth:`deliver_group`.
     delivers_groups = False
 
-    async def deliver_group(self, runs: Sequence[tuple[int, str, Sequence[Any]]]) -> asyncio.Future[Any]:
-        """Hand over runs of several shards (each as :meth:`deliver` takes one; a shard's in added_id order) as
-        one delivery with one future, which fails if any of them does: each shard then resends its runs.
-        Raises PublishError like :meth:`deliver`. This default delivers each run and settles once all did."""
-        futures = [future for shard, column, items in runs
-                   for future, _count in await self.deliver(shard, column, items)]
-        return asyncio.ensure_future(all_of(futures))
+    async def deliver_group(
+        self, runs: Sequence[tuple[int, str, Sequence[Any]]]
+    ) -> list[list[tuple[asyncio.Future[Any], int]]]:
+        """Hand over runs of several shards at once (each as :meth:`deliver` takes one; a shard's in added_id
+        order); returns for each run what :meth:`deliver` returns for it. Runs may share futures (a record
+        batch, a unit of work): the worker waits on each distinct future once, not once a run.
+        Raises PublishError like :meth:`deliver`. This default delivers each run."""
+        sent: list[list[tuple[asyncio.Future[Any], int]]] = []
+        try:
+            for shard, column, items in runs:
+                sent.append(await self.deliver(shard, column, items))
+        except PublishError:
+            # The runs handed over already are tracked by nobody (each shard of the group resends): their
+            # outcome is read, not left unread.
+            for future, _count in itertools.chain.from_iterable(sent):
+                future.add_done_callback(_read_outcome)
+            raise
+        return sent
 
     @abstractmethod
     async def deadletter(self, shard: int, record: dict[str, Any]) -> asyncio.Future[Any]:
@@ -267,9 +279,6 @@ class Publisher(ABC):
         """Called when the delivery of ``future`` failed with ``exc`` (e.g. to replace a broken client)."""
 
 
-async def all_of(futures: Sequence[asyncio.Future[Any]]) -> None:
-    """Once every future settled, the first failure among them (each one's is retrieved: none goes unread):
-    the one future of a group delivered in parts."""
-    for outcome in await asyncio.gather(*futures, return_exceptions=True):
-        if isinstance(outcome, BaseException):
-            raise outcome
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

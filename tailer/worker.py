@@ -647,10 +647,10 @@ class Tailer:
         return runs
 
     async def _send_group(self, group: list[tuple[ShardState, _Runs]]) -> bool:
-        """Deliver the plain pages of several shards as one delivery with one future (one settling for all:
-        a failure rewinds each of them)."""
+        """Deliver the plain pages of several shards as one delivery, with a callback for each distinct future
+        (a record batch holds the pages of many shards), not one for each page."""
         try:
-            future = await self.sink.deliver_group(
+            sent = await self.sink.deliver_group(
                 [(st.shard, cells[0].column, items) for st, runs in group for cells, items in runs])
         except PublishError as exc:
             for st, runs in group:
@@ -658,21 +658,28 @@ class Tailer:
                     st.singles_until = max(st.singles_until, runs[-1][0][-1].added_id)
                 self._failed(st, exc, "publish")
             return False
-        messages = 0
+        waiters: dict[asyncio.Future[Any], tuple[dict[int, None], list[int]]] = {}  # shards, messages
+        per_run = iter(sent)
         for st, runs in group:
             read = 0
             for cells, _items in runs:
-                last = cells[-1]
-                st.inflight.append(Pending(last.added_id, future, cells[0], self.sink.destination(last.column),
-                                           False, len(cells)))
-                read += len(cells)
+                topic = self.sink.destination(cells[0].column)
+                at = 0
+                for future, count in next(per_run):
+                    st.inflight.append(Pending(cells[at + count - 1].added_id, future, cells[at], topic, False, count))
+                    at += count
+                    if (waiter := waiters.get(future)) is None:
+                        waiter = waiters[future] = ({}, [0])
+                    waiter[0][st.shard] = None
+                    waiter[1][0] += count
+                read += at
             st.position = st.inflight[-1].added_id
-            messages += read
             if read < st.read_limit:
                 st.drained = True
-        self._unsettled += messages
-        future.add_done_callback(functools.partial(self._settled, tuple(st.shard for st, _runs in group), messages),
-                                 context=self._callback_context)
+        for future, (shards, messages) in waiters.items():
+            self._unsettled += messages[0]
+            future.add_done_callback(functools.partial(self._settled, tuple(shards), messages[0]),
+                                     context=self._callback_context)
         return True
 
     async def _send_cells(self, st: ShardState, cells: Sequence[AnyCell]) -> bool:

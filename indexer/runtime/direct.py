@@ -43,7 +43,7 @@ from logstore.extras import require
 from tailer.config import TailerConfig
 from tailer.coordinators.store import StoreCoordinator
 from tailer.errors import PublishError
-from tailer.interfaces import Coordinator, Sink, all_of
+from tailer.interfaces import Coordinator, Sink
 from tailer.metrics import TailerMetrics
 from tailer.worker import Tailer
 
@@ -115,7 +115,9 @@ class HandlerSink(Sink):
         self._add(unit)
         return [(unit.future, len(items))]
 
-    async def deliver_group(self, runs: Sequence[tuple[int, str, Sequence[Any]]]) -> asyncio.Future[Any]:
+    async def deliver_group(
+        self, runs: Sequence[tuple[int, str, Sequence[Any]]]
+    ) -> list[list[tuple[asyncio.Future[Any], int]]]:
         if not self._running:
             raise PublishError("the app is stopping", retriable=True)
         if not self._waited or not self._worth_splitting(runs):
@@ -124,16 +126,16 @@ class HandlerSink(Sink):
             unit = _Unit(tuple(dict.fromkeys(shard for shard, _column, _items in runs)),
                          [cell for _shard, _column, items in runs for cell in items], None)
             self._add(unit)
-            return unit.future
+            return [[(unit.future, len(items))] for _shard, _column, items in runs]
         # Handlers that wait run shards side by side: a unit per shard, shared out over the batches as the
         # line is.
         by_shard: dict[int, list[Cell]] = {}  # a shard's runs come one after another: kept in order
         for shard, _column, items in runs:
             by_shard.setdefault(shard, []).extend(items)
-        units = [_Unit((shard,), cells, None) for shard, cells in by_shard.items()]
-        for unit in units:
+        units = {shard: _Unit((shard,), cells, None) for shard, cells in by_shard.items()}
+        for unit in units.values():
             self._add(unit)
-        return asyncio.ensure_future(all_of([unit.future for unit in units]))
+        return [[(units[shard].future, len(items))] for shard, _column, items in runs]
 
     def _worth_splitting(self, runs: Sequence[tuple[int, str, Sequence[Any]]]) -> bool:
         """Whether the group's cells, handled one after another, would take long enough (by what cells recently

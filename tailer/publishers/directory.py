@@ -11,14 +11,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import os
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
 from tailer.errors import ConfigurationError, PublishError
 from tailer.interfaces import Publisher
 from tailer.messages import Message
+
+logger = logging.getLogger(__name__)
 
 
 class DirectoryPublisher(Publisher):
@@ -31,16 +36,28 @@ class DirectoryPublisher(Publisher):
         self._linger = linger
         self._files: dict[tuple[str, int], IO[str]] = {}
         self._next: dict[tuple[str, int], int] = {}
-        self._buffer: list[tuple[tuple[str, int], str, asyncio.Future[Any]]] = []
+        self._buffer: list[tuple[tuple[str, int], list[str], asyncio.Future[Any]]] = []
+        self._waiting: dict[tuple[str, int], tuple[list[str], asyncio.Future[Any]]] = {}  # a partition's entry
         self._flusher: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._running = False
+        self._syncs: ThreadPoolExecutor | None = None
+        # A partition whose write failed takes nothing more until the worker has seen the failure (after_failure),
+        # as Kafka's idempotent producer refuses a partition's later batches: nothing sent after the failed
+        # messages may be written before they are sent again.
+        self._broken: dict[tuple[str, int], PublishError] = {}
+        self._failed_in: weakref.WeakKeyDictionary[asyncio.Future[Any], tuple[str, int]] = (
+            weakref.WeakKeyDictionary())
 
     async def start(self) -> None:
         if self._running:
             return
         self._running = True
         self.root.mkdir(parents=True, exist_ok=True)
+        # The files a write touched are fsynced side by side: ext4 commits its journal once for fsyncs that
+        # wait together (16 files: 1.8-2 ms against 5.4-6.4 one after another). With many shards a write
+        # holds cells of every partition.
+        self._syncs = ThreadPoolExecutor(max_workers=16, thread_name_prefix="topic-fsync")
         self._flusher = asyncio.create_task(self._flush_loop())
 
     async def stop(self) -> None:
@@ -50,9 +67,19 @@ class DirectoryPublisher(Publisher):
         self._wake.set()
         if self._flusher is not None:
             await self._flusher
+        if self._syncs is not None:
+            self._syncs.shutdown()
+            self._syncs = None
         for fh in self._files.values():
             fh.close()
         self._files.clear()
+
+    async def __aenter__(self) -> DirectoryPublisher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
 
     async def prepare_topic(self, topic: str, partitions: int, replication_factor: int) -> None:
         folder = self.root / topic
@@ -75,16 +102,36 @@ class DirectoryPublisher(Publisher):
     async def send(
         self, topic: str, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]
     ) -> asyncio.Future[Any]:
+        return self._queue((topic, partition), [Message(key, value, headers)])
+
+    async def send_many(
+        self, topic: str, partition: int, messages: Sequence[Message]
+    ) -> list[tuple[asyncio.Future[Any], int]]:
+        """The messages join the partition's lines waiting for the next write: one future for all of them."""
+        return [(self._queue((topic, partition), messages), len(messages))] if messages else []
+
+    def _queue(self, where: tuple[str, int], messages: Sequence[Message]) -> asyncio.Future[Any]:
         if not self._running:
             raise PublishError("the directory publisher is not started", retriable=True)
-        refused = self.refuses(Message(key, value, headers))
-        if refused is not None:
-            raise refused
-        kind = dict(headers).get("content-type", b"application/json")
-        record = {"key": key.decode(), "headers": {k: v.decode() for k, v in headers},
-                  "value": json.loads(value) if kind == b"application/json" else base64.b64encode(value).decode()}
+        lines = []
+        for message in messages:
+            refused = self.refuses(message)
+            if refused is not None:
+                raise refused
+            key, value, headers = message
+            kind = dict(headers).get("content-type", b"application/json")
+            record = {"key": key.decode(), "headers": {k: v.decode() for k, v in headers},
+                      "value": json.loads(value) if kind == b"application/json" else base64.b64encode(value).decode()}
+            lines.append(json.dumps(record, ensure_ascii=False))
+        if where in self._broken:
+            return self._fail(where, asyncio.get_running_loop().create_future(), self._broken[where])
+        waiting = self._waiting.get(where)
+        if waiting is not None:  # written and fsynced together: settled together (as a Kafka record batch)
+            waiting[0].extend(lines)
+            return waiting[1]
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._buffer.append(((topic, partition), json.dumps(record, ensure_ascii=False), future))
+        self._waiting[where] = (lines, future)
+        self._buffer.append((where, lines, future))
         self._wake.set()
         return future
 
@@ -94,24 +141,84 @@ class DirectoryPublisher(Publisher):
             self._wake.clear()
             await asyncio.sleep(self._linger)
             batch, self._buffer = self._buffer, []
+            self._waiting.clear()
             if batch:
-                await asyncio.to_thread(self._write, batch)
+                await self._flush(batch)
 
-    def _write(self, batch: list[tuple[tuple[str, int], str, asyncio.Future[Any]]]) -> None:
-        touched: set[tuple[str, int]] = set()
-        results: list[tuple[asyncio.Future[Any], int]] = []
-        for where, line, future in batch:
+    async def _flush(self, batch: list[tuple[tuple[str, int], list[str], asyncio.Future[Any]]]) -> None:
+        """Write and fsync; a file that fails (a full disk) is cut back and its messages fail, retriable: the
+        worker backs off and sends them again. The other files' messages are acknowledged."""
+        before: dict[tuple[str, int], tuple[int, int]] = {}  # each file's size and next offset before the write
+        failed: dict[tuple[str, int], BaseException] = {}
+        offsets: list[int] = []
+        try:
+            offsets = await asyncio.to_thread(self._write, batch, before)
+        except OSError as exc:
+            failed = {where: exc for where, _lines, _future in batch}
+        else:
+            loop = asyncio.get_running_loop()
+            synced = await asyncio.gather(*(loop.run_in_executor(self._syncs, os.fsync, self._files[where].fileno())
+                                            for where in before), return_exceptions=True)
+            failed = {where: outcome for where, outcome in zip(before, synced, strict=True)
+                      if isinstance(outcome, BaseException)}
+        if failed:
+            await asyncio.to_thread(self._undo, {where: before[where] for where in failed if where in before})
+        for where, cause in failed.items():
+            self._broken[where] = PublishError(f"cannot write {where[0]}[{where[1]}]: {cause}", retriable=True)
+        for at, (where, _lines, future) in enumerate(batch):
+            if where in failed:
+                self._fail(where, future, self._broken[where])
+            elif not future.done():
+                future.set_result(offsets[at])
+        if failed:  # what was queued for those partitions meanwhile fails with them
+            kept = [entry for entry in self._buffer if entry[0] not in failed]
+            for where, _lines, future in self._buffer:
+                if where in failed:
+                    self._fail(where, future, self._broken[where])
+                    self._waiting.pop(where, None)
+            self._buffer = kept
+
+    def _fail(self, where: tuple[str, int], future: asyncio.Future[Any], error: PublishError) -> asyncio.Future[Any]:
+        if not future.done():
+            future.set_exception(error)
+            self._failed_in[future] = where
+        return future
+
+    async def after_failure(self, exc: BaseException, future: asyncio.Future[Any]) -> None:
+        where = self._failed_in.pop(future, None)
+        if where is not None:
+            self._broken.pop(where, None)
+
+    def _write(self, batch: list[tuple[tuple[str, int], list[str], asyncio.Future[Any]]],
+               before: dict[tuple[str, int], tuple[int, int]]) -> list[int]:
+        """(in a worker thread) Append the lines and flush the files, noting in ``before`` where each file
+        ended; the offset of each entry's first line."""
+        offsets = []
+        for where, lines, _future in batch:
             fh = self._file(where)
-            offset = self._next[where]
-            self._next[where] = offset + 1
-            fh.write(line + "\n")
-            touched.add(where)
-            results.append((future, offset))
-        for where in touched:
+            if where not in before:
+                before[where] = (os.fstat(fh.fileno()).st_size, self._next[where])
+            offsets.append(self._next[where])
+            self._next[where] += len(lines)
+            fh.write("".join(line + "\n" for line in lines))
+        for where in before:
             self._files[where].flush()
-            os.fsync(self._files[where].fileno())
-        for future, offset in results:
-            future.get_loop().call_soon_threadsafe(_resolve, future, offset)
+        return offsets
+
+    def _undo(self, before: dict[tuple[str, int], tuple[int, int]]) -> None:
+        """Cut the files back to where a failed write began: no line half written, none counted twice."""
+        for where, (size, offset) in before.items():
+            fh = self._files.pop(where)
+            try:
+                fh.close()  # its buffer is lost with it, or (a full disk) fails to flush
+            except OSError as exc:
+                logger.debug("closing %s after a failed write: %s", fh.name, exc)
+            try:
+                os.truncate(fh.name, size)
+                self._next[where] = offset
+            except OSError as exc:
+                logger.warning("cannot cut %s back after a failed write: %s", fh.name, exc)
+                self._next.pop(where, None)  # counted again when the file is next opened
 
     def _file(self, where: tuple[str, int]) -> IO[str]:
         if where not in self._files:
@@ -119,11 +226,6 @@ class DirectoryPublisher(Publisher):
             self._next[where] = sum(1 for _ in open(path)) if path.exists() else 0  # noqa: SIM115
             self._files[where] = open(path, "a")  # noqa: SIM115 - kept open until stop()
         return self._files[where]
-
-
-def _resolve(future: asyncio.Future[Any], offset: int) -> None:
-    if not future.done():
-        future.set_result(offset)
 
 
 def read_topic(root: str | os.PathLike[str], topic: str) -> Iterator[tuple[int, dict[str, Any]]]:

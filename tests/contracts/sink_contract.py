@@ -73,8 +73,9 @@ class SinkContract:
                     (SHARD, "BASE", [sink.accept(c) for c in cells(1, 3)]),
                     (SHARD, "BASE", [sink.accept(c) for c in cells(4, 2)]),
                 ])
-                futures = [group, *(f for f, _ in await sink.deliver(SHARD, "BASE", [sink.accept(c)
-                                                                                    for c in cells(6, 3)]))]
+                assert [sum(count for _f, count in run) for run in group] == [3, 3, 2]  # each run's items covered
+                futures = [*(f for run in group for f, _ in run),
+                           *(f for f, _ in await sink.deliver(SHARD, "BASE", [sink.accept(c) for c in cells(6, 3)]))]
                 await asyncio.wait_for(asyncio.gather(*futures), 30)
                 await sink.before_commit()
             finally:

@@ -20,6 +20,11 @@ from tailer.worker import Tailer
 NOW = dt.datetime.now(dt.UTC)
 
 
+def futures(sent: list[list[tuple[asyncio.Future[Any], int]]]) -> list[asyncio.Future[Any]]:
+    """The distinct futures of a group's deliveries."""
+    return list(dict.fromkeys(future for run in sent for future, _count in run))
+
+
 def cell(shard: int, n: int, **body: Any) -> logstore.Cell:
     return logstore.Cell(uuid.uuid4(), "BASE", 1, {"n": n, **body}, n, shard, NOW)
 
@@ -50,14 +55,15 @@ def test_a_shards_later_cells_wait_for_the_group_holding_its_earlier_ones(store:
         sink = HandlerSink(held.app.processor, batch_size=3, max_workers=4)
         await sink.start()
         # A group of shards 1 and 2 that fills a batch and whose first cell's handler waits.
-        group = await sink.deliver_group([(1, "BASE", [cell(1, 1, hold=True), cell(1, 2)]), (2, "BASE", [cell(2, 3)])])
+        group = futures(await sink.deliver_group([(1, "BASE", [cell(1, 1, hold=True), cell(1, 2)]),
+                                                  (2, "BASE", [cell(2, 3)])]))
         later = [f for f, _ in await sink.deliver(1, "BASE", [cell(1, 4)])]  # shard 1 again: waits for the group
         other = [f for f, _ in await sink.deliver(3, "BASE", [cell(3, 5)])]  # another shard: does not
         await held.until(5)
         await asyncio.sleep(0.05)
         before_release = list(held.handled)
         held.release.set()
-        await asyncio.wait_for(asyncio.gather(group, *later, *other), 10)
+        await asyncio.wait_for(asyncio.gather(*group, *later, *other), 10)
         await sink.stop()
         held.app.close()
         return before_release
@@ -76,7 +82,8 @@ def test_giving_up_a_shard_gives_up_the_deliveries_waiting_behind_it(store: logs
         await asyncio.gather(*(f for f, _ in await sink.deliver(4, "BASE", [cell(4, 0)])))
         first = [f for f, _ in await sink.deliver(1, "BASE", [cell(1, 1, hold=True)])]
         await held.until(1)  # under way: it finishes whatever is abandoned
-        group = await sink.deliver_group([(1, "BASE", [cell(1, 2)]), (2, "BASE", [cell(2, 3)])])
+        group = futures(await sink.deliver_group([(1, "BASE", [cell(1, 2)]), (2, "BASE", [cell(2, 3)])]))
+        assert len(group) == 1  # one unit: one future for both shards
         behind = [f for f, _ in await sink.deliver(1, "BASE", [cell(1, 4)])]  # waits for the group
         apart = [f for f, _ in await sink.deliver(3, "BASE", [cell(3, 5)])]
         sink.abandon([2])  # the group holds shard 2: it goes, and shard 1's cell behind it with it
@@ -84,7 +91,7 @@ def test_giving_up_a_shard_gives_up_the_deliveries_waiting_behind_it(store: logs
         await asyncio.wait_for(asyncio.gather(*first, *apart), 10)
         await asyncio.sleep(0.05)
         states = ["cancelled" if f.cancelled() else "done" if f.done() else "pending"
-                  for f in (*first, group, *behind, *apart)]
+                  for f in (*first, *group, *behind, *apart)]
         await sink.stop()
         held.app.close()
         return held.handled, states
@@ -99,7 +106,7 @@ class CountingSink(HandlerSink):
         super().__init__(*args, **kwargs)
         self.groups = self.singles = 0
 
-    async def deliver_group(self, runs: Any) -> asyncio.Future[Any]:
+    async def deliver_group(self, runs: Any) -> Any:
         self.groups += 1
         return await super().deliver_group(runs)
 
@@ -157,8 +164,8 @@ def split_into(store: logstore.Store, cell_seconds: float | None) -> int:
         sink._waited = True  # as after the first batch of a handler that runs in the pool
         await sink.start()
         processor.cell_seconds = cell_seconds
-        group = await sink.deliver_group([(shard, "BASE", [cell(shard, shard)]) for shard in range(10)])
-        await asyncio.wait_for(group, 10)
+        group = futures(await sink.deliver_group([(shard, "BASE", [cell(shard, shard)]) for shard in range(10)]))
+        await asyncio.wait_for(asyncio.gather(*group), 10)
         await sink.stop()
 
     asyncio.run(run())

@@ -451,3 +451,81 @@ def test_the_worker_decodes_its_pages_on_its_loop_not_in_the_read_threads(
 
     asyncio.run(run_until(tailer, done))
     assert decoded_in and set(decoded_in) == {threading.main_thread()}
+
+
+def test_a_failed_write_of_one_partition_is_sent_again_and_nothing_else_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk fails the fsync of one partition's file once, in the middle of reads of many shards each:
+    that file is cut back and its shards send their cells again; the other partitions' shards, read in the
+    same deliveries, are not sent again. Every cell is in its topic once, in its shard's order."""
+    import errno
+
+    from tailer.publishers import directory
+
+    real_fsync = directory.os.fsync
+    failures: list[str] = []
+
+    def full_disk_once(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith("partition-1.jsonl") and os.path.getsize(path) > 0 and not failures:
+            failures.append(path)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(directory.os, "fsync", full_disk_once)
+    with logstore.open(f"sqlite:///{tmp_path}/store", shards=64) as store:
+        put_many(store, 3000)
+        root = tmp_path / "topics"
+        tailer = make(store, tmp_path, page_size=100)  # a read holds a few cells of each of many shards
+        asyncio.run(run_until(tailer, lambda: len(topic_cells(root, "cells.BASE")) >= 3000))
+        time.sleep(0.2)
+    assert failures
+    messages = topic_cells(root, "cells.BASE")
+    by_shard = assert_per_shard_order(messages, 4)
+    ids = [(shard, i) for shard, added in by_shard.items() for i in added]
+    assert len(ids) == len(set(ids)) == 3000
+
+
+def test_after_a_failed_write_a_partition_takes_nothing_until_the_failure_is_seen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As Kafka's idempotent producer refuses a partition's later batches: a message sent after the failed ones
+    must not be written before they are sent again. Other partitions go on."""
+    import errno
+
+    from tailer.errors import PublishError
+    from tailer.messages import Message
+    from tailer.publishers import directory
+
+    real_fsync = directory.os.fsync
+
+    def full_disk(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("partition-1.jsonl"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    def message(n: int) -> Message:
+        return Message(b"k", json.dumps({"n": n}).encode(), [])
+
+    async def run() -> None:
+        publisher = DirectoryPublisher(tmp_path / "topics", linger=0.001)
+        async with publisher:
+            await publisher.prepare_topic("t", 2, 1)
+            monkeypatch.setattr(directory.os, "fsync", full_disk)
+            [(failed, _)] = await publisher.send_many("t", 1, [message(1)])
+            with pytest.raises(PublishError) as raised:
+                await failed
+            assert raised.value.retriable and "No space left" in str(raised.value)
+            monkeypatch.setattr(directory.os, "fsync", real_fsync)
+            [(later, _)] = await publisher.send_many("t", 1, [message(2)])
+            [(other, _)] = await publisher.send_many("t", 0, [message(3)])
+            assert await other == 0
+            with pytest.raises(PublishError):
+                await later  # refused: message 1 has not been sent again yet
+            await publisher.after_failure(raised.value, failed)
+            [(again, _)] = await publisher.send_many("t", 1, [message(1)])
+            assert await again == 0  # the failed write was cut back: the file starts with it
+
+    asyncio.run(run())
+    assert [(p, r["value"]["n"]) for p, r in read_topic(tmp_path / "topics", "t")] == [(0, 3), (1, 1)]
