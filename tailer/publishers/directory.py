@@ -113,6 +113,8 @@ class DirectoryPublisher(Publisher):
     def _queue(self, where: tuple[str, int], messages: Sequence[Message]) -> asyncio.Future[Any]:
         if not self._running:
             raise PublishError("the directory publisher is not started", retriable=True)
+        if where in self._broken:
+            return self._fail(where, asyncio.get_running_loop().create_future(), self._broken[where])
         lines = []
         for message in messages:
             refused = self.refuses(message)
@@ -123,8 +125,6 @@ class DirectoryPublisher(Publisher):
             record = {"key": key.decode(), "headers": {k: v.decode() for k, v in headers},
                       "value": json.loads(value) if kind == b"application/json" else base64.b64encode(value).decode()}
             lines.append(json.dumps(record, ensure_ascii=False))
-        if where in self._broken:
-            return self._fail(where, asyncio.get_running_loop().create_future(), self._broken[where])
         waiting = self._waiting.get(where)
         if waiting is not None:  # written and fsynced together: settled together (as a Kafka record batch)
             waiting[0].extend(lines)
