@@ -658,27 +658,36 @@ class Tailer:
                     st.singles_until = max(st.singles_until, runs[-1][0][-1].added_id)
                 self._failed(st, exc, "publish")
             return False
-        waiters: dict[asyncio.Future[Any], tuple[dict[int, None], list[int]]] = {}  # shards, messages
+        # Each distinct future: the shards it covers and its messages. Runs in a row mostly share one (a
+        # partition's batch, a unit of handlers): the last one is kept at hand.
+        waiters: dict[asyncio.Future[Any], list[Any]] = {}
+        last: asyncio.Future[Any] | None = None
+        waiter: list[Any] = []
+        topics: dict[str, str] = {}
         per_run = iter(sent)
         for st, runs in group:
             read = 0
             for cells, _items in runs:
-                topic = self.sink.destination(cells[0].column)
+                column = cells[0].column
+                if (topic := topics.get(column)) is None:
+                    topic = topics[column] = self.sink.destination(column)
                 at = 0
                 for future, count in next(per_run):
                     st.inflight.append(Pending(cells[at + count - 1].added_id, future, cells[at], topic, False, count))
                     at += count
-                    if (waiter := waiters.get(future)) is None:
-                        waiter = waiters[future] = ({}, [0])
+                    if future is not last:
+                        if (found := waiters.get(future)) is None:
+                            found = waiters[future] = [{}, 0]
+                        waiter, last = found, future
                     waiter[0][st.shard] = None
-                    waiter[1][0] += count
+                    waiter[1] += count
                 read += at
             st.position = st.inflight[-1].added_id
             if read < st.read_limit:
                 st.drained = True
         for future, (shards, messages) in waiters.items():
-            self._unsettled += messages[0]
-            future.add_done_callback(functools.partial(self._settled, tuple(shards), messages[0]),
+            self._unsettled += messages
+            future.add_done_callback(functools.partial(self._settled, tuple(shards), messages),
                                      context=self._callback_context)
         return True
 
