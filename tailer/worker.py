@@ -61,6 +61,14 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 
+def _in_thread(fn: Callable[..., _R], *args: Any) -> asyncio.Future[_R]:
+    """``fn(*args)`` in the default executor, handed to it now. ``ensure_future(to_thread(...))`` hands it over
+    only when the loop next runs the new task, after whatever the loop still does in this turn (settling
+    acknowledgements, decoding the next page): a read started 1 ms after it was launched, where it could have
+    waited on the database (MySQL's socket, without the GIL) meanwhile."""
+    return asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
 class Tailer:
     """One worker of the tailer ``config.name``. ``async with Tailer(...)`` or start()/stop().
 
@@ -471,7 +479,7 @@ class Tailer:
         # Every owned shard idle: a look finding none moved proves them caught up (not one before any is owned).
         complete = bool(self._shards) and not self._live
         self._looked_at = now
-        self._looking = asyncio.ensure_future(asyncio.to_thread(self._counts_and_pages, idle))
+        self._looking = _in_thread(self._counts_and_pages, idle)
         self._looking.add_done_callback(lambda done: self._looked(done, idle, complete, now))
 
     def _looked(self, done: asyncio.Future[Look], idle: dict[int, tuple[int | None, int]], complete: bool,
@@ -580,7 +588,7 @@ class Tailer:
         return self.config.page_size
 
     def _launch(self, positions: dict[int, int], limit: int) -> None:
-        future = asyncio.ensure_future(asyncio.to_thread(self._fetch, positions, limit))
+        future = _in_thread(self._fetch, positions, limit)
         future.add_done_callback(lambda _f: self._wakeup.set())
         reserved = 0
         for shard, position in positions.items():
