@@ -111,6 +111,44 @@ def test_the_loop_does_not_spin_while_a_look_runs_past_the_next_ones_time(
     assert during < 60
 
 
+def test_one_slow_look_does_not_space_out_the_looks_after_it(
+    sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Looks are spaced to take a share of the time by what counting costs. A look held up once (a core
+    or the database busy) is not that cost: spaced by it, the next look came four times its length later,
+    and every cell written meanwhile waited for it (the tail of the latency on a loaded machine)."""
+    with logstore.open(sqlite_url, shards=64) as store:
+        looks: list[tuple[float, float]] = []  # (start, end) of each count
+        count = store.cell_counts
+        hold = {"next": False}
+
+        def counting() -> dict[int, int]:
+            started = time.monotonic()
+            if hold["next"]:
+                hold["next"] = False
+                time.sleep(0.6)
+            counted = count()
+            looks.append((started, time.monotonic()))
+            return counted
+
+        monkeypatch.setattr(store, "cell_counts", counting)
+        tailer, _held = held_tailer(store, tmp_path, poll_interval=0.05, idle_poll_interval=0.05)
+
+        async def scenario() -> None:
+            async with tailer:
+                await asyncio.sleep(0.5)  # looks of a few milliseconds each, 50 ms apart
+                hold["next"] = True
+                await until(lambda: any(end - start >= 0.6 for start, end in looks), "the held look", timeout=10)
+                slow_end = next(end for start, end in looks if end - start >= 0.6)
+                await until(lambda: looks[-1][0] > slow_end, "a look after the held one", timeout=10)
+
+        asyncio.run(scenario())
+    slow = next(i for i, (start, end) in enumerate(looks) if end - start >= 0.6)
+    # Due 50 ms after the held look began, so at once when it ends; spaced by its 0.6 s (an idle worker's
+    # looks take half the time at most) the next came 1.2 s after its start. The margin is for a loaded machine.
+    assert looks[slow + 1][0] - looks[slow][1] < 0.3
+
+
 @pytest.mark.parametrize("max_in_flight", [20_000, 1])
 def test_a_look_reads_a_shard_whose_last_cells_await_acknowledgement_within_max_in_flight(
     sqlite_url: str, tmp_path: Path, max_in_flight: int
