@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from logstore.cell import Cell, PackedCell
     from logstore.config import DEFAULT_SHARDS, ClusterConfig, MySQLTarget, NodeTarget, StoreOptions
     from logstore.offsets import OffsetRecord
-    from logstore.persistence import NodeRecorder, UndecodedPages
+    from logstore.persistence import ChangedCounts, NodeRecorder, UndecodedPages
     from logstore.store import ShardInfo, Store
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "Cell",
     "CellConflictError",
     "CellstreamError",
+    "ChangedCounts",
     "ClusterConfig",
     "ConfigurationError",
     "CorruptCellError",
@@ -72,6 +73,7 @@ _LAZY = {
     "ClusterConfig": "logstore.config",
     "StoreOptions": "logstore.config",
     "OffsetRecord": "logstore.offsets",
+    "ChangedCounts": "logstore.persistence",
     "UndecodedPages": "logstore.persistence",
     "ShardInfo": "logstore.store",
     "Store": "logstore.store",

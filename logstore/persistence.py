@@ -68,6 +68,14 @@ class NodeMeta(NamedTuple):
     last: int
 
 
+class ChangedCounts(NamedTuple):
+    """The cell counts a reader looks at to find the shards that moved (see ``changed_counts``)."""
+
+    counts: dict[int, int]  # cells per shard: every shard's when complete, else those that may have moved
+    mark: object | None  # handed to the next call; None: the next answer is complete
+    complete: bool
+
+
 class NodeRecorder(ABC):
     """One storage node's shards. Implementations are safe to share between threads."""
 
@@ -206,6 +214,13 @@ class NodeRecorder(ABC):
     @abstractmethod
     def shard_counts(self) -> dict[int, int]:
         """Cells per shard, for every shard of the node."""
+
+    def changed_counts(self, since: object | None) -> ChangedCounts:
+        """Cells per shard of the shards whose count may have moved since ``since`` (the mark of an earlier
+        answer), and the mark for the next call; every shard's without a mark, and on backends that cannot
+        tell which moved. A partial answer may leave out a shard whose writer held its transaction open
+        longer than the backend's margin: a reader that relies on them counts every shard now and then."""
+        return ChangedCounts(self.shard_counts(), None, True)
 
     # Consumer offsets: the one mutable table. A consumer (a tailer or an app) keeps
     # its position per shard on the node holding the shard, all of a node's in one row

@@ -36,6 +36,7 @@ from logstore.index_tables.persistence import IndexRecorder
 from logstore.index_tables.store import IndexStore
 from logstore.offsets import OffsetRecord, offset_doc
 from logstore.persistence import (
+    ChangedCounts,
     Coordinates,
     NodeMeta,
     NodeRecorder,
@@ -77,6 +78,13 @@ class ShardInfo(NamedTuple):
     cells: int
 
 
+class _CountsMark(NamedTuple):
+    """A mark of :meth:`Store.changed_counts`: each node's mark, for the shard map it was taken under."""
+
+    map_changes: int
+    nodes: dict[str, object | None]
+
+
 class Store:
     """A logstore instance: a fixed number of shards spread over storage nodes.
 
@@ -97,6 +105,7 @@ class Store:
         self._home_of = list(self._node_of)  # the cluster file's map, before moves
         self._moves: dict[str, dict[int, str]] = {}  # node -> its shards moved away, and where
         self._map_read = 0.0
+        self._map_changes = 0  # how often the shard map changed: a mark of changed_counts holds for one map
         self._map_lock = threading.Lock()
         self._movable = any(r.supports_moves for r in recorders.values())  # else the map never changes
         self._closed = False
@@ -173,7 +182,9 @@ class Store:
                     if target is None or target not in self._by_name:
                         break
                     node_of[shard] = self._by_name[target]
-            self._node_of[:] = node_of
+            if node_of != self._node_of:
+                self._map_changes += 1
+                self._node_of[:] = node_of
 
     def check_shard(self, shard: object) -> int:
         """``shard`` when it is a shard of this store; InvalidArgumentError naming it otherwise."""
@@ -524,15 +535,42 @@ class Store:
 
     def cell_counts(self) -> dict[int, int]:
         """Cells per shard for every shard: one read per storage node, and the shard map only when
-        ``map_refresh`` has passed. What a reader looks at to find the shards that moved; its cost is
-        a few milliseconds at 4096 shards, where :meth:`shard_stats` also reads the moves and builds a
-        record per shard."""
+        ``map_refresh`` has passed. Its cost is a few milliseconds at 4096 shards, where
+        :meth:`shard_stats` also reads the moves and builds a record per shard."""
+        return self.changed_counts().counts
+
+    def changed_counts(self, since: object | None = None) -> ChangedCounts:
+        """Cells per shard of the shards whose count may have moved since ``since`` (the mark of an earlier
+        answer), and the mark for the next call: what a reader looks at to find the shards that moved.
+
+        Without a mark, every shard's (``complete``); so too after the shard map changed, and from nodes
+        that cannot tell which shards moved. A partial answer costs in proportion to the shards written
+        lately, not to the shard count, and may leave out a shard whose writer held its transaction open
+        longer than the backend's margin (0.2 s on MySQL/MariaDB): a reader relying on partial answers
+        takes a complete one now and then (the tailer: twice a second).
+        """
         self._recorder(0)  # closed check, and the shard map refreshed when it is due
-        counts = {name: recorder.shard_counts() for name, recorder in self._recorders.items()}
-        if len(counts) == 1:
-            [only] = counts.values()
-            return only if len(only) == self.shard_count else {s: only.get(s, 0) for s in range(self.shard_count)}
-        return {s: counts[node.name].get(s, 0) for s, node in enumerate(self._node_of)}
+        changes = self._map_changes
+        marks: dict[str, object | None] = {}
+        if isinstance(since, _CountsMark) and since.map_changes == changes:
+            marks = since.nodes
+        answers = {name: recorder.changed_counts(marks.get(name)) for name, recorder in self._recorders.items()}
+        mark = _CountsMark(changes, {name: answer.mark for name, answer in answers.items()})
+        complete = all(answer.complete for answer in answers.values())
+        if complete and len(answers) == 1:
+            [only] = (answer.counts for answer in answers.values())
+            if len(only) != self.shard_count:
+                only = {s: only.get(s, 0) for s in range(self.shard_count)}
+            return ChangedCounts(only, mark, True)
+        if complete:
+            counts = {s: answers[node.name].counts.get(s, 0) for s, node in enumerate(self._node_of)}
+        elif len(answers) == 1:  # the only node holds every shard
+            [counts] = (answer.counts for answer in answers.values())
+        else:  # each shard's count from the node the map says holds it
+            node_of = self._node_of
+            counts = {s: n for name, answer in answers.items() for s, n in answer.counts.items()
+                      if 0 <= s < len(node_of) and node_of[s].name == name}
+        return ChangedCounts(counts, mark, complete)
 
     # -- consumer offsets ---------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Iterable[int] | None = None) -> dict[int, OffsetRecord]:

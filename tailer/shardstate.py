@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
-from logstore import CorruptCellError, LogstoreError, UndecodedPages
+from logstore import ChangedCounts, CorruptCellError, LogstoreError, UndecodedPages
 from logstore.cell import AnyCell, Cell, PackedCell
 from tailer.interfaces import Claim
 from tailer.messages import coordinates
@@ -17,8 +17,8 @@ from tailer.messages import coordinates
 Pages = dict[int, Sequence[AnyCell] | LogstoreError]
 # What a read thread hands the loop: the pages, still to be decoded (on the loop), or each shard's read error.
 Read = UndecodedPages | Pages
-# (every shard's cell count, if read; pages of the idle shards whose count moved; seconds the counting took)
-Look = tuple[dict[int, int] | None, Read, float]
+# (the cell counts, if read; pages of the idle shards whose count moved; seconds the counting took)
+Look = tuple[ChangedCounts | None, Read, float]
 
 
 def decoded(read: Read) -> Pages:

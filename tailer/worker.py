@@ -59,6 +59,11 @@ _LOOK_SHARE_BACKLOG = 0.02
 # 64 shards (a count takes 0.2 ms) spaced the next look 20 ms out, and every cell written meanwhile waited
 # for it: a tail of the latency at 1,000 cells/s on a loaded machine.
 _LOOK_COSTS = 16
+# A look reads the counts that may have moved since the previous look's (at 4096 shards on MariaDB, the rows
+# written lately instead of all 4096, which had cost the database and the worker a millisecond each) and,
+# this often, every shard's: a partial count can miss a writer that committed late (Store.changed_counts),
+# and only a complete one proves the shards caught up.
+_FULL_LOOK = 0.5
 # Measuring the lag reads every live shard: the measurements are spaced to take at most this share too.
 _LAG_SHARE = 0.05
 # A page's runs of one column: (the cells, the sink's form of each).
@@ -107,7 +112,8 @@ class Tailer:
         self._counts: dict[int, int] = {}
         self._looked_at = -1e9
         self._look_spacing = config.poll_interval  # the wait from one look's start to the next's
-        self._counts_at = -1e9  # when the look that read self._counts started
+        self._counts_mark: object | None = None  # the last look's, for the next (Store.changed_counts)
+        self._full_at = -1e9  # when the last look that counted every shard started
         self._quiet_at = -1e9  # when the last look that found every owned shard caught up started
         self._look_cost = 0.0  # seconds a look takes to count the cells: the least of the recent ones
         self._look_costs: deque[float] = deque(maxlen=_LOOK_COSTS)
@@ -437,7 +443,6 @@ class Tailer:
             share = _LOOK_SHARE if self._live else _LOOK_SHARE_IDLE
         due = self._look_spacing = max(self._polls.interval, self._look_cost / share)
         if (now - self._looked_at >= due or self._look_soon) and (self._looking is None or self._looking.done()):
-            self._look_soon = False
             self._look(now)
         return busy
 
@@ -484,12 +489,14 @@ class Tailer:
         # Within max_in_flight, as the reads of busy shards: a stalled broker must hold the reading back.
         idle = {**self._idle, **self._acking} if self._unsettled < self.config.max_in_flight else self._idle.copy()
         # Every owned shard idle: a look finding none moved proves them caught up (not one before any is owned).
-        complete = bool(self._shards) and not self._live
+        all_idle = bool(self._shards) and not self._live
+        full = self._look_soon or now - self._full_at >= _FULL_LOOK
+        self._look_soon = False
         self._looked_at = now
-        self._looking = _in_thread(self._counts_and_pages, idle)
-        self._looking.add_done_callback(lambda done: self._looked(done, idle, complete, now))
+        self._looking = _in_thread(self._counts_and_pages, idle, None if full else self._counts_mark)
+        self._looking.add_done_callback(lambda done: self._looked(done, idle, all_idle, now))
 
-    def _looked(self, done: asyncio.Future[Look], idle: dict[int, tuple[int | None, int]], complete: bool,
+    def _looked(self, done: asyncio.Future[Look], idle: dict[int, tuple[int | None, int]], all_idle: bool,
                 started: float) -> None:
         self._wakeup.set()
         pages: asyncio.Future[Read] = asyncio.get_running_loop().create_future()
@@ -497,15 +504,19 @@ class Tailer:
             pages.set_exception(done.exception() or asyncio.CancelledError())
             self._reads[pages] = ((), 0)
             return
-        counts, read, cost = done.result()
+        answer, read, cost = done.result()
         self._look_costs.append(cost)
         self._look_cost = min(self._look_costs)
         found = decoded(read)
-        if counts is not None:
-            self._counts, self._counts_at = counts, started
-            if complete and not found:
-                self._quiet_at = started
-            self._touched |= self._uncounted  # their first reads can be sized now
+        if answer is not None:
+            self._counts_mark = answer.mark
+            if answer.complete:
+                self._counts, self._full_at = answer.counts, started
+                if all_idle and not found:
+                    self._quiet_at = started
+            else:
+                self._counts.update(answer.counts)
+            self._touched |= self._uncounted  # their first reads can be sized now (or they wait again)
             self._uncounted = set()
         moved: list[int] = []
         for shard in found:
@@ -523,18 +534,23 @@ class Tailer:
         self._reads[pages] = (tuple(moved), 0)
         self._polls.looked(started, active=bool(found) or bool(self._live))
 
-    def _counts_and_pages(self, idle: dict[int, tuple[int | None, int]]) -> Look:
-        """(in a worker thread) The cell count of every shard, pages of the drained shards whose count moved,
-        and how long the counting took."""
+    def _counts_and_pages(self, idle: dict[int, tuple[int | None, int]], mark: object | None) -> Look:
+        """(in a worker thread) The cell counts (every shard's without a ``mark``, else those that may have
+        moved since it), pages of the drained shards whose count moved, and how long the counting took."""
         started = self._clock()
         try:
-            counts = self.store.cell_counts()
+            answer = self.store.changed_counts(mark)
         except LogstoreError as exc:
             logger.warning("cannot read shard counts: %s", exc)
             return None, {}, self._clock() - started
-        moved = {shard: position for shard, (seen, position) in idle.items() if counts.get(shard) != seen}
+        counts = answer.counts
+        if answer.complete:
+            moved = {shard: position for shard, (seen, position) in idle.items() if counts.get(shard) != seen}
+        else:
+            moved = {shard: idle[shard][1] for shard, count in counts.items()
+                     if shard in idle and idle[shard][0] != count}
         cost = self._clock() - started
-        return counts, (self._fetch(moved, self.config.page_size) if moved else {}), cost
+        return answer, (self._fetch(moved, self.config.page_size) if moved else {}), cost
 
     def _start_reads(self, now: float) -> None:
         """Read the next page of the shards due for one, several shards per query.

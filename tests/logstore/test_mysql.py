@@ -15,6 +15,7 @@ import pytest
 from pymysql.constants import SERVER_STATUS
 
 import logstore
+from logstore.backends.mysql.recorder import TOUCH_MARGIN
 from logstore.config import parse_node_url
 from tests.contracts.logstore_contract import (
     OLD_OFFSETS,
@@ -24,7 +25,7 @@ from tests.contracts.logstore_contract import (
     store_recorders,
 )
 from tests.harness.shared_servers import mysql_admin
-from tests.harness.stores import two_nodes
+from tests.harness.stores import keys_in_shard, two_nodes
 
 
 def _connect(url: str) -> pymysql.connections.Connection:
@@ -152,6 +153,35 @@ def test_batches_larger_than_one_packet_stay_atomic(mysql_database: str, monkeyp
         sizes.clear()
         assert store.put_cells(items + fresh[:100])[:600] == cells
         assert len(sizes) > 3 and max(sizes) <= 64 * 1024, sizes
+
+
+def test_changed_counts_reads_the_shards_written_since_the_mark_on_each_node(
+        mysql_database_factory: Callable[[], str], tmp_path: Path) -> None:
+    a, b = mysql_database_factory(), mysql_database_factory()
+    cluster = two_nodes(tmp_path / "cluster.toml", [a, b], 64)
+    with logstore.open(cluster) as store:
+        time.sleep(TOUCH_MARGIN + 0.1)  # the rows created with the nodes are older than a look's margin
+        first = store.changed_counts()
+        assert first.complete and first.counts == dict.fromkeys(range(64), 0)
+        quiet = store.changed_counts(first.mark)
+        assert not quiet.complete and quiet.counts == {}
+        store.put_cells([(k, "BASE", 1, {}) for k in keys_in_shard(store, 5, 2) + keys_in_shard(store, 40, 1)])
+        moved = store.changed_counts(quiet.mark)
+        assert not moved.complete and moved.counts == {5: 2, 40: 1}  # one shard on each node
+        assert store.changed_counts(object()).counts == {**first.counts, 5: 2, 40: 1}  # not a mark: every shard
+
+
+def test_a_node_created_before_the_touched_column_gets_it_at_open(mysql_database: str) -> None:
+    with logstore.open(mysql_database, shards=4) as store:
+        store.put_cell(uuid.uuid4(), "BASE", 1, {"n": 1})
+    with _connect(mysql_database) as conn, conn.cursor() as cur:
+        cur.execute("ALTER TABLE cellstream_shards DROP INDEX shards_touched, DROP COLUMN touched")
+    with logstore.open(mysql_database, shards=4) as store:
+        time.sleep(TOUCH_MARGIN + 0.1)
+        mark = store.changed_counts().mark
+        cell = store.put_cell(uuid.uuid4(), "BASE", 1, {"n": 2})
+        answer = store.changed_counts(mark)
+        assert not answer.complete and answer.counts == {cell.shard: cell.added_id}
 
 
 def test_a_failure_before_commit_writes_nothing_and_holds_no_lock(mysql_database: str) -> None:

@@ -84,8 +84,12 @@ def test_reads_fall_back_to_the_replica_while_the_primary_is_unreachable(
         before = {s: store.get_cells_for_shard(s, 0, 1000)[0] for s in range(SHARDS)}
         recorder = store._recorders["a"]
         assert isinstance(recorder, MySQLRecorder) and recorder.fallback.replica_reads == 0
+        mark = store.changed_counts().mark  # the primary's
 
         proxy.cut()
+        # A replica applies rows later than the primary touched them: its counts are every shard's.
+        fallen = store.changed_counts(mark)
+        assert fallen.complete and fallen.counts == {s: len(before[s]) for s in range(SHARDS)}
         cell = cells[7]
         assert store.get_cell(cell.row_key, "BASE", 1) == cell
         assert store.get_cell_latest(cell.row_key, "BASE") == cell

@@ -27,6 +27,7 @@ UNKNOWN_DATABASE = 1049
 SSL_REQUIRED_UNSUPPORTED = 2026  # pymysql: TLS required but the server offers none
 NO_TABLE = 1146
 DUPLICATE = 1062
+DUPLICATE_COLUMN = 1060
 NULL_COLUMN = 1048  # a NULL into a NOT NULL column: a one-shard write that found no counter to take ids from
 
 

@@ -34,6 +34,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
+from decimal import Decimal
 from functools import partial
 from typing import Any, TypeVar
 
@@ -44,6 +45,7 @@ from pymysql.converters import conversions
 from logstore.backends.mysql import pending as mysql_pending
 from logstore.backends.mysql.errors import (
     DUPLICATE,
+    DUPLICATE_COLUMN,
     NO_TABLE,
     NULL_COLUMN,
     SSL_REQUIRED_UNSUPPORTED,
@@ -59,6 +61,7 @@ from logstore.errors import ConfigurationError, CorruptCellError, ShardMovedErro
 from logstore.offsets import ConsumerOffsets, OffsetRecord, move_old_offsets
 from logstore.persistence import (
     FORMAT_VERSION,
+    ChangedCounts,
     Coordinates,
     NodeMeta,
     NodeRecorder,
@@ -80,6 +83,16 @@ Rows = tuple[tuple[Any, ...], ...]
 Weighed = tuple[Statement, int]  # a statement and its size on the wire, known beforehand
 
 LAYOUT = 2  # the version of the table layout above; layout 1 had a table per shard
+# When each shard's row last changed (by the server's clock, whatever writes it), indexed with the counter: a
+# reader's look at 4096 shards reads the rows changed lately instead of every row (``changed_counts``).
+# Added to layout 2 in place: a node created before it gets the column at its next open.
+_TOUCHED_COLUMN = "touched TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6)"
+_TOUCHED_KEY = "KEY shards_touched (touched, last_id)"
+# A row's ``touched`` is its writing statement's start; the transaction commits later. A look reads the
+# rows touched since the previous look's start less this margin, so a counter committed up to this long
+# after it was moved is still seen; one committed later is left to the reader's next complete count. The
+# rows read grow with the margin (100 a look at 500 writes a second), and so does the look's cost.
+TOUCH_MARGIN = 0.2
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS cellstream_meta ("
     " name VARCHAR(64) CHARACTER SET ascii NOT NULL PRIMARY KEY,"
@@ -88,7 +101,7 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS cellstream_shards ("
     " shard INT NOT NULL PRIMARY KEY, last_id BIGINT NOT NULL DEFAULT 0,"
     " fence VARCHAR(64) CHARACTER SET ascii NULL, moved_to VARCHAR(64) CHARACTER SET ascii NULL,"
-    " moved_at DATETIME(6) NULL) ENGINE=InnoDB",
+    f" moved_at DATETIME(6) NULL, {_TOUCHED_COLUMN}, {_TOUCHED_KEY}) ENGINE=InnoDB",
     "CREATE TABLE IF NOT EXISTS cells ("
     " shard INT NOT NULL,"
     " added_id BIGINT NOT NULL,"
@@ -213,6 +226,31 @@ def _log_row_to_cell(row: tuple[int, int, bytes]) -> Cell:
 
 def _log_row_to_packed_cell(row: tuple[int, int, bytes]) -> PackedCell:
     return _log_row(row, make_packed_cell)
+
+
+_MARGIN = Decimal(str(TOUCH_MARGIN))
+
+
+def _counts_of(row: tuple[Any, ...], complete: bool) -> ChangedCounts:
+    shards, last, now, server = row
+    counts = {} if shards is None else dict(zip(map(int, shards.split(",")), map(int, last.split(",")), strict=True))
+    return ChangedCounts(counts, (server, now), complete)
+
+
+def _add_touched(cur: pymysql.cursors.Cursor) -> None:
+    """Give a node created before ``touched`` the column (MySQL has no ADD COLUMN IF NOT EXISTS). Of two
+    processes opening the node at once, the second is told the column exists."""
+    cur.execute("SELECT COUNT(*) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()"
+                " AND TABLE_NAME = 'cellstream_shards' AND COLUMN_NAME = 'touched'")
+    [[present]] = cur.fetchall()
+    if present:
+        return
+    try:
+        cur.execute(f"ALTER TABLE cellstream_shards ADD COLUMN {_TOUCHED_COLUMN}, ADD {_TOUCHED_KEY}")
+    except pymysql.err.OperationalError as exc:
+        if code(exc) != DUPLICATE_COLUMN:
+            raise
+    logger.info("added the touched column to cellstream_shards")
 
 
 def _check_layout(node: str, meta: dict[str, str]) -> None:
@@ -387,6 +425,7 @@ class MySQLRecorder(NodeRecorder):
             _check_layout(self.name, _read_meta(cur) or {})
             for statement in (*_SCHEMA, mysql_pending.SCHEMA):
                 cur.execute(statement)
+            _add_touched(cur)
             self._move_old_offsets(cur)
             values = [("format_version", str(FORMAT_VERSION)), ("layout", str(LAYOUT)),
                       ("shard_count", str(meta.shard_count)), ("first", str(meta.first)), ("last", str(meta.last))]
@@ -667,11 +706,36 @@ class MySQLRecorder(NodeRecorder):
         return {s: n for s, n in self.shard_counts().items() if s in wanted}  # dense ids: the count is the head
 
     def shard_counts(self) -> dict[int, int]:
-        # One row, not 4096: pymysql builds each row in Python.
-        [[shards, last]] = self._read("SELECT GROUP_CONCAT(shard), GROUP_CONCAT(last_id) FROM cellstream_shards", ())
-        if shards is None:
-            return {}
-        return dict(zip(map(int, shards.split(",")), map(int, last.split(",")), strict=True))
+        return self.changed_counts(None).counts
+
+    def changed_counts(self, since: object | None) -> ChangedCounts:
+        """Partial answers come from the primary only, marked with its server id and clock: a replica applies
+        rows later than they were touched, and another server's clock is not the mark's."""
+        def count(cur: pymysql.cursors.Cursor, where: str = "", args: Sequence[Any] = ()) -> tuple[Any, ...]:
+            # One row, not 4096: pymysql builds each row in Python.
+            cur.execute("SELECT GROUP_CONCAT(shard), GROUP_CONCAT(last_id), UNIX_TIMESTAMP(NOW(6)), @@server_id"
+                        f" FROM cellstream_shards{where}", args)
+            [row] = cur.fetchall()
+            return tuple(row)
+
+        def on_primary(cur: pymysql.cursors.Cursor) -> ChangedCounts:
+            if isinstance(since, tuple):
+                server, at = since
+                row = count(cur, " WHERE touched >= FROM_UNIXTIME(%s)", (at - _MARGIN,))
+                if row[3] == server:
+                    return _counts_of(row, complete=False)
+            return _counts_of(count(cur), complete=True)
+
+        def on_replica(cur: pymysql.cursors.Cursor) -> ChangedCounts:
+            return _counts_of(count(cur), complete=True)._replace(mark=None)
+
+        def attempt() -> ChangedCounts:
+            primary = partial(self._on, self._pool, self.name, "count cells", on_primary)
+            if not self._replicas:
+                return primary()
+            return self.fallback.read(primary, [partial(self._on, pool, f"{self.name} replica {i}", "count cells",
+                                                        on_replica) for i, pool in enumerate(self._replicas)])
+        return retry_call(attempt, self._options.retry, retriable=retry_here)
 
     # -- consumer offsets -----------------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
