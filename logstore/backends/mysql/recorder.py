@@ -352,14 +352,17 @@ class MySQLRecorder(NodeRecorder):
         return conn
 
     def _call(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T], *, read: bool = False,
-              policy: RetryPolicy | None = None) -> T:
+              policy: RetryPolicy | None = None, on_replica: Callable[[pymysql.cursors.Cursor], T] | None = None) -> T:
         """Run ``fn`` on a pooled connection; translate driver errors; retry retriable ones. A ``read`` falls
-        back to the node's replicas while its primary is unavailable (:class:`ReadFallback`)."""
+        back to the node's replicas while its primary is unavailable (:class:`ReadFallback`), running
+        ``on_replica`` there if given."""
         def attempt() -> T:
             if not read or not self._replicas:
                 return self._on(self._pool, self.name, what, fn)
+            there = on_replica or fn
             return self.fallback.read(partial(self._on, self._pool, self.name, what, fn), [
-                partial(self._on, pool, f"{self.name} replica {i}", what, fn) for i, pool in enumerate(self._replicas)])
+                partial(self._on, pool, f"{self.name} replica {i}", what, there)
+                for i, pool in enumerate(self._replicas)])
         return retry_call(attempt, policy or self._options.retry, retriable=retry_here)
 
     def _on(self, pool: Pool, where: str, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
@@ -728,14 +731,7 @@ class MySQLRecorder(NodeRecorder):
 
         def on_replica(cur: pymysql.cursors.Cursor) -> ChangedCounts:
             return _counts_of(count(cur), complete=True)._replace(mark=None)
-
-        def attempt() -> ChangedCounts:
-            primary = partial(self._on, self._pool, self.name, "count cells", on_primary)
-            if not self._replicas:
-                return primary()
-            return self.fallback.read(primary, [partial(self._on, pool, f"{self.name} replica {i}", "count cells",
-                                                        on_replica) for i, pool in enumerate(self._replicas)])
-        return retry_call(attempt, self._options.retry, retriable=retry_here)
+        return self._call("count cells", on_primary, read=True, on_replica=on_replica)
 
     # -- consumer offsets -----------------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
