@@ -545,9 +545,9 @@ class Store:
 
         Without a mark, every shard's (``complete``); so too after the shard map changed, and from nodes
         that cannot tell which shards moved. A partial answer costs in proportion to the shards written
-        lately, not to the shard count, and may leave out a shard whose writer held its transaction open
-        longer than the backend's margin (0.2 s on MySQL/MariaDB): a reader relying on partial answers
-        takes a complete one now and then (the tailer: twice a second).
+        lately, not to the shard count. On MySQL/MariaDB it may leave out a shard whose writer held its
+        transaction open longer than a margin (0.2 s), so a reader relying on partial answers takes a
+        complete one now and then (the tailer: twice a second); SQLite's are exact (one writer at a time).
         """
         self._recorder(0)  # closed check, and the shard map refreshed when it is due
         changes = self._map_changes

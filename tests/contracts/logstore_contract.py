@@ -14,6 +14,7 @@ import random
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,6 +68,8 @@ class StoreContract:
     shards = 8
     #: A float far outside 64-bit integers; over HTTP numbers stay inside them (logstore.node.models).
     far_float = -1.5e300
+    #: Whether ``changed_counts`` answers a mark with the shards written since it, not with every shard's.
+    partial_counts = True
 
     def corrupt_body(self, url: str, cell: logstore.Cell) -> None:
         raise AssertionError("backend test classes implement corrupt_body")
@@ -339,6 +342,21 @@ class StoreContract:
             assert s.cells == sum(1 for c in cells if c.shard == s.shard)
             assert s.node == store.node_of(s.shard)
         assert store.cell_counts() == {s.shard: s.cells for s in stats}
+
+    def test_changed_counts_since_a_mark_hold_every_shard_written_after_it(self, store: logstore.Store) -> None:
+        first = store.changed_counts()
+        assert first.complete and first.counts == dict.fromkeys(range(self.shards), 0)
+        cells = store.put_cells([(uuid.uuid4(), "BASE", 1, {"i": i}) for i in range(20)])
+        written = Counter(c.shard for c in cells)
+        answer = store.changed_counts(first.mark)
+        assert answer.complete is not self.partial_counts
+        assert {s: answer.counts.get(s) for s in written} == written
+        assert all(n == written[s] for s, n in answer.counts.items())  # others it holds (a margin's) are right too
+        more = store.put_cells([(uuid.uuid4(), "BASE", 1, {"i": i}) for i in range(5)])
+        written.update(c.shard for c in more)
+        later = store.changed_counts(answer.mark)
+        assert {s: later.counts.get(s) for s in {c.shard for c in more}} == {c.shard: written[c.shard] for c in more}
+        assert store.changed_counts(object()).counts == {s: written[s] for s in range(self.shards)}  # not a mark
 
     def test_close_is_safe_twice_and_final(self, url: str) -> None:
         store = logstore.open(url, shards=self.shards)

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import sqlite3
+import threading
+import uuid
 from pathlib import Path
 
 import msgpack
@@ -86,3 +88,29 @@ def test_offset_docs_are_stored_as_ascii(sqlite_url: str) -> None:
         docs = msgpack.unpackb(stored)[2]
         assert all(doc.isascii() for doc in docs) and len(docs) == 2, docs  # any column charset holds them
         assert store.read_offsets("billing")[0].doc == {"note": "100% \u2713 caf\u00e9"}
+
+
+def test_partial_counts_miss_no_shard_while_writers_commit(sqlite_url: str) -> None:
+    """SQLite's partial counts are exact: a reader that applies each answer to the counts it holds ends with
+    every shard's count, whatever the writers committed between and during its reads."""
+    with logstore.open(sqlite_url, shards=256) as store:
+        answer = store.changed_counts()
+        held = dict(answer.counts)
+
+        def write(n: int) -> None:
+            for i in range(150):
+                store.put_cells([(uuid.uuid4(), "BASE", 1, {"w": n, "i": i, "j": j}) for j in range(1 + i % 3)])
+
+        writers = [threading.Thread(target=write, args=(n,)) for n in range(4)]
+        for t in writers:
+            t.start()
+        partial, finished = 0, False
+        while not finished:
+            finished = not any(t.is_alive() for t in writers)  # then this answer is the last one needed
+            answer = store.changed_counts(answer.mark)
+            partial += not answer.complete
+            held.update(answer.counts)
+        for t in writers:
+            t.join()
+        assert partial > 10
+        assert held == store.changed_counts().counts and sum(held.values()) == 4 * (50 * (1 + 2 + 3))

@@ -181,13 +181,16 @@ def test_a_look_reads_a_shard_whose_last_cells_await_acknowledgement_within_max_
         assert asyncio.run(scenario()) == (2 if max_in_flight > 1 else 1)
 
 
-def test_on_mariadb_looks_read_the_counters_moved_lately_and_a_late_commit_is_still_read(
-    mysql_database: str, tmp_path: Path
+@pytest.mark.parametrize("backend", ["mysql", "sqlite"])
+def test_looks_read_the_counters_moved_lately_and_a_late_commit_is_still_read(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    """A look at MariaDB reads the counters touched since the previous look, less a margin (at 4096 shards,
-    a few rows instead of all of them). A writer that commits longer than the margin after moving its
-    counter is missed by those looks: the complete count the worker takes twice a second reads its cell."""
-    with logstore.open(mysql_database, shards=64) as store:
+    """A look reads the counters moved since the previous look (at 4096 shards, a few rows instead of all
+    of them): on MariaDB those touched since, less a margin; on SQLite those of the cells above the last
+    look's highest id. On MariaDB a writer that commits longer than the margin after moving its counter is
+    missed by those looks: the complete count the worker takes twice a second reads its cell."""
+    url = request.getfixturevalue("mysql_database" if backend == "mysql" else "sqlite_url")
+    with logstore.open(url, shards=64) as store:
         [recorder] = store_recorders(store)
         answers: list[bool] = []  # whether each look's count was complete
         count = store.changed_counts

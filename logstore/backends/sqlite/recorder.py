@@ -30,6 +30,7 @@ from logstore.errors import ConfigurationError, CorruptCellError, LogstoreError,
 from logstore.offsets import ConsumerOffsets, OffsetRecord, move_old_offsets
 from logstore.persistence import (
     FORMAT_VERSION,
+    ChangedCounts,
     Coordinates,
     NodeMeta,
     NodeRecorder,
@@ -93,6 +94,8 @@ _OLD_OFFSETS = "SELECT consumer, shard, location, owner, doc FROM cellstream_off
 
 _ADDED_ID = operator.itemgetter(0)  # of a row: its sort key within a shard's page (C, not a call of Python per row)
 _SHARDS_A_READ = 500  # shards a statement: at most 1,500 of SQLite's 32,766 variables
+# New cells beyond which a partial count would scan more rows than counting every shard reads.
+_PARTIAL_CELLS = 4096
 
 
 def _chunks(items: Sequence[_T]) -> Iterator[Sequence[_T]]:
@@ -410,12 +413,31 @@ class SQLiteRecorder(NodeRecorder):
         return out
 
     def shard_counts(self) -> dict[int, int]:
+        with self._errors("read"):
+            return self._counts(self._conn().execute(
+                "SELECT group_concat(shard), group_concat(cells) FROM cellstream_shards").fetchone())
+
+    def changed_counts(self, since: object | None) -> ChangedCounts:
+        """Partial answers are exact here: ids are allocated and committed in one order (one writer at a
+        time), so the shards that moved since a mark are those of the cells above it. The mark is the
+        highest id, read before the counts: a cell committed between the two is counted again next time."""
+        with self._errors("read"):
+            conn = self._conn()
+            last = int(conn.execute("SELECT MAX(added_id) FROM cells").fetchone()[0] or 0)
+            if isinstance(since, int) and 0 <= last - since <= _PARTIAL_CELLS:
+                # The rowid range, not an index: the rows after the mark are the table's last.
+                return ChangedCounts(self._counts(conn.execute(
+                    "SELECT group_concat(shard), group_concat(cells) FROM cellstream_shards"
+                    " WHERE shard IN (SELECT shard FROM cells WHERE added_id > ?)", (since,)).fetchone()),
+                    last, complete=False)
+            return ChangedCounts(self.shard_counts(), last, complete=True)
+
+    @staticmethod
+    def _counts(row: tuple[str | None, str | None]) -> dict[int, int]:
         # One row, not one per shard: sqlite3 lets go of the GIL at every row, and a reader thread
         # retaking it behind a busy event loop waits up to a switch interval each time.
-        with self._errors("read"):
-            shards, cells = self._conn().execute(
-                "SELECT group_concat(shard), group_concat(cells) FROM cellstream_shards").fetchone()
-        if shards is None:
+        shards, cells = row
+        if shards is None or cells is None:
             return {}
         return dict(zip(map(int, shards.split(",")), map(int, cells.split(",")), strict=True))
 
