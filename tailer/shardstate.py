@@ -17,8 +17,11 @@ from tailer.messages import coordinates
 Pages = dict[int, Sequence[AnyCell] | LogstoreError]
 # What a read thread hands the loop: the pages, still to be decoded (on the loop), or each shard's read error.
 Read = UndecodedPages | Pages
-# (the cell counts, if read; pages of the idle shards whose count moved; seconds the counting took)
-Look = tuple[ChangedCounts | None, Read, float]
+# A drained shard's (count seen, position) as a look compares it.
+Drained = tuple[int | None, int]
+# (the cell counts, if read; the drained shards whose count moved, as compared; their pages; seconds the
+# counting took)
+Look = tuple[ChangedCounts | None, dict[int, Drained], Read, float]
 
 
 def decoded(read: Read) -> Pages:
