@@ -261,6 +261,15 @@ _set = object.__setattr__
 _UNKNOWN = uuid.SafeUUID.unknown  # an enum member: looked up once, not per key
 
 
+def concat_counts(shards: str | None, cells: str | None) -> dict[int, int]:
+    """Cells per shard from one row of two comma-separated lists (GROUP_CONCAT of shards and their counts):
+    one row, not one per shard, which the drivers would each build in Python (and sqlite3 let go of the GIL
+    at, a reader thread retaking it behind a busy event loop waiting up to a switch interval each time)."""
+    if shards is None or cells is None:
+        return {}
+    return dict(zip(map(int, shards.split(",")), map(int, cells.split(",")), strict=True))
+
+
 def uuid_from_bytes(raw: bytes) -> uuid.UUID:
     """``uuid.UUID(bytes=raw)`` without its argument checks (raw is a stored 16-byte key): 3x faster."""
     value = _new_object(uuid.UUID)

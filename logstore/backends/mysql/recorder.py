@@ -68,6 +68,7 @@ from logstore.persistence import (
     PendingCell,
     PendingRecord,
     check_meta,
+    concat_counts,
     decode_log,
     decode_pages,
     make_cell,
@@ -233,8 +234,7 @@ _MARGIN = Decimal(str(TOUCH_MARGIN))
 
 def _counts_of(row: tuple[Any, ...], complete: bool) -> ChangedCounts:
     shards, last, now, server = row
-    counts = {} if shards is None else dict(zip(map(int, shards.split(",")), map(int, last.split(",")), strict=True))
-    return ChangedCounts(counts, (server, now), complete)
+    return ChangedCounts(concat_counts(shards, last), (server, now), complete)
 
 
 def _add_touched(cur: pymysql.cursors.Cursor) -> None:
@@ -715,7 +715,6 @@ class MySQLRecorder(NodeRecorder):
         """Partial answers come from the primary only, marked with its server id and clock: a replica applies
         rows later than they were touched, and another server's clock is not the mark's."""
         def count(cur: pymysql.cursors.Cursor, where: str = "", args: Sequence[Any] = ()) -> tuple[Any, ...]:
-            # One row, not 4096: pymysql builds each row in Python.
             cur.execute("SELECT GROUP_CONCAT(shard), GROUP_CONCAT(last_id), UNIX_TIMESTAMP(NOW(6)), @@server_id"
                         f" FROM cellstream_shards{where}", args)
             [row] = cur.fetchall()

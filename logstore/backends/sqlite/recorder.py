@@ -36,6 +36,7 @@ from logstore.persistence import (
     NodeRecorder,
     PendingCell,
     check_meta,
+    concat_counts,
     decode_log,
     decode_pages,
     make_cell,
@@ -414,7 +415,7 @@ class SQLiteRecorder(NodeRecorder):
 
     def shard_counts(self) -> dict[int, int]:
         with self._errors("read"):
-            return self._counts(self._conn().execute(
+            return concat_counts(*self._conn().execute(
                 "SELECT group_concat(shard), group_concat(cells) FROM cellstream_shards").fetchone())
 
     def changed_counts(self, since: object | None) -> ChangedCounts:
@@ -426,20 +427,11 @@ class SQLiteRecorder(NodeRecorder):
             last = int(conn.execute("SELECT MAX(added_id) FROM cells").fetchone()[0] or 0)
             if isinstance(since, int) and 0 <= last - since <= _PARTIAL_CELLS:
                 # The rowid range, not an index: the rows after the mark are the table's last.
-                return ChangedCounts(self._counts(conn.execute(
+                return ChangedCounts(concat_counts(*conn.execute(
                     "SELECT group_concat(shard), group_concat(cells) FROM cellstream_shards"
                     " WHERE shard IN (SELECT shard FROM cells WHERE added_id > ?)", (since,)).fetchone()),
                     last, complete=False)
             return ChangedCounts(self.shard_counts(), last, complete=True)
-
-    @staticmethod
-    def _counts(row: tuple[str | None, str | None]) -> dict[int, int]:
-        # One row, not one per shard: sqlite3 lets go of the GIL at every row, and a reader thread
-        # retaking it behind a busy event loop waits up to a switch interval each time.
-        shards, cells = row
-        if shards is None or cells is None:
-            return {}
-        return dict(zip(map(int, shards.split(",")), map(int, cells.split(",")), strict=True))
 
     # -- consumer offsets -------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
