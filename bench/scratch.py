@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -74,3 +76,17 @@ def wait_claimed(zk: str, name: str, shards: int, tailer: subprocess.Popen[bytes
     finally:
         client.stop()
         client.close()
+
+
+@contextlib.contextmanager
+def served(url: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """A worker node (`cellstream serve`, a process of its own) in front of the store at ``url``: its base URL
+    and its process, stopped on exit."""
+    node = subprocess.Popen([sys.executable, "-m", "cellstream", "serve", "--store", url, "--bind", "127.0.0.1:0",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert node.stdout is not None
+        yield json.loads(node.stdout.readline())["url"], node
+    finally:
+        node.terminate()
+        node.wait(30)

@@ -1,7 +1,7 @@
 """The tailer end to end against the raw libraries doing its two halves, in one run.
 
     python bench/tailer_bench.py [--cells N] [--shards S] [--rate R] [--seconds T] [--formats json,msgpack]
-                                 [--only throughput|latency|shards] [--backends sqlite,mysql]
+                                 [--only throughput|latency|shards] [--backends sqlite,mysql,http]
 
 1. raw read: pymysql paging the same cells out of the node's `cells` table (500 a page, in
    primary key order: shard, added_id).
@@ -24,8 +24,11 @@ consumer holding the message (targets p50 <= 20 ms, p99 <= 100 ms).
 Shard count: the standalone tailer (offsets in a file, topics as files, so only the
 store and the worker are measured) drains the same --scaling-cells cells from a store
 of --base-shards (64) and one of --scaling-shards (4096), fresh from the beginning,
---rounds times alternating which goes first; on SQLite (embedded) and on MariaDB.
-The ratio of the best rounds is the target (>= 0.9): the shard count must cost nothing.
+--rounds times alternating which goes first; on SQLite (embedded), on MariaDB and through a
+worker node (`cellstream serve` in front of SQLite). The ratio of the best rounds is the target
+(>= 0.9): the shard count must cost nothing. So too for the cost of a look, what a tailer pays
+100-200 times a second while cells trickle in: the counts since its previous look, one cell
+written between (the median of 1,000, the best of --rounds).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
 from bench.pacing import latencies, paced_puts
 from bench.scaling import compare_shard_counts
-from bench.scratch import scratch, scratch_database, wait_claimed
+from bench.scratch import scratch, scratch_database, served, wait_claimed
 from cellstream.cli.common import tune_for_streaming
 from logstore.config import MySQLTarget, parse_node_url
 from tailer.config import KafkaOptions, TailerConfig
@@ -274,23 +277,50 @@ async def standalone_drain(store: logstore.Store, folder: Path, name: str) -> fl
 
 
 def shard_scaling(backends: list[str], cells: int, base: int, shards: int, rounds: int) -> dict[str, Any]:
-    """The standalone tailer's drain rate with ``shards`` shards against ``base`` shards, per backend."""
+    """Per backend, at ``shards`` shards against ``base``: the standalone tailer's drain rate and the cost of a
+    look (the counts a tailer reads, with one cell written since the previous look)."""
     out: dict[str, Any] = {}
     for backend in backends:
         with contextlib.ExitStack() as stack:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cellstream-bench-")))
             stores: dict[int, logstore.Store] = {}
             for n in (base, shards):
-                url = (f"sqlite:///{folder}/store{n}" if backend == "sqlite"
-                       else stack.enter_context(scratch_database(SERVER, f"tail{n}")))
-                stores[n] = stack.enter_context(logstore.open(url, shards=n))
-                for start in range(0, cells, 1000):
-                    stores[n].put_cells([(uuid.uuid4(), "BASE", 1, body(i))
+                url = (stack.enter_context(scratch_database(SERVER, f"tail{n}")) if backend == "mysql"
+                       else f"sqlite:///{folder}/store{n}")
+                with logstore.open(url, shards=n) as store:
+                    for start in range(0, cells, 1000):
+                        store.put_cells([(uuid.uuid4(), "BASE", 1, body(i))
                                          for i in range(start, min(cells, start + 1000))])
+                if backend == "http":  # a worker node in front of SQLite, in a process of its own
+                    url = stack.enter_context(served(url))[0]
+                stores[n] = stack.enter_context(logstore.open(url, shards=n))
             out[backend] = compare_shard_counts(
                 f"{backend}: standalone tailer", cells, base, shards, rounds, 0.9,
                 lambda n, r: asyncio.run(standalone_drain(stores[n], folder, f"r{r}-{n}")))  # noqa: B023 (run at once)
+            spent: dict[int, list[float]] = {base: [], shards: []}
+            for r in range(rounds):  # the best round of each, alternating which goes first, as the drains
+                for n in (base, shards) if r % 2 == 0 else (shards, base):
+                    spent[n].append(look_cost(stores[n]))
+            out[backend]["look_ms"] = looks = {str(n): min(s) for n, s in spent.items()}
+            ratio = looks[str(base)] / looks[str(shards)]
+            print(f"{backend}: a look (counts since the last, one cell written between) {looks[str(base)]:.3f} ms at "
+                  f"{base} shards, {looks[str(shards)]:.3f} at {shards}: ratio {ratio:.2f} "
+                  f"(target >= 0.9: {'met' if ratio >= 0.9 else 'MISSED'})", flush=True)
+            out[backend]["look_ratio"] = round(ratio, 3)
     return out
+
+
+def look_cost(store: logstore.Store, looks: int = 1000) -> float:
+    """Milliseconds of a tailer's look at the counts (``changed_counts`` since the previous one's mark) with
+    one cell written since, the median of ``looks``."""
+    mark = store.changed_counts().mark
+    spent: list[float] = []
+    for i in range(looks):
+        store.put_cell(uuid.uuid4(), "LOOK", 1, {"i": i})
+        start = time.perf_counter()
+        mark = store.changed_counts(mark).mark
+        spent.append(time.perf_counter() - start)
+    return statistics.median(spent) * 1e3
 
 
 def main() -> int:
@@ -306,7 +336,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--consume", help=argparse.SUPPRESS)  # the latency run's consumer process
     parser.add_argument("--only", choices=("throughput", "latency", "shards"), help="run one part (results not saved)")
-    parser.add_argument("--backends", default="sqlite,mysql", help="stores of the shard-count comparison")
+    parser.add_argument("--backends", default="sqlite,mysql,http",
+                        help="stores of the shard-count comparison (http: a worker node in front of SQLite)")
     parser.add_argument("--scaling-cells", type=int, default=20_000)
     parser.add_argument("--base-shards", type=int, default=64)
     parser.add_argument("--scaling-shards", type=int, default=4096)

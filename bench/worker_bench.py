@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -40,6 +39,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
+from bench.scratch import served
 from logstore.config import MySQLTarget, parse_node_url
 
 SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
@@ -190,7 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     assert isinstance(admin_target, MySQLTarget)
     admin = pymysql.connect(host=admin_target.host, port=admin_target.port, user=admin_target.user,
                             password=admin_target.password, autocommit=True)
-    worker: subprocess.Popen[str] | None = None
     try:
         with logstore.open(url, shards=args.shards) as store:
             keys: list[tuple[uuid.UUID, int]] = []
@@ -199,28 +198,22 @@ def main(argv: list[str] | None = None) -> int:
                                          for i in range(start, min(args.cells, start + 2000))])
                 keys.extend((c.row_key, c.shard) for c in cells)
         time.sleep(args.settle)  # InnoDB flushes what the load dirtied: not part of any side's time
-        worker = subprocess.Popen([sys.executable, "-m", "cellstream", "serve", "--store", url, "--bind",
-                                   "127.0.0.1:0", "--json"], stdout=subprocess.PIPE, text=True)
-        assert worker.stdout is not None
-        base = json.loads(worker.stdout.readline())["url"]
-        process = psutil.Process(worker.pid)
-        idle_rss = process.memory_info().rss / 2**20
-        results: dict[str, Any] = {"rate": args.rate, "clients": args.clients, "seconds": args.seconds,
-                                   "cells": args.cells, "shards": args.shards}
-        lat = direct(url, keys, args.rate, args.clients, args.seconds, args.warmup)
-        results["direct_pymysql_latest"] = summary(lat, args.seconds)
-        lat, peak_reads = uvloop.run(through_node(base, keys, args.rate, args.clients, args.seconds, args.warmup,
-                                                 False, process))
-        results["worker_latest"] = summary(lat, args.seconds)
-        lat, peak_puts = uvloop.run(through_node(base, keys, args.rate, args.clients, args.seconds, args.warmup,
-                                               True, process))
-        results["worker_put"] = summary(lat, args.seconds)
-        results["worker_rss_mb"] = {"idle": round(idle_rss, 1), "peak_under_load": round(max(peak_reads, peak_puts), 1),
-                                    "target": "< 150"}
+        with served(url) as (base, worker):
+            process = psutil.Process(worker.pid)
+            idle_rss = process.memory_info().rss / 2**20
+            results: dict[str, Any] = {"rate": args.rate, "clients": args.clients, "seconds": args.seconds,
+                                       "cells": args.cells, "shards": args.shards}
+            lat = direct(url, keys, args.rate, args.clients, args.seconds, args.warmup)
+            results["direct_pymysql_latest"] = summary(lat, args.seconds)
+            lat, peak_reads = uvloop.run(through_node(base, keys, args.rate, args.clients, args.seconds,
+                                                      args.warmup, False, process))
+            results["worker_latest"] = summary(lat, args.seconds)
+            lat, peak_puts = uvloop.run(through_node(base, keys, args.rate, args.clients, args.seconds,
+                                                     args.warmup, True, process))
+            results["worker_put"] = summary(lat, args.seconds)
+            results["worker_rss_mb"] = {"idle": round(idle_rss, 1),
+                                        "peak_under_load": round(max(peak_reads, peak_puts), 1), "target": "< 150"}
     finally:
-        if worker is not None:
-            worker.terminate()
-            worker.wait(30)
         with admin.cursor() as cur:
             cur.execute(f"DROP DATABASE IF EXISTS `{database}`")
         admin.close()

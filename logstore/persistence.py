@@ -219,7 +219,10 @@ class NodeRecorder(ABC):
         """Cells per shard of the shards whose count may have moved since ``since`` (the mark of an earlier
         answer), and the mark for the next call; every shard's without a mark, and on backends that cannot
         tell which moved. A partial answer may leave out a shard whose writer held its transaction open
-        longer than the backend's margin: a reader that relies on them counts every shard now and then."""
+        longer than the backend's margin: a reader that relies on them counts every shard now and then.
+
+        A mark is made of JSON's values (tuples for arrays; a worker node sends it to its clients and back),
+        and ``since`` may be anything: what is not a mark of this backend gets every shard's count."""
         return ChangedCounts(self.shard_counts(), None, True)
 
     # Consumer offsets: the one mutable table. A consumer (a tailer or an app) keeps

@@ -78,8 +78,10 @@ class ShardInfo(NamedTuple):
     cells: int
 
 
-class _CountsMark(NamedTuple):
-    """A mark of :meth:`Store.changed_counts`: each node's mark, for the shard map it was taken under."""
+class CountsMark(NamedTuple):
+    """A mark of :meth:`Store.changed_counts`: each node's mark, for the shard map it was taken under. Made of
+    JSON's values (tuples for arrays), so a worker node hands it to its clients and takes it back
+    (:func:`logstore.node.wire.encode_mark`)."""
 
     map_changes: int
     nodes: dict[str, object | None]
@@ -552,10 +554,10 @@ class Store:
         self._recorder(0)  # closed check, and the shard map refreshed when it is due
         changes = self._map_changes
         marks: dict[str, object | None] = {}
-        if isinstance(since, _CountsMark) and since.map_changes == changes:
+        if isinstance(since, CountsMark) and since.map_changes == changes:
             marks = since.nodes
         answers = {name: recorder.changed_counts(marks.get(name)) for name, recorder in self._recorders.items()}
-        mark = _CountsMark(changes, {name: answer.mark for name, answer in answers.items()})
+        mark = CountsMark(changes, {name: answer.mark for name, answer in answers.items()})
         complete = all(answer.complete for answer in answers.values())
         if complete and len(answers) == 1:
             [only] = (answer.counts for answer in answers.values())

@@ -32,7 +32,7 @@ from logstore.errors import ConfigurationError, CorruptCellError, StorageUnavail
 from logstore.index_tables.persistence import IndexRecorder
 from logstore.node.wire import cell_from_json, dumps, error_from_json, loads
 from logstore.offsets import OffsetRecord
-from logstore.persistence import NodeMeta, NodeRecorder, PendingCell, check_meta
+from logstore.persistence import ChangedCounts, NodeMeta, NodeRecorder, PendingCell, check_meta
 from logstore.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class HttpRecorder(NodeRecorder):
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._meta: NodeMeta | None = None
+        self._counts_route = True  # False once the node said it has no /v1/counts (an older version)
         self._local = threading.local()
         self._all: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
@@ -83,7 +84,8 @@ class HttpRecorder(NodeRecorder):
             if conn in self._all:
                 self._all.remove(conn)
 
-    def _request(self, method: str, path: str, body: Any = None, *, missing_ok: bool = False) -> Any:
+    def _request(self, method: str, path: str, body: Any = None, *, missing_ok: bool = False,
+                 unknown_route_ok: bool = False) -> Any:
         payload = dumps(body) if body is not None else None
         while True:
             conn, reused = self._connection()
@@ -113,6 +115,9 @@ class HttpRecorder(NodeRecorder):
             return doc
         if missing_ok and response.status == 404 and isinstance(doc, dict) and \
                 doc.get("error", {}).get("type") == "NotFound":
+            return None
+        if unknown_route_ok and response.status == 404 and isinstance(doc, dict) and \
+                doc.get("error", {}).get("type") == "HTTPError":  # aiohttp's: no such route
             return None
         raise error_from_json(response.status, doc)
 
@@ -179,7 +184,22 @@ class HttpRecorder(NodeRecorder):
         return int(self._request("GET", f"/v1/shards/{shard}/count?{urlencode(query)}")["count"])
 
     def shard_counts(self) -> dict[int, int]:
-        return {int(s["shard"]): int(s["cells"]) for s in self._request("GET", "/v1/shards")["shards"]}
+        return self.changed_counts(None).counts
+
+    def changed_counts(self, since: object | None) -> ChangedCounts:
+        """The node's own partial counts (``GET /v1/counts``); its marks are tokens it takes back. A node of
+        an older version, without the route, answers every shard's count each time."""
+        if self._counts_route:
+            answer = self._request("GET", "/v1/counts" + (f"?{urlencode({'since': since})}"
+                                                          if isinstance(since, str) else ""), unknown_route_ok=True)
+            if answer is not None:
+                return ChangedCounts(dict(zip(answer["shards"], answer["cells"], strict=True)), answer["mark"],
+                                     bool(answer["complete"]))
+            logger.warning("worker node %s has no /v1/counts (an older version): every look counts every shard",
+                           self.target.url)
+            self._counts_route = False
+        counts = {int(s["shard"]): int(s["cells"]) for s in self._request("GET", "/v1/shards")["shards"]}
+        return ChangedCounts(counts, None, True)
 
     # -- offsets --------------------------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:

@@ -30,6 +30,7 @@ UUID_PATTERN = r"^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}
 COLUMN_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"  # reads: cellstream's own columns too
 USER_COLUMN_PATTERN = r"^[A-Za-z][A-Za-z0-9_]{0,63}$"  # writes through the token's routes
 NAME_PATTERN = r"^[A-Za-z0-9_.:@-]{1,200}$"  # consumers and owners
+MARK_PATTERN = r"^[A-Za-z0-9_-]{1,4000}$"  # a mark of the cell counts, base64url (logstore.node.wire)
 MAX_BATCH = 10_000
 MAX_PAGE = 100_000
 _DIGITS = re.compile(r"0|[1-9][0-9]{0,18}")
@@ -185,6 +186,8 @@ class Models:
                               limit=(TextInt, Field(1000, ge=1, le=MAX_PAGE, description="cells at most")),
                               columns=(columns | None, None))
         self.CountQuery = model("CountQuery", after=after, columns=(columns | None, None))
+        self.CountsQuery = model("CountsQuery", since=(Annotated[str, Field(pattern=MARK_PATTERN)] | None, Field(
+            None, description="the mark of an earlier answer of this node (opaque)")))
         self.LocationQuery = model("LocationQuery", at=(DateTime, Field(
             description="an ISO 8601 time with a UTC offset, e.g. 2026-11-24T10:00:00Z")))
         # bodies

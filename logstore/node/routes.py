@@ -71,6 +71,16 @@ ROUTES: list[Route] = [
             "type": "object", "required": ["shard", "node", "cells"],
             "properties": {"shard": {"type": "integer"}, "node": {"type": "string"},
                            "cells": {"type": "integer"}}}}}}),
+    Route("GET", "/v1/counts", "counts",
+          "cells per shard of the shards that may have moved since a mark this process of the node gave, and "
+          "the mark for the next call: what a tailer looks at. Every shard's (`complete`) without a mark, for a "
+          "mark this process did not give (the node restarted, or not a mark), and now and then anyway", {
+              "type": "object", "required": ["shards", "cells", "mark", "complete"],
+              "properties": {"shards": {"type": "array", "items": {"type": "integer"}},
+                             "cells": {"type": "array", "items": {"type": "integer"},
+                                       "description": "the cell count of each of `shards`, in order"},
+                             "mark": {"type": "string"}, "complete": {"type": "boolean"}}},
+          query_model="CountsQuery"),
     Route("GET", "/v1/shards/{shard}", "shard", "the shard's node and head location", {
         "type": "object", "required": ["shard", "node", "head"],
         "properties": {"shard": {"type": "integer"}, "node": {"type": "string"}, "head": {"type": "integer"}}},

@@ -34,6 +34,7 @@ import logging
 import ssl
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -154,6 +155,8 @@ class WorkerNode:
         self._models = models(store.shard_count)
         self._openapi = wire.dumps(openapi.document(store.shard_count))
         self._routes: dict[tuple[str, str], Route] = {(r.method, r.path): r for r in ROUTES}
+        # Marks of the cell counts are this process's: a restarted node answers an old one with every count.
+        self._instance = uuid.uuid4().hex[:16]
 
     @property
     def url(self) -> str:
@@ -416,6 +419,12 @@ class WorkerNode:
     async def shards(self, got: Got) -> web.Response:
         stats = await self._call(self.store.shard_stats)
         return _json({"shards": [{"shard": s.shard, "node": s.node, "cells": s.cells} for s in stats]})
+
+    async def counts(self, got: Got) -> web.Response:
+        since = None if got.query.since is None else wire.decode_mark(got.query.since, self._instance)
+        answer = await self._call(self.store.changed_counts, since)
+        return _json({"shards": list(answer.counts), "cells": list(answer.counts.values()),
+                      "mark": wire.encode_mark(answer.mark, self._instance), "complete": answer.complete})
 
     async def shard(self, got: Got) -> web.Response:
         shard = got.path.shard

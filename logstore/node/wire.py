@@ -1,7 +1,8 @@
 """The worker node's wire format, shared by the server (:mod:`logstore.node.server`) and the client
 (:mod:`logstore.backends.http`): cells and errors as JSON. (What requests may hold: :mod:`logstore.node.models`.)
 
-A cell travels as :meth:`Cell.to_json` gives it. An error travels as
+A cell travels as :meth:`Cell.to_json` gives it. A mark of the cell counts (:meth:`Store.changed_counts`)
+travels as an opaque token (:func:`encode_mark`), which the node that made it takes back. An error travels as
 ``{"error": {"type", "message", "retriable", "field"?, "coordinates"?, "cells_before"?}}``
 with the HTTP status of its kind (:data:`STATUS`), so the client raises the same
 :class:`~logstore.errors.LogstoreError` a local store would.
@@ -9,6 +10,7 @@ with the HTTP status of its kind (:data:`STATUS`), so the client raises the same
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import json
 import re
@@ -26,6 +28,7 @@ from logstore.errors import (
     StorageError,
     StorageUnavailableError,
 )
+from logstore.store import CountsMark
 
 # The status of each error kind; the first match in this order wins (subclasses first).
 STATUS: list[tuple[type[LogstoreError], int]] = [
@@ -56,6 +59,30 @@ def _no_constant(name: str) -> Any:
 def loads(raw: bytes) -> Any:
     """Strict JSON: NaN and Infinity are refused (a stored body must be JSON again when read)."""
     return json.loads(raw, parse_constant=_no_constant)
+
+
+# -- marks of the cell counts ---------------------------------------------------------------
+def encode_mark(mark: object, instance: str) -> str:
+    """A token for the mark a store gave: the serving process's ``instance`` and the mark, as base64url JSON."""
+    return base64.urlsafe_b64encode(dumps([instance, mark])).rstrip(b"=").decode()
+
+
+def decode_mark(token: str, instance: str) -> CountsMark | None:
+    """The mark in a token of :func:`encode_mark`, or None for a token this process did not make: another
+    process's (the node restarted; its marks mean nothing here) or not a mark at all. None asks the store
+    for every shard's count, which is never wrong, so a client that sends a bad token is not refused."""
+    try:
+        doc = loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+    except (ValueError, RecursionError):  # binascii.Error and UnicodeDecodeError are ValueErrors
+        return None
+    if not (isinstance(doc, list) and len(doc) == 2 and doc[0] == instance):
+        return None
+    mark = doc[1]
+    if not (isinstance(mark, list) and len(mark) == 2 and type(mark[0]) is int and isinstance(mark[1], dict)):
+        return None
+    # A node's mark is a value or a flat tuple (the recorders'): an array becomes a tuple again.
+    return CountsMark(mark[0], {name: tuple(value) if isinstance(value, list) else value
+                                for name, value in mark[1].items()})
 
 
 # -- errors -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 import logstore
+from logstore.node import server, wire
 from tests.contracts.logstore_contract import StoreContract
 from tests.harness.stores import sqlite_file
 from tests.harness.worker_support import worker_node
@@ -17,7 +18,6 @@ from tests.harness.worker_support import worker_node
 
 class TestHttpStore(StoreContract):
     far_float = -1.5e18
-    partial_counts = False  # a node over HTTP answers every shard's count
 
     @pytest.fixture
     def url(self, sqlite_url: str) -> Iterator[str]:
@@ -51,3 +51,38 @@ class TestHttpStore(StoreContract):
             store.put_cells([(uuid.uuid4(), "BASE", 1, {"ok": 1}),
                              (uuid.uuid4(), "BASE", 1, {"x": [0, {"n": number}]})])
         assert (refused.value.index, refused.value.field) == (1, "body.x[1].n")
+
+    def test_a_mark_of_another_node_process_gets_every_count(self, url: str) -> None:
+        # A node's marks are its process's: after a restart (here: a second node) one is no error.
+        with logstore.open(url) as store:
+            store.put_cells([(uuid.uuid4(), "BASE", 1, {"i": i}) for i in range(5)])
+            mark = store.changed_counts().mark
+        with worker_node(self.backing, self.shards) as other, logstore.open(other.url) as store:
+            answer = store.changed_counts(mark)
+            assert answer.complete and sum(answer.counts.values()) == 5
+            assert not store.changed_counts(answer.mark).complete
+
+    def test_a_node_without_the_counts_route_is_counted_whole(self, url: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+        # A node of an older version: every answer complete, from /v1/shards, and no error.
+        monkeypatch.setattr(server, "ROUTES", [r for r in server.ROUTES if r.path != "/v1/counts"])
+        with worker_node(self.backing, self.shards) as old, logstore.open(old.url) as store:
+            cells = store.put_cells([(uuid.uuid4(), "BASE", 1, {"i": i}) for i in range(5)])
+            first = store.changed_counts()
+            later = store.changed_counts(first.mark)
+            assert first.complete and later.complete
+            assert later.counts == {s: sum(c.shard == s for c in cells) for s in range(self.shards)}
+
+
+@pytest.mark.parametrize("backend", ["mysql", "sqlite"])
+def test_a_store_mark_survives_the_wire(request: pytest.FixtureRequest, backend: str) -> None:
+    # A worker node sends its store's marks to clients as tokens: each backend's must come back usable.
+    url = request.getfixturevalue("mysql_database" if backend == "mysql" else "sqlite_url")
+    with logstore.open(url, shards=16) as store:
+        mark = store.changed_counts().mark
+        cells = store.put_cells([(uuid.uuid4(), "BASE", 1, {"i": i}) for i in range(8)])
+        back = wire.decode_mark(wire.encode_mark(mark, "me"), "me")
+        assert back == mark
+        answer = store.changed_counts(back)
+        assert not answer.complete
+        assert {c.shard for c in cells} <= set(answer.counts)

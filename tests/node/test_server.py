@@ -94,6 +94,8 @@ BAD_INPUT = [
     ("POST", "/v1/logs", b'{"locations": {"zero": 0}}', 400, "locations.zero"),
     ("POST", "/v1/offsets/app/commit", b'{"owner": "me", "offsets": {"0": {"location": -5}}}', 400,
      "offsets.0.location"),
+    ("GET", "/v1/counts?since=a%2Bb", None, 400, "since"),
+    ("GET", "/v1/counts?since=", None, 400, "since"),
     ("GET", f"/v1/rows/{ROW}/BASE/1", None, 404, None),
     ("GET", "/v2/anything", None, 404, None),
     ("DELETE", f"/v1/rows/{ROW}/BASE/1", None, 405, None),
@@ -144,6 +146,21 @@ def test_without_a_token_it_binds_only_to_loopback(sqlite_url: str) -> None:
         with pytest.raises(logstore.ConfigurationError, match="loopback"):
             WorkerNode(store, ServerConfig(host="0.0.0.0", port=0))
         WorkerNode(store, ServerConfig(host="0.0.0.0", port=0, token=TOKEN))  # with one it may
+
+
+@pytest.mark.parametrize("token", ["bm90IGpzb24", "WzEsMl0", "WyJ4Il0", "W10", "x" * 4000])
+def test_counts_since_a_token_the_node_never_gave_are_every_shards(node: NodeThread, token: str) -> None:
+    # base64url of "not json", [1,2], ["x"], []: every count is the right answer to a mark not understood.
+    with logstore.open(node.url) as store:
+        cells = store.put_cells([(uuid.uuid4(), "BASE", 1, {"i": i}) for i in range(20)])
+    status, doc, _ = call(node.url, "GET", "/v1/counts")
+    assert status == 200 and doc["complete"] is True
+    status, again, _ = call(node.url, "GET", f"/v1/counts?since={doc['mark']}")
+    assert status == 200 and again["complete"] is False  # the node's own mark: a partial answer
+    status, doc, _ = call(node.url, "GET", f"/v1/counts?since={token}")
+    assert status == 200 and doc["complete"] is True
+    assert dict(zip(doc["shards"], doc["cells"], strict=True)) == {
+        s: sum(c.shard == s for c in cells) for s in range(SHARDS)}
 
 
 def test_secondary_indexes_are_not_served_over_http(node: NodeThread) -> None:

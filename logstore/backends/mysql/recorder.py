@@ -234,7 +234,19 @@ _MARGIN = Decimal(str(TOUCH_MARGIN))
 
 def _counts_of(row: tuple[Any, ...], complete: bool) -> ChangedCounts:
     shards, last, now, server = row
-    return ChangedCounts(concat_counts(shards, last), (server, now), complete)
+    # The time as text, exact and JSON's: a worker node hands the mark to its clients and takes it back.
+    return ChangedCounts(concat_counts(shards, last), (int(server), str(now)), complete)
+
+
+def _mark_of(since: object) -> tuple[int, Decimal] | None:
+    """(server id, UNIX time) of a mark this backend gave, or None for anything else."""
+    if not (isinstance(since, tuple) and len(since) == 2 and type(since[0]) is int and isinstance(since[1], str)):
+        return None
+    try:
+        at = Decimal(since[1])
+    except ArithmeticError:
+        return None
+    return (since[0], at) if at.is_finite() and 0 <= at < 1 << 40 else None
 
 
 def _add_touched(cur: pymysql.cursors.Cursor) -> None:
@@ -721,10 +733,10 @@ class MySQLRecorder(NodeRecorder):
             return tuple(row)
 
         def on_primary(cur: pymysql.cursors.Cursor) -> ChangedCounts:
-            if isinstance(since, tuple):
-                server, at = since
-                row = count(cur, " WHERE touched >= FROM_UNIXTIME(%s)", (at - _MARGIN,))
-                if row[3] == server:
+            mark = _mark_of(since)
+            if mark is not None:
+                row = count(cur, " WHERE touched >= FROM_UNIXTIME(%s)", (mark[1] - _MARGIN,))
+                if row[3] == mark[0]:
                     return _counts_of(row, complete=False)
             return _counts_of(count(cur), complete=True)
 

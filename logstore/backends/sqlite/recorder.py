@@ -425,7 +425,7 @@ class SQLiteRecorder(NodeRecorder):
         with self._errors("read"):
             conn = self._conn()
             last = int(conn.execute("SELECT MAX(added_id) FROM cells").fetchone()[0] or 0)
-            if isinstance(since, int) and 0 <= last - since <= _PARTIAL_CELLS:
+            if type(since) is int and 0 <= last - since <= _PARTIAL_CELLS:  # (not a bool, which is an int too)
                 # The rowid range, not an index: the rows after the mark are the table's last.
                 return ChangedCounts(concat_counts(*conn.execute(
                     "SELECT group_concat(shard), group_concat(cells) FROM cellstream_shards"
