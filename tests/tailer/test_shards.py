@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 import logstore
 from tailer.config import TailerConfig
 from tailer.coordinators.local import LocalCoordinator
-from tailer.interfaces import Publisher
+from tailer.interfaces import Claim, Publisher
 from tailer.publishers.directory import DirectoryPublisher, read_topic
 from tailer.worker import Tailer
 from tests.harness.stores import keys_in_shard
@@ -204,6 +204,12 @@ def test_zookeeper_claims_many_shards_at_once_and_refuses_those_held(zk_chroot: 
         first.release_many([c for c in mine[:3] if c is not None and not isinstance(c, BaseException)])
         taken = second.claim_many([(shard, lambda: 0) for shard in range(3)])
         assert [c.location for c in taken if c is not None and not isinstance(c, BaseException)] == [7, 7, 7]
+        # Claims go many shards a transaction: one held shard in a batch must not cost the batch's free ones.
+        free = {5, 250, 499}
+        first.release_many([c for s, c in enumerate(mine) if s in free and isinstance(c, Claim)])
+        some = second.claim_many([(shard, lambda: 0) for shard in range(3, 512)])
+        assert {c.shard for c in some if isinstance(c, Claim)} == free
+        assert all(c is None for c in some if not isinstance(c, Claim))
     finally:
         for coordinator in (first, second):
             coordinator.stop()
