@@ -23,7 +23,7 @@ import pytest
 
 import logstore
 from logstore import CellConflictError, ConfigurationError, InvalidArgumentError, InvalidCellError
-from tests.harness.stores import keys_in_shard
+from tests.harness.stores import key_per_shard, keys_in_shard
 
 
 def _read_all(store: logstore.Store, shard: int) -> list[logstore.Cell]:
@@ -439,8 +439,8 @@ class StoreContract:
                                       ({one: 0}, 1000, None)):
             now = read(where, limit, columns=columns)
             undecoded = store.read_pages(where, limit, columns=columns, packed=packed)
-            store.put_cells([(keys_in_shard(store, shard, 1)[0], "STATUS", 100 + limit, {"later": True})
-                             for shard in where])
+            keys = key_per_shard(store, where)
+            store.put_cells([(keys[shard], "STATUS", 100 + limit, {"later": True}) for shard in where])
             assert undecoded.decode() == now
             if limit == 1000:
                 assert read(where, limit, columns=columns) != now  # the later cells are there to be read

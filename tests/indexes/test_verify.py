@@ -159,18 +159,22 @@ def test_no_false_alarm_while_live_writes_go_on(store: logstore.Store, yaml_file
     writer = threading.Thread(target=write)
     writer.start()
     runs = []
+    registry = app.app.metrics.registry
+    labels = {"app": "trips", "index": NAME, "version": "1"}
     try:
         for _ in range(6):
             runs.append(verify(store, NAME))
+        # The running app measures its lag every 0.1 s once started; the verify runs can end before that.
+        deadline = time.monotonic() + 30
+        while registry.get_sample_value("cellstream_index_lag_cells", labels) is None:
+            assert time.monotonic() < deadline, "the running app never exported its index lag"
+            time.sleep(0.05)
     finally:
         stop.set()
         writer.join()
         app.stop()
     assert [m for r in runs for m in r.mismatches] == []
     assert sum(r.pending for r in runs) > 0, "no run met a row being applied: the test did not test"
-    registry = app.app.metrics.registry
-    labels = {"app": "trips", "index": NAME, "version": "1"}
-    assert registry.get_sample_value("cellstream_index_lag_cells", labels) is not None
     with App("trips", store=store) as last:
         last.index(yaml_file)
         last.drain(timeout=60)
