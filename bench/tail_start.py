@@ -11,7 +11,6 @@ count costs nothing). Needs the shared test servers (make services-up).
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -22,15 +21,12 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
 from bench.scratch import scratch, wait_claimed
-
-SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
-KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
-ZOOKEEPER = os.environ.get("CELLSTREAM_TEST_ZOOKEEPER", "127.0.0.1:2181")
+from tests.harness.shared_servers import KAFKA, MYSQL_SERVER, ZOOKEEPER
 
 
 def start(shards: int) -> tuple[float, float, float]:
     """Seconds until every shard is claimed, the process's CPU seconds until then, its CPU/s after."""
-    with scratch(SERVER, ZOOKEEPER, KAFKA, "start") as (url, zk, prefix):
+    with scratch(MYSQL_SERVER, ZOOKEEPER, KAFKA, "start") as (url, zk, prefix):
         logstore.open(url, shards=shards).close()
         started = time.perf_counter()
         worker = subprocess.Popen([sys.executable, "-m", "cellstream", "tail", "--store", url, "--brokers", KAFKA,
