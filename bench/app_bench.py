@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -45,8 +44,7 @@ from bench.scratch import scratch_database
 from cellstream.cli.common import tune_for_streaming
 from indexer import App
 from logstore import Cell
-
-SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
+from tests.harness.shared_servers import MYSQL_SERVER as SERVER
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import statistics
 import subprocess
 import sys
@@ -53,10 +52,9 @@ from tailer.coordinators.store import StoreCoordinator
 from tailer.messages import decode_cell
 from tailer.publishers.kafka import KafkaPublisher
 from tailer.worker import Tailer
+from tests.harness.shared_servers import KAFKA, ZOOKEEPER
+from tests.harness.shared_servers import MYSQL_SERVER as SERVER
 
-SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
-KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
-ZOOKEEPER = os.environ.get("CELLSTREAM_TEST_ZOOKEEPER", "127.0.0.1:2181")
 P = 16
 CONSUMERS = ("app", "aiokafka", "faust")
 

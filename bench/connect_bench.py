@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import tempfile
 import time
@@ -47,8 +46,8 @@ from connectors.runtime import connector_app
 from connectors.sinks.base import Position, flatten, utc_date
 from connectors.sinks.parquet import ParquetSink, ParquetSinkConfig
 from connectors.sinks.postgres import PostgresSink, PostgresSinkConfig
+from tests.harness.shared_servers import POSTGRES_SERVER as SERVER
 
-SERVER = os.environ.get("CELLSTREAM_TEST_POSTGRES", "postgresql://cellstream:cellstream@127.0.0.1:5432")
 READ_GROUP, PAGE = 512, 10_000  # the raw read: shards per get_cells_for_shards call, cells per shard page
 
 

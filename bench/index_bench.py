@@ -71,8 +71,8 @@ from logstore.backends.sqlite import index_tables as sqlite_index
 from logstore.backends.sqlite.recorder import INDEX_FILE
 from logstore.config import MySQLTarget, SQLiteTarget, parse_node_url
 from logstore.index_tables.persistence import ApplyResult, IndexChange, IndexSpec, Stream
+from tests.harness.shared_servers import MYSQL_SERVER as SERVER
 
-SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
 NAME = "driver_partner_index"
 YAML = f"""indexes:
   - name: {NAME}

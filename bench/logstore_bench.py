@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import statistics
@@ -37,8 +36,7 @@ import logstore
 from bench.scratch import drop_database
 from logstore.cell import decode_body, shard_of
 from logstore.config import MySQLTarget, parse_node_url
-
-SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
+from tests.harness.shared_servers import MYSQL_SERVER as SERVER
 
 
 def trip_body(i: int) -> dict[str, Any]:

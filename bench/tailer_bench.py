@@ -19,7 +19,8 @@ from its start is printed too). The whole run has the garbage collector's thresh
 
 Latency: a `cellstream tail` process runs while this process puts cells at R cells/s
 and an aiokafka consumer reads them; latency is from put_cell returning to the
-consumer holding the message (targets p50 <= 20 ms, p99 <= 100 ms).
+consumer holding the message (targets p50 <= 20 ms, p99 <= 100 ms). The tailer's process
+is measured meanwhile: CPU and context switches a second.
 
 Shard count: the standalone tailer (offsets in a file, topics as files, so only the
 store and the worker are measured) drains the same --scaling-cells cells from a store
@@ -47,6 +48,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
+import psutil
 import pymysql
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -65,10 +67,9 @@ from tailer.messages import encode_cell
 from tailer.publishers.directory import DirectoryPublisher
 from tailer.publishers.kafka import KafkaPublisher
 from tailer.worker import Tailer
+from tests.harness.shared_servers import KAFKA, ZOOKEEPER
+from tests.harness.shared_servers import MYSQL_SERVER as SERVER
 
-SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
-KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
-ZOOKEEPER = os.environ.get("CELLSTREAM_TEST_ZOOKEEPER", "127.0.0.1:2181")
 P = 16
 ValueFormat = Literal["json", "msgpack"]
 POLL = float(os.environ.get("BENCH_POLL", "0.005"))
@@ -190,8 +191,25 @@ async def tailer_run(store: logstore.Store, zk: str, prefix: str, value_format: 
     return elapsed, elapsed - (first - start if first is not None else 0.0)
 
 
+def process_load(process: psutil.Process) -> tuple[float, int, int]:
+    """(CPU seconds, voluntary and involuntary context switches) of a process and all its threads so far.
+
+    The switches are summed over /proc/PID/task (Linux): psutil's num_ctx_switches counts the main thread's."""
+    cpu = process.cpu_times()
+    switches = [0, 0]
+    for status in Path(f"/proc/{process.pid}/task").glob("*/status"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            for line in status.read_text().splitlines():
+                if line.endswith("ctxt_switches", 0, line.find(":")):
+                    switches[line.startswith("nonvoluntary")] += int(line.split()[1])
+    return cpu.user + cpu.system, switches[0], switches[1]
+
+
 async def latency(store_url: str, store: logstore.Store, zk: str, prefix: str, rate: float,
-                  seconds: float) -> list[float]:
+                  seconds: float) -> tuple[list[float], dict[str, float]]:
+    """The latencies (ms), and the `cellstream tail` process's load a second while the writers ran: CPU
+    seconds, and voluntary and involuntary context switches (each involuntary one a wait for a core, which
+    is where the tail of the latency comes from on a machine whose cores are all busy)."""
     topic = f"{prefix}.LAT"
     await create_topic(topic)
     worker = subprocess.Popen(
@@ -205,13 +223,21 @@ async def latency(store_url: str, store: logstore.Store, zk: str, prefix: str, r
     assert reader.stdout is not None
     assert reader.stdout.readline().strip() == "ready"
     wait_claimed(zk, "latency", store.shard_count, worker, 180)  # thousands of shards take a while
+    process = psutil.Process(worker.pid)
+    before = process_load(process)
     started = time.perf_counter()
     put_at = paced_puts(store, "LAT", rate, seconds, body)
-    print(f"   wrote {len(put_at) / (time.perf_counter() - started):.0f} cells/s", flush=True)
+    elapsed = time.perf_counter() - started
+    load = dict(zip(("cpu_s", "voluntary_switches", "involuntary_switches"),
+                    ((after - was) / elapsed for after, was in zip(process_load(process), before, strict=True)),
+                    strict=True))
+    print(f"   wrote {len(put_at) / elapsed:.0f} cells/s; the tailer's process a second: {load['cpu_s']:.2f} s of"
+          f" CPU, {load['voluntary_switches']:.0f} voluntary and {load['involuntary_switches']:.0f} involuntary"
+          " context switches", flush=True)
     got: dict[str, float] = json.loads(reader.communicate()[0])
     worker.terminate()
     worker.wait(timeout=60)
-    return latencies(put_at, got, "consumer")
+    return latencies(put_at, got, "consumer"), load
 
 
 async def consume(topic: str, seconds: float) -> None:
@@ -359,12 +385,13 @@ def main() -> int:
         if args.only != "latency":
             results.update(throughput(store, url, zk, prefix, args.cells, args.shards, args.formats.split(",")))
         if args.only != "throughput":
-            samples = asyncio.run(latency(url, store, zk, prefix, args.rate, args.seconds))
+            samples, load = asyncio.run(latency(url, store, zk, prefix, args.rate, args.seconds))
             q = statistics.quantiles(samples, n=100)
             p50, p99 = statistics.median(samples), q[98]
             print(f"latency put_cell -> consumer at {args.rate:.0f} cells/s ({len(samples)} samples): "
                   f"p50 {p50:.1f} ms (<= 20), p99 {p99:.1f} ms (<= 100)")
             results["latency_ms"] = {"rate": args.rate, "samples": len(samples), "p50": p50, "p99": p99}
+            results["tailer_process_per_s"] = load
         if args.only is None:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

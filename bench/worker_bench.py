@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import threading
@@ -41,8 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
 from bench.scratch import served
 from logstore.config import MySQLTarget, parse_node_url
-
-SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cellstream@127.0.0.1:3306")
+from tests.harness.shared_servers import MYSQL_SERVER as SERVER
 
 
 def percentile(values: list[float], q: float) -> float:
