@@ -38,9 +38,10 @@ STREAMING_GC_THRESHOLDS = (50_000, 20, 20)
 
 
 # The interpreter's switch interval for that process (Python's default is 5 ms). Its event loop does most
-# of the work, fed by threads that read and decode pages; when the loop's thread gives up the GIL for a
-# moment (aiokafka builds a record batch without it) it waited up to the whole interval to get it back:
-# 0.3 s of 1.2 s at 4096 shards. At 0.5 ms the tailer publishes 5-10% more JSON cells a second.
+# of the work, fed by threads that read pages; when the loop's thread gives up the GIL for a moment
+# (aiokafka builds a record batch without it) it waited up to the whole interval to get it back: 0.3 s of
+# 1.2 s at 4096 shards, when the threads decoded the pages too. At 0.5 ms the tailer then published 5-10%
+# more JSON cells a second; since the loop decodes, 5 ms and 0.5 ms measure alike (docs/benchmarks.md).
 STREAMING_SWITCH_INTERVAL = 0.0005
 
 
