@@ -27,7 +27,7 @@ import functools
 import heapq
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -127,7 +127,9 @@ class Tailer:
         self._idle: dict[int, Drained] = {}  # idle shards: (count seen, position), for the looks
         self._acking: dict[int, Drained] = {}  # the same of drained shards whose cells are being acked
         self._uncounted: set[int] = set()  # waiting for a look to count their cells before the first read
-        self._ready: dict[int, None] = {}  # due for a read, in round-robin order (insertion order)
+        # Due for a read, in round-robin order. An OrderedDict: taking a plain dict's first key after deleting
+        # the ones before it walks past their slots, which made a pass over 4096 ready shards quadratic.
+        self._ready: OrderedDict[int, None] = OrderedDict()
         self._delayed: list[tuple[float, int]] = []  # heap of (retry_at, shard) of shards backing off
         self._touched: set[int] = set()  # whose reads or deliveries moved since they were last placed
         self._acked: set[int] = set()  # whose deliveries settled since _collect last ran
@@ -588,8 +590,7 @@ class Tailer:
         singles: dict[int, int] = {}
         reserved = 0
         while self._ready and launched < self._read_ahead and in_flight < self.config.max_in_flight:
-            shard = next(iter(self._ready))
-            del self._ready[shard]  # taken from the front; it queues again at the back after its page
+            shard, _ = self._ready.popitem(last=False)  # from the front; it queues again at the back after its page
             st = self._shards[shard]
             expected = self._next_read(st, now)
             if expected is None:
