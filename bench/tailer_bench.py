@@ -200,8 +200,9 @@ def process_load(process: psutil.Process) -> tuple[float, int, int]:
     for status in Path(f"/proc/{process.pid}/task").glob("*/status"):
         with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
             for line in status.read_text().splitlines():
-                if line.endswith("ctxt_switches", 0, line.find(":")):
-                    switches[line.startswith("nonvoluntary")] += int(line.split()[1])
+                name, _, value = line.partition(":")
+                if name in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
+                    switches[name == "nonvoluntary_ctxt_switches"] += int(value)
     return cpu.user + cpu.system, switches[0], switches[1]
 
 

@@ -41,7 +41,8 @@ STREAMING_GC_THRESHOLDS = (50_000, 20, 20)
 # of the work, fed by threads that read pages; when the loop's thread gives up the GIL for a moment
 # (aiokafka builds a record batch without it) it waited up to the whole interval to get it back: 0.3 s of
 # 1.2 s at 4096 shards, when the threads decoded the pages too. At 0.5 ms the tailer then published 5-10%
-# more JSON cells a second; since the loop decodes, 5 ms and 0.5 ms measure alike (docs/benchmarks.md).
+# more JSON cells a second; since the loop decodes, 5 ms and 0.5 ms measure alike (docs/benchmarks.md),
+# so it stays.
 STREAMING_SWITCH_INTERVAL = 0.0005
 
 
