@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from logstore.cell import (
     Cell,
@@ -154,11 +154,33 @@ class Store:
         return self._node_of[self.check_shard(shard)].name
 
     def _recorder(self, shard: int) -> NodeRecorder:
+        self._fresh_map()
+        return self._recorders[self._node_of[shard].name]
+
+    def _fresh_map(self) -> None:
+        """Raise if the store is closed; read the shard map again when it is due."""
         if self._closed:
             raise StorageError("the store is closed")
         if self._movable and time.monotonic() - self._map_read > self._options.map_refresh:
             self.refresh_map()
-        return self._recorders[self._node_of[shard].name]
+
+    def _locations_by_node(self, locations: Mapping[int, int]) -> list[tuple[NodeRecorder, list[tuple[int, int]]]]:
+        """The (shard, location) pairs, each checked, grouped by storage node in one pass over the map (a
+        4096-shard reader asks for thousands at once: each shard's own trip through :meth:`_recorder` was
+        most of what grouping them cost)."""
+        self._fresh_map()  # once for all of them
+        node_of, shards = self._node_of, self._cluster.shards
+        by_node: dict[str, list[tuple[int, int]]] = {}
+        for shard, location in locations.items():
+            if type(shard) is not int or not 0 <= shard < shards:
+                self.check_shard(shard)  # raises, naming it
+            if type(location) is not int or not 0 <= location < 1 << 63:
+                _bad_location(location)
+            name = node_of[shard].name
+            if (group := by_node.get(name)) is None:
+                group = by_node[name] = []
+            group.append((shard, location))
+        return [(self._recorders[name], group) for name, group in by_node.items()]
 
     def refresh_map(self) -> None:
         """Read the shard moves the nodes record (``cellstream shards move``) over the cluster file's ranges.
@@ -462,17 +484,17 @@ class Store:
     def _page_reads(self, locations: Mapping[int, int], limit: int, columns: Sequence[str] | None
                     ) -> list[tuple[NodeRecorder, list[tuple[int, int]], list[str] | None]]:
         """The checked reads of several shards' pages: (node, its (shard, location) pairs, columns) each."""
-        by_node: dict[int, list[tuple[int, int]]] = {}
-        names: list[str] | None = None
-        for shard, location in locations.items():
-            names = self._check_page(shard, location, limit, columns)
-            by_node.setdefault(id(self._recorder(shard)), []).append((shard, location))
-        return [(self._recorder(group[0][0]), group, names) for group in by_node.values()]
+        names = self._check_reading(limit, columns)  # once, not once per shard
+        return [(recorder, group, names) for recorder, group in self._locations_by_node(locations)]
 
     def _check_page(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[str] | None:
         self.check_shard(shard)
         if type(location) is not int or not 0 <= location < 1 << 63:
-            raise InvalidArgumentError(f"location must be an integer in [0, 2^63), got {location!r}")
+            _bad_location(location)
+        return self._check_reading(limit, columns)
+
+    @staticmethod
+    def _check_reading(limit: int, columns: Sequence[str] | None) -> list[str] | None:
         if type(limit) is not int or not 1 <= limit <= MAX_PAGE:
             raise InvalidArgumentError(f"limit must be an integer in [1, {MAX_PAGE}], got {limit!r}")
         if isinstance(columns, str):
@@ -506,14 +528,10 @@ class Store:
     def counts_after(self, locations: Mapping[int, int], *, columns: Sequence[str] | None = None) -> dict[int, int]:
         """``count_after`` of many shards (shard -> location), a few reads per storage node: the lag of a
         reader of thousands of shards without a read per shard."""
-        by_node: dict[int, list[tuple[int, int]]] = {}
-        names: list[str] | None = None
-        for shard, location in locations.items():
-            names = self._check_page(shard, location, 1, columns)
-            by_node.setdefault(id(self._recorder(shard)), []).append((shard, location))
+        names = self._check_reading(1, columns)
         out: dict[int, int] = {}
-        for group in by_node.values():
-            out.update(self._recorder(group[0][0]).counts_after(group, names))
+        for recorder, group in self._locations_by_node(locations):
+            out.update(recorder.counts_after(group, names))
         return out
 
     def head(self, shard: int) -> int:
@@ -604,7 +622,7 @@ class Store:
             if type(shard) is not int or not 0 <= shard < shards:
                 self.check_shard(shard)  # raises, naming it
             if type(location) is not int or not 0 <= location < 1 << 63:
-                raise InvalidArgumentError(f"location must be an integer in [0, 2^63), got {location!r}")
+                _bad_location(location)
             text = encoded.get(id(doc))
             if text is None:
                 text = encoded[id(doc)] = offset_doc(doc)
@@ -660,6 +678,10 @@ class Store:
     def __repr__(self) -> str:
         nodes = ", ".join(f"{n.name}={n.target.redacted()}[{n.shards}]" for n in self._cluster.nodes)
         return f"<logstore.Store shards={self._cluster.shards} {nodes}>"
+
+
+def _bad_location(location: object) -> NoReturn:
+    raise InvalidArgumentError(f"location must be an integer in [0, 2^63), got {location!r}")
 
 
 def node_meta(cluster: ClusterConfig, node: NodeConfig) -> NodeMeta:
