@@ -165,9 +165,9 @@ class Store:
             self.refresh_map()
 
     def _locations_by_node(self, locations: Mapping[int, int]) -> list[tuple[NodeRecorder, list[tuple[int, int]]]]:
-        """The (shard, location) pairs, each checked, grouped by storage node in one pass over the map (a
-        4096-shard reader asks for thousands at once: each shard's own trip through :meth:`_recorder` was
-        most of what grouping them cost)."""
+        """The (shard, location) pairs, each checked, grouped by storage node in one pass over the map: a
+        4096-shard reader asks for thousands at once, and a trip through :meth:`_recorder` for each (the
+        closed flag and the map's age every time) is paid once here."""
         self._fresh_map()  # once for all of them
         node_of, shards = self._node_of, self._cluster.shards
         by_node: dict[str, list[tuple[int, int]]] = {}
