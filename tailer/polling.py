@@ -1,13 +1,13 @@
-"""How often the worker looks at its shards: the poll interval while cells arrive, backing off when they stop."""
+"""How often a worker polls its shards' counts: the poll interval while cells arrive, backing off when they stop."""
 
 from __future__ import annotations
 
 
 class PollSchedule:
-    """The wait between two looks at the shards.
+    """The wait between two count polls.
 
     ``fast`` while cells arrive; once none has been found for ``slowest`` seconds, the wait doubles at
-    each look that finds none, up to ``slowest``. A look that finds nothing right after one that found
+    each poll that finds none, up to ``slowest``. A poll that finds nothing right after one that found
     cells is the normal case of a modest rate (250 writes a second leave a quarter of 5 ms windows
     empty): backing off at once made the next cells wait two or four intervals.
     """
@@ -17,8 +17,8 @@ class PollSchedule:
         self.interval = fast
         self._active_at = float("-inf")
 
-    def looked(self, now: float, *, active: bool) -> float:
-        """Note a look at ``now`` (``active``: it found cells, or some are under way); the next wait."""
+    def polled(self, now: float, *, active: bool) -> float:
+        """Note a poll at ``now`` (``active``: it found cells, or some are under way); the next wait."""
         if active or now - self._active_at < self.slowest:
             if active:
                 self._active_at = now

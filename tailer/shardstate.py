@@ -17,11 +17,11 @@ from tailer.messages import coordinates
 Pages = dict[int, Sequence[AnyCell] | LogstoreError]
 # What a read thread hands the loop: the pages, still to be decoded (on the loop), or each shard's read error.
 Read = UndecodedPages | Pages
-# A drained shard's (count seen, position) as a look compares it.
+# A drained shard's (count seen, position) as a count poll compares it.
 Drained = tuple[int | None, int]
-# (the cell counts, if read; the drained shards whose count moved, as compared; their pages; seconds the
-# counting took)
-Look = tuple[ChangedCounts | None, dict[int, Drained], Read, float]
+# A count poll's result: (the cell counts, if read; the drained shards whose count moved, as compared; their
+# pages; seconds the counting took).
+CountPoll = tuple[ChangedCounts | None, dict[int, Drained], Read, float]
 
 
 def decoded(read: Read) -> Pages:

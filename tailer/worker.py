@@ -24,49 +24,27 @@ import contextlib
 import contextvars
 import datetime as dt
 import functools
-import heapq
 import logging
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from logstore import CorruptCellError, LogstoreError, Store
-from logstore.cell import AnyCell, Cell, PackedCell
+from logstore.cell import AnyCell
 from logstore.retry import RetryPolicy
 from tailer.config import TailerConfig
 from tailer.errors import ConfigurationError, FencedError, PublishError, TailerError
 from tailer.interfaces import Claim, Coordinator, Offset, Publisher, Sink
+from tailer.lag import LagMeter
 from tailer.messages import coordinates, deadletter_record
-from tailer.metrics import Lag, TailerMetrics
-from tailer.polling import PollSchedule
+from tailer.metrics import TailerMetrics
 from tailer.publishers.topics import TopicSink
-from tailer.shardstate import Drained, Look, Pending, Read, ShardState, decoded, page_of
+from tailer.reads import ReadScheduler
+from tailer.shardstate import CountPoll, Pending, Read, ShardState, decoded, page_of
 
 logger = logging.getLogger(__name__)
 _BACKOFF = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)
 _CLAIM_RETRY = 0.5
-# Counting costs in proportion to the shards counted (every shard's: 1-3 ms for 4096, up to 15 on a loaded
-# machine; the shards written lately, most looks: a fraction of a millisecond), so the looks are spaced to
-# take at most a share of the time; where counting is cheap the poll interval decides. When
-# every shard is idle the looks are all there is to do, and their spacing is the latency of a new cell.
-# With a backlog (shards waiting for reads, or a page's worth of cells in flight) the worker has known
-# work for the processor, and new cells of idle shards wait a little longer.
-_LOOK_SHARE_IDLE = 0.5
-_LOOK_SHARE = 0.25
-_LOOK_SHARE_BACKLOG = 0.02
-# A look's cost is the least of the last few looks' (wall-clock, in their thread): one that waited for a
-# core or for a busy database is not what counting costs. Taken from the last look alone, a 5 ms wait at
-# 64 shards (a count takes 0.2 ms) spaced the next look 20 ms out, and every cell written meanwhile waited
-# for it: a tail of the latency at 1,000 cells/s on a loaded machine.
-_LOOK_COSTS = 16
-# A look reads the counts that may have moved since the previous look's (at 4096 shards on MariaDB, the rows
-# written lately instead of all 4096, which had cost the database and the worker a millisecond each) and,
-# this often, every shard's: a partial count can miss a writer that committed late (Store.changed_counts),
-# and only a complete one proves the shards caught up.
-_FULL_LOOK = 0.5
-# Measuring the lag reads every live shard: the measurements are spaced to take at most this share too.
-_LAG_SHARE = 0.05
 # A page's runs of one column: (the cells, the sink's form of each).
 _Runs = list[tuple[list[AnyCell], list[Any]]]
 _T = TypeVar("_T")
@@ -74,10 +52,8 @@ _R = TypeVar("_R")
 
 
 def _in_thread(fn: Callable[..., _R], *args: Any) -> asyncio.Future[_R]:
-    """``fn(*args)`` in the default executor, handed to it now. ``ensure_future(to_thread(...))`` hands it over
-    only when the loop next runs the new task, after whatever the loop still does in this turn (settling
-    acknowledgements, decoding the next page): a read started 1 ms after it was launched, where it could have
-    waited on the database (MySQL's socket, without the GIL) meanwhile."""
+    """``fn(*args)`` in the default executor, handed to it now: ``ensure_future(to_thread(...))`` hands it
+    over only once the loop has finished its current turn, while the read could be waiting on the database."""
     return asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
@@ -110,38 +86,16 @@ class Tailer:
         self._unclaimed: set[int] = set()  # assigned to this worker and not owned yet
         self._claim_after: dict[int, float] = {}
         self._next_claim = 0.0  # no unclaimed shard is due before this
-        self._counts: dict[int, int] = {}
-        self._looked_at = -1e9
-        self._look_spacing = config.poll_interval  # the wait from one look's start to the next's
-        self._counts_mark: object | None = None  # the last look's, for the next (Store.changed_counts)
-        self._full_at = -1e9  # when the last look that counted every shard started
-        self._quiet_at = -1e9  # when the last look that found every owned shard caught up started
-        self._look_cost = 0.0  # seconds a look takes to count the cells: the least of the recent ones
-        self._look_costs: deque[float] = deque(maxlen=_LOOK_COSTS)
-        self._look_soon = False  # a caller waits for a look to prove the shards caught up: not spaced
-        self._looking: asyncio.Future[Look] | None = None
-        # Where each owned shard stands, so that an iteration of the loop costs what the shards with
-        # cells under way cost, not what the owned shards do (4096 by default):
-        self._live: set[int] = set()  # owned and not idle; idle: drained, nothing being read or in flight
-        # Read by the looks' thread as well (a dict's get and copy hold the GIL throughout): never rebound.
-        self._idle: dict[int, Drained] = {}  # idle shards: (count seen, position), for the looks
-        self._acking: dict[int, Drained] = {}  # the same of drained shards whose cells are being acked
-        self._uncounted: set[int] = set()  # waiting for a look to count their cells before the first read
-        # Due for a read, in round-robin order. An OrderedDict: taking a plain dict's first key after deleting
-        # the ones before it walks past their slots, which made a pass over 4096 ready shards quadratic.
-        self._ready: OrderedDict[int, None] = OrderedDict()
-        self._delayed: list[tuple[float, int]] = []  # heap of (retry_at, shard) of shards backing off
-        self._touched: set[int] = set()  # whose reads or deliveries moved since they were last placed
+        self._reads = ReadScheduler(config, config.read_ahead or store.parallel_reads)
+        self._lag = LagMeter(store, self.metrics, config.lag_interval, config.top_lagging_shards, clock)
         self._acked: set[int] = set()  # whose deliveries settled since _collect last ran
         self._failing: set[int] = set()  # with a delivery that failed since _collect last rewound them
         # The acknowledgement callbacks' context, one for all: asyncio copies the current one per callback
         # otherwise, an object per page that the collector walks (_settled reads no context variable).
         self._callback_context = contextvars.Context()
-        self._reads: dict[asyncio.Future[Read], tuple[tuple[int, ...], int]] = {}  # -> (shards, cells reserved)
+        self._running: dict[asyncio.Future[Read], tuple[tuple[int, ...], int]] = {}  # reads: (shards, cells reserved)
         self._unsettled = 0  # deliveries handed to the sink whose futures have not settled
         self._to_commit: set[int] = set()  # acknowledged since their last commit: what a commit looks at
-        self._lags: dict[int, Lag] = {}  # the lagging shards at the last measurement
-        self._lag_cost = 0.0  # seconds the last lag measurement took
         if config.per_shard_metrics:
             self.metrics.enable_per_shard()
         self._lease_gauge = self.metrics.lease_valid.labels(config.name)
@@ -149,11 +103,8 @@ class Tailer:
         self._owned_gauge = self.metrics.owned_shards.labels(config.name)
         self._wakeup = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._read_ahead = config.read_ahead or store.parallel_reads
         self._task: asyncio.Task[None] | None = None
-        self._lag_task: asyncio.Task[None] | None = None
         self._commit_task: asyncio.Task[None] | None = None
-        self._polls = PollSchedule(config.poll_interval, config.idle_poll_interval)
         self._stopping = False
         self._state = "new"
         self._paused = False
@@ -178,21 +129,21 @@ class Tailer:
         was_running = self._state == "running"
         self._state = "stopping"
         self._stopping = True
+        self._reads.stop()
         self._wakeup.set()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
-        for task in (self._lag_task, self._commit_task):
-            if task is not None:
-                await asyncio.gather(task, return_exceptions=True)
+        await self._lag.stop()
+        if self._commit_task is not None:
+            await asyncio.gather(self._commit_task, return_exceptions=True)
         if was_running:
             self.sink.abandon(self._shards)
             await self._drain(self.config.stop_timeout)
             claims = [st.claim for st in self._shards.values()]
             await self._in_threads(self._release_all, claims)
             self.metrics.forget_shards(self._shards)
-            for held in (self._shards, self._live, self._idle, self._acking, self._ready, self._uncounted,
-                         self._lags):
-                held.clear()
+            self._shards.clear()
+            self._reads.clear()
             if claims:
                 logger.info("%s: stopped; released %d shards", self.config.name, len(claims))
         await asyncio.to_thread(self.coordinator.stop)
@@ -221,14 +172,15 @@ class Tailer:
 
     def caught_up(self, since: float) -> bool:
         """True when every assigned shard is owned and acknowledged up to the end of its log as
-        counted by a look that started at or after ``since`` (a ``clock()`` reading)."""
-        # A look that found every owned shard idle at its count proves them caught up at its start, and
-        # any shard that took cells or was adopted since is live until it has drained them.
+        counted by a count poll that started at or after ``since`` (a ``clock()`` reading)."""
+        # A count poll that found every owned shard idle proves them caught up at its start, and any shard
+        # that took cells or was adopted since is live until it has drained them.
         _generation, _epoch, desired = self.coordinator.assignment()
-        if self._quiet_at < since and self._shards and not self._live and not self._look_soon:
-            self._look_soon = True
-            self._changed()  # wake the loop (thread-safe): the look is what the caller waits for
-        return (self._quiet_at >= since and not self._live and len(desired) == len(self._shards)
+        reads = self._reads
+        if reads.quiet_at < since and self._shards and not reads.live and not reads.poll_requested:
+            reads.request_poll()
+            self._changed()  # wake the loop (thread-safe): the poll is what the caller waits for
+        return (reads.quiet_at >= since and not reads.live and len(desired) == len(self._shards)
                 and desired == self._shards.keys())
 
     def positions(self) -> dict[int, tuple[int, int, int]]:
@@ -237,10 +189,7 @@ class Tailer:
 
     # -- the loop -------------------------------------------------------------
     async def _run(self) -> None:
-        now = self._clock()
-        # The first lag is measured after an interval, not at once: every shard of a new worker is live
-        # until it has been read, and measuring them all would hold up that first reading.
-        next_commit, next_lag = now + self.config.commit_interval, now + self.config.lag_interval
+        next_commit = self._clock() + self.config.commit_interval
         try:
             while not self._stopping:
                 self._wakeup.clear()
@@ -263,12 +212,11 @@ class Tailer:
                     # In the background: a slow or unreachable ZooKeeper must not hold up publishing.
                     self._commit_task = asyncio.create_task(self._commit())
                     next_commit = now + self.config.commit_interval
-                if now >= next_lag and (self._lag_task is None or self._lag_task.done()):
-                    self._lag_task = asyncio.create_task(self._measure_lag())
-                    next_lag = now + max(self.config.lag_interval, self._lag_cost / _LAG_SHARE)
+                shards = self._shards
+                self._lag.maybe_start(now, (shards[s] for s in self._reads.live if s in shards), shards.keys())
                 if not busy:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wakeup.wait(), self._pause(now))
+                        await asyncio.wait_for(self._wakeup.wait(), self._reads.pause(now, bool(self._shards)))
         except Exception as exc:
             self.error = exc
             logger.exception("tailer worker failed")
@@ -302,10 +250,10 @@ class Tailer:
     async def _claim(self, now: float) -> None:
         """Claim the assigned shards not owned yet whose retry time has come; one summary line."""
         wanted = sorted(s for s in self._unclaimed if self._claim_after.get(s, 0.0) <= now)
-        if wanted and not self._shards and not self._counts and (self._looking is None or self._looking.done()):
-            # A new worker's first count runs beside its claims: its shards are then read as they are adopted,
-            # not after a look of their own (at 4096 shards, a pass over all of them and a trip to a thread).
-            self._look(now)
+        if wanted and not self._shards and not self._reads.counts and not self._reads.polling:
+            # A new worker's first count poll runs beside its claims: its shards are then read as they are
+            # adopted, not after a poll of their own.
+            self._poll_counts(now)
         results = await self._in_threads(self._claim_all, wanted)
         adopted: list[Claim] = []
         detail = logger.isEnabledFor(logging.DEBUG)  # asked once, not for each of thousands of shards
@@ -365,11 +313,11 @@ class Tailer:
 
     def _adopt(self, claims: list[Claim]) -> None:
         """Own the claimed shards, each from its claim's location (at 4096 shards, in one pass)."""
-        now, shards, place = self._clock(), self._shards, self._place
+        now, shards, requeue = self._clock(), self._shards, self._reads.requeue
         for claim in claims:
             at = claim.location
             st = shards[claim.shard] = ShardState(claim, at, at, at, claim.deadlettered)
-            place(st, now)
+            requeue(st, now)
         taken = [claim.shard for claim in claims]
         self._unclaimed.difference_update(taken)
         if self._claim_after:
@@ -379,12 +327,7 @@ class Tailer:
 
     def _forget(self, shard: int) -> None:
         self._shards.pop(shard, None)
-        self._live.discard(shard)
-        self._idle.pop(shard, None)
-        self._acking.pop(shard, None)
-        self._ready.pop(shard, None)
-        self._uncounted.discard(shard)
-        self._lags.pop(shard, None)
+        self._reads.forget(shard)
         if self._desired is not None and shard in self._desired and not self._stopping:
             self._unclaimed.add(shard)  # still assigned (e.g. a fenced commit): claimed again
             self._next_claim = 0.0
@@ -415,217 +358,87 @@ class Tailer:
 
     # -- reading and sending --------------------------------------------------
     async def _read_and_send(self) -> bool:
-        """Send the pages that arrived, then start the reads and the look that are due."""
+        """Send the pages that arrived, then start the reads and the count poll that are due."""
         if not self._shards:
             return False
         busy = False
-        for future in [f for f in self._reads if f.done()]:
-            shards, _reserved = self._reads.pop(future)
+        for future in [f for f in self._running if f.done()]:
+            shards, _reserved = self._running.pop(future)
             pages = decoded(future.result())
-            # The pages of a read of many shards go to a sink that takes groups as one delivery: at 4096
-            # shards a read holds a hundred pages of a few cells, and a delivery per page cost more than they.
-            group: list[tuple[ShardState, _Runs]] | None = (
+            # A read of many shards goes to a sink that takes a delivery batch as one delivery: at 4096 shards a
+            # read holds a hundred pages of a few cells each, and a delivery per page cost more than they.
+            batch: list[tuple[ShardState, _Runs]] | None = (
                 [] if self.sink.delivers_groups and len(shards) > 1 else None)
+            touched: list[int] = []
             for shard in shards:
                 st = self._shards.get(shard)
                 if st is None or st.reading is not future:  # released meanwhile
                     continue
                 st.reading = None
-                self._touched.add(shard)
+                touched.append(shard)
                 if shard in pages and st.read_from == st.position:  # else a rewind made it stale
-                    if group is not None and (runs := self._plain_runs(st, pages[shard])) is not None:
-                        group.append((st, runs))
+                    if batch is not None and (runs := self._plain_runs(st, pages[shard])) is not None:
+                        batch.append((st, runs))
                     else:
                         busy = await self._send_page(st, *page_of(pages, shard)) or busy
-            if group:
-                busy = await self._send_group(group) or busy
+            self._reads.touch(touched)
+            if batch:
+                busy = await self._send_batch(batch) or busy
         now = self._clock()
-        self._start_reads(now)
-        if self._ready or self._unsettled >= self.config.page_size:
-            share = _LOOK_SHARE_BACKLOG
-        else:
-            share = _LOOK_SHARE if self._live else _LOOK_SHARE_IDLE
-        due = self._look_spacing = max(self._polls.interval, self._look_cost / share)
-        if (now - self._looked_at >= due or self._look_soon) and (self._looking is None or self._looking.done()):
-            self._look(now)
+        running = sum(1 for future in self._running if not future.done())
+        in_flight = self._unsettled + sum(reserved for _shards, reserved in self._running.values())
+        for positions, limit in self._reads.next_reads(self._shards, now, running, in_flight):
+            self._launch(positions, limit)
+        if self._reads.poll_due(now, self._unsettled):
+            self._poll_counts(now)
         return busy
 
-    def _pause(self, now: float) -> float:
-        """How long the loop may sleep when it has nothing to do: until the next look is due.
-
-        Not a whole poll interval from now: acknowledgements wake the loop between looks, and a full
-        interval from such a wake-up had spaced the looks 5-10 ms apart at a 5 ms poll, which was most
-        of the latency's tail (a new cell waits for the next look).
-        """
-        if not self._shards or (self._looking is not None and not self._looking.done()):
-            return self._polls.interval  # a look's end wakes the loop: it must not spin while one runs late
-        return min(self._polls.interval, max(0.0, self._looked_at + self._look_spacing - now))
-
-    def _place(self, st: ShardState, now: float) -> None:
-        """File a shard by what it waits for: a read (ready, or delayed while it backs off), its first
-        count, a look (idle, or acking: drained with cells in flight), or what is under way (live, in no
-        queue: settling or reading places it again)."""
-        shard = st.shard
-        self._ready.pop(shard, None)
-        self._acking.pop(shard, None)
-        if st.reading is None and st.drained and not st.inflight and st.retry_at <= now:
-            self._live.discard(shard)
-            self._idle[shard] = (st.count_seen, st.position)
-            return
-        self._idle.pop(shard, None)
-        self._live.add(shard)
-        if st.reading is not None or self._stopping:
-            return
-        if st.retry_at > now:
-            heapq.heappush(self._delayed, (st.retry_at, shard))
-        elif st.drained:
-            if st.acked >= st.singles_until:  # not isolating a refused cell: a look reads its next cells meanwhile
-                self._acking[shard] = (st.count_seen, st.position)
-        elif st.count_seen is None and shard not in self._counts:
-            self._uncounted.add(shard)
-        else:
-            self._ready[shard] = None
-
-    def _look(self, now: float) -> None:
-        """Count every shard's cells and, in the same trip, read the new cells of each drained shard whose
-        count moved: idle ones, and those whose last cells are still being acknowledged (under load an
+    def _poll_counts(self, now: float) -> None:
+        """Count the shards' cells and, in the same trip to a thread, read the new cells of each drained shard
+        whose count moved: idle ones, and those whose last cells are still being acknowledged (under load an
         acknowledgement can take longer than a poll interval, and a cell landing meanwhile waited for it)."""
-        # Within max_in_flight, as the reads of busy shards: a stalled broker must hold the reading back.
-        acking = self._unsettled < self.config.max_in_flight
-        # Every owned shard idle: a look finding none moved proves them caught up (not one before any is owned).
-        all_idle = bool(self._shards) and not self._live
-        full = self._look_soon or now - self._full_at >= _FULL_LOOK
-        self._look_soon = False
-        self._looked_at = now
-        self._looking = _in_thread(self._counts_and_pages, acking, None if full else self._counts_mark)
-        self._looking.add_done_callback(lambda done: self._looked(done, all_idle, now))
+        all_idle = bool(self._shards) and not self._reads.live  # then a poll finding none moved proves them caught up
+        acking, mark = self._reads.start_poll(now, self._unsettled)
+        poll = _in_thread(self._counts_and_pages, acking, mark)
+        poll.add_done_callback(lambda done: self._polled(done, all_idle, now))
 
-    def _looked(self, done: asyncio.Future[Look], all_idle: bool, started: float) -> None:
+    def _polled(self, done: asyncio.Future[CountPoll], all_idle: bool, started: float) -> None:
         self._wakeup.set()
         pages: asyncio.Future[Read] = asyncio.get_running_loop().create_future()
         if done.cancelled() or done.exception() is not None:  # a bug, not a store error: stop the worker
             pages.set_exception(done.exception() or asyncio.CancelledError())
-            self._reads[pages] = ((), 0)
+            self._running[pages] = ((), 0)
             return
         answer, compared, read, cost = done.result()
-        self._look_costs.append(cost)
-        self._look_cost = min(self._look_costs)
         found = decoded(read)
-        if answer is not None:
-            self._counts_mark = answer.mark
-            if answer.complete:
-                self._counts, self._full_at = answer.counts, started
-                if all_idle and not found:
-                    self._quiet_at = started
-            else:
-                self._counts.update(answer.counts)
-            self._touched |= self._uncounted  # their first reads can be sized now (or they wait again)
-            self._uncounted = set()
-        moved: list[int] = []
-        for shard in found:
-            st = self._shards.get(shard)
-            seen = compared[shard]
-            if st is None or seen not in (self._idle.get(shard), self._acking.get(shard)):
-                continue  # released, or no longer the drained shard the look compared (read since, rewound)
-            self._idle.pop(shard, None)
-            self._acking.pop(shard, None)
-            self._live.add(shard)
-            st.drained, st.count_seen = False, self._counts.get(shard)
-            st.reading, st.read_from, st.read_limit, st.read_reserved = pages, seen[1], self.config.page_size, 0
-            moved.append(shard)
+        moved = self._reads.polled(answer, compared, found, cost, started, all_idle)
+        counts, page_size = self._reads.counts, self.config.page_size
+        for shard in moved:
+            st = self._shards[shard]
+            st.drained, st.count_seen = False, counts.get(shard)
+            st.reading, st.read_from, st.read_limit, st.read_reserved = pages, compared[shard][1], page_size, 0
         pages.set_result(found)
-        self._reads[pages] = (tuple(moved), 0)
-        self._polls.looked(started, active=bool(found) or bool(self._live))
+        self._running[pages] = (tuple(moved), 0)
 
-    def _counts_and_pages(self, acking: bool, mark: object | None) -> Look:
+    def _counts_and_pages(self, acking: bool, mark: object | None) -> CountPoll:
         """(in a worker thread) The cell counts (every shard's without a ``mark``, else those that may have
-        moved since it); the drained shards (idle ones, and with ``acking`` those being acknowledged) whose
-        count moved, as this thread saw them; their pages; and how long the counting took.
+        moved since it); the drained shards whose count moved, as this thread saw them
+        (:meth:`ReadScheduler.moved`); their pages; and how long the counting took.
 
-        The drained shards are read here after the count, not copied by the loop before the look: a copy of
-        4096 shards' entries at each look was a seventh of the loop's CPU at 1,000 cells/s. A shard drained
-        after the count compares its count then with this one's; cells after this count are in the next."""
+        The drained shards are compared here, after the count: a shard drained after the count compares its
+        count then with this one's, and cells after this count are in the next poll's."""
         started = self._clock()
         try:
             answer = self.store.changed_counts(mark)
         except LogstoreError as exc:
             logger.warning("cannot read shard counts: %s", exc)
             return None, {}, {}, self._clock() - started
-        counts = answer.counts
-        moved: dict[int, Drained]
-        if answer.complete:
-            drained = {**self._idle, **self._acking} if acking else self._idle.copy()
-            moved = {shard: entry for shard, entry in drained.items() if counts.get(shard) != entry[0]}
-        else:
-            moved = {}
-            for shard, count in counts.items():
-                entry = (self._acking.get(shard) if acking else None) or self._idle.get(shard)
-                if entry is not None and entry[0] != count:
-                    moved[shard] = entry
+        moved = self._reads.moved(answer, acking)
         cost = self._clock() - started
         if not moved:
             return answer, moved, {}, cost
         positions = {shard: entry[1] for shard, entry in moved.items()}
         return answer, moved, self._fetch(positions, self.config.page_size), cost
-
-    def _start_reads(self, now: float) -> None:
-        """Read the next page of the shards due for one, several shards per query.
-
-        A shard reserves a page (at its first read, no more than its cell count), and
-        shards are grouped until a query reserves about a page: a busy shard is read
-        alone, many small ones together. At most ``read_ahead`` queries (by default the
-        store's ``parallel_reads``) run at once,
-        within ``max_in_flight`` messages. Idle shards are left to ``_look``.
-        """
-        touched, self._touched = self._touched, set()
-        for shard in touched:
-            if (st := self._shards.get(shard)) is not None:
-                self._place(st, now)
-        while self._delayed and self._delayed[0][0] <= now:
-            if (st := self._shards.get(heapq.heappop(self._delayed)[1])) is not None:
-                self._place(st, now)
-        launched = sum(1 for future in self._reads if not future.done())
-        in_flight = self._unsettled + sum(reserved for _shards, reserved in self._reads.values())
-        batch: dict[int, int] = {}
-        singles: dict[int, int] = {}
-        reserved = 0
-        while self._ready and launched < self._read_ahead and in_flight < self.config.max_in_flight:
-            shard, _ = self._ready.popitem(last=False)  # from the front; it queues again at the back after its page
-            st = self._shards[shard]
-            expected = self._next_read(st, now)
-            if expected is None:
-                self._place(st, now)  # an empty shard goes idle
-                continue
-            if st.acked < st.singles_until:  # isolating a refused cell: one message at a time
-                if not st.inflight:
-                    singles[shard] = st.position
-                continue  # else its acknowledgements place it again
-            batch[shard] = st.position
-            st.read_reserved = min(expected, self.config.page_size)
-            reserved += st.read_reserved
-            in_flight += st.read_reserved
-            if reserved >= self.config.page_size:
-                self._launch(batch, self.config.page_size)
-                launched += 1
-                batch, reserved = {}, 0
-        if batch:
-            self._launch(batch, self.config.page_size)
-        if singles:
-            self._launch(singles, 1)
-
-    def _next_read(self, st: ShardState, now: float) -> int | None:
-        """How many cells a read of the shard may bring (None: not now)."""
-        if st.reading is not None or st.drained or st.retry_at > now or self._stopping:
-            return None
-        if st.count_seen is None:  # its first read, once a look has counted the shards
-            if st.shard not in self._counts:
-                return None
-            count = st.count_seen = self._counts[st.shard]
-            if count == 0:  # an empty shard: nothing to read until its count moves
-                st.drained = True
-                return None
-            return count
-        return self.config.page_size
 
     def _launch(self, positions: dict[int, int], limit: int) -> None:
         future = _in_thread(self._fetch, positions, limit)
@@ -637,7 +450,7 @@ class Tailer:
             if limit == 1:
                 st.read_reserved = 1
             reserved += st.read_reserved
-        self._reads[future] = (tuple(positions), reserved)
+        self._running[future] = (tuple(positions), reserved)
 
     def _fetch(self, positions: dict[int, int], limit: int) -> Read:
         """(in a worker thread) Pages of several shards, read and not decoded (the loop decodes them: see
@@ -694,7 +507,7 @@ class Tailer:
             return None  # sent alone, which dead-letters the cell
         return runs
 
-    async def _send_group(self, group: list[tuple[ShardState, _Runs]]) -> bool:
+    async def _send_batch(self, group: list[tuple[ShardState, _Runs]]) -> bool:
         """Deliver the plain pages of several shards as one delivery, with a callback for each distinct future
         (a record batch holds the pages of many shards), not one for each page."""
         try:
@@ -853,7 +666,7 @@ class Tailer:
     def _take_acked(self) -> list[ShardState]:
         """The owned shards whose deliveries settled since the last call; they are placed again after."""
         acked, self._acked = self._acked, set()
-        self._touched |= acked
+        self._reads.touch(acked)
         self._to_commit |= acked
         return [st for shard in acked if (st := self._shards.get(shard)) is not None]
 
@@ -877,7 +690,7 @@ class Tailer:
         delay = next(st.backoff)
         st.retry_at = self._clock() + delay
         if stage != "read":  # a failed read sent nothing: what is in flight stays valid
-            self._acking.pop(st.shard, None)  # no longer drained at that position: no look may read it
+            self._reads.rewound(st.shard)  # no longer drained at that position: no count poll may read it
             st.position = st.acked
             st.inflight.clear()
             st.drained = False
@@ -989,40 +802,3 @@ class Tailer:
         if deferred:
             logger.info("%s: commits of %d shards deferred (e.g. %s)", self.config.name, len(deferred), deferred[0])
         return committed
-
-    # -- lag ------------------------------------------------------------------
-    async def _measure_lag(self) -> None:
-        """The lag of the live shards, in one trip to a thread. An idle shard lags by nothing as far as the
-        last look knows; one that took cells since is live after the next look, and measured then."""
-        started = self._clock()
-        acked: dict[int, int] = {}
-        oldest: dict[int, dt.datetime] = {}  # known without a read: the first cell in flight
-        for shard in self._live:
-            if (st := self._shards.get(shard)) is not None:
-                acked[shard] = st.acked
-                if st.inflight and isinstance(first := st.inflight[0].source, Cell | PackedCell):
-                    oldest[shard] = first.created_at
-        try:
-            lags = await asyncio.to_thread(self._lags_of, acked, oldest) if acked else {}
-        except LogstoreError as exc:
-            logger.debug("lag unknown: %s", exc)
-            return
-        self._lags = {shard: lag for shard, lag in lags.items() if shard in self._shards}
-        self.metrics.record_lag(self._lags, self.config.top_lagging_shards)
-        self._lag_cost = self._clock() - started
-
-    def _lags_of(self, acked: dict[int, int], oldest: dict[int, dt.datetime]) -> dict[int, Lag]:
-        """(in a worker thread) (cells, seconds) of each shard with cells after its acknowledged position.
-        The oldest cells not known yet come in one read of many shards; only shards that lag are counted."""
-        created: dict[int, dt.datetime | None] = dict(oldest)
-        unknown = {shard: location for shard, location in acked.items() if shard not in oldest}
-        for shard, page in (self.store.get_cells_for_shards(unknown, 1) if unknown else {}).items():
-            if isinstance(page, CorruptCellError):
-                created[shard] = page.created_at
-            elif page:
-                created[shard] = page[0].created_at
-        now = dt.datetime.now(dt.UTC)
-        counts = self.store.counts_after({shard: acked[shard] for shard in created})
-        return {shard: (counts[shard], max(0.0, (now - when).total_seconds()) if when is not None else 0.0)
-                for shard, when in created.items()}
-
