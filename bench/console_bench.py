@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import logstore
 from cellstream.console import Console, ConsoleConfig
 from indexer import App, DLQFilter
-from indexer.runtime.deadletters import DLQ_COLUMN, DeadLetter, Event
+from indexer.runtime.dlq_store import DLQ_COLUMN, DeadLetter, Event
 from logstore.cell import shard_of_bytes
 
 TOKEN = "bench-token"

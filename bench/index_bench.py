@@ -67,9 +67,11 @@ from indexer.indexes.definitions import IndexDefinition, load_indexes
 from indexer.indexes.verify import verify
 from logstore import Cell
 from logstore.backends.mysql import index_tables as mysql_index
+from logstore.backends.mysql.target import MySQLTarget
 from logstore.backends.sqlite import index_tables as sqlite_index
 from logstore.backends.sqlite.recorder import INDEX_FILE
-from logstore.config import MySQLTarget, SQLiteTarget, parse_node_url
+from logstore.backends.sqlite.target import SQLiteTarget
+from logstore.config import parse_node_url
 from logstore.index_tables.persistence import ApplyResult, IndexChange, IndexSpec, Stream
 from tests.harness.shared_servers import MYSQL_SERVER as SERVER
 

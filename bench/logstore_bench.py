@@ -34,8 +34,9 @@ import pymysql
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
 from bench.scratch import drop_database
+from logstore.backends.mysql.target import MySQLTarget
 from logstore.cell import decode_body, shard_of
-from logstore.config import MySQLTarget, parse_node_url
+from logstore.config import parse_node_url
 from tests.harness.shared_servers import MYSQL_SERVER as SERVER
 
 

@@ -59,7 +59,8 @@ from bench.pacing import latencies, paced_puts
 from bench.scaling import compare_shard_counts
 from bench.scratch import scratch, scratch_database, served, wait_claimed
 from cellstream.cli.common import tune_for_streaming
-from logstore.config import MySQLTarget, parse_node_url
+from logstore.backends.mysql.target import MySQLTarget
+from logstore.config import parse_node_url
 from tailer.config import KafkaOptions, TailerConfig
 from tailer.coordinators.local import LocalCoordinator
 from tailer.coordinators.zookeeper import ZooKeeperCoordinator

@@ -39,7 +39,8 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import logstore
 from bench.scratch import served
-from logstore.config import MySQLTarget, parse_node_url
+from logstore.backends.mysql.target import MySQLTarget
+from logstore.config import parse_node_url
 from tests.harness.shared_servers import MYSQL_SERVER as SERVER
 
 

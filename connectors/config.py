@@ -25,11 +25,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from connectors.errors import ConfigurationError
-from indexer.errors import DefinitionError
-from indexer.indexes.definitions import load_yaml
 from logstore import InvalidCellError
 from logstore.cell import check_column
+from logstore.configfile import load_yaml
 from tailer.security import PLAINTEXT, KafkaSecurity, load_kafka_config
 
 _NAME = r"^[a-z_][a-z0-9_]{0,62}$"  # a PostgreSQL identifier cellstream creates
@@ -169,12 +167,20 @@ class ConnectorConfig(BaseModel):
 
 
 def load_connector(source: str | Path) -> ConnectorConfig:
-    """The configuration in a YAML file (a Path) or text (a str). A relative sink root is taken from the
-    file's directory. ConfigurationError names the line and field of a problem."""
-    try:
-        config = load_yaml(source, ConnectorConfig, "<connector>", "a mapping with name, columns and sink")
-    except DefinitionError as exc:
-        raise ConfigurationError(str(exc)) from None
+    """A connector's configuration (docs/connectors.md, File options).
+
+    Args:
+        source: the YAML file (a Path) or its text (a str). A file's relative paths (the sink's ``root``, the
+            ``kafka`` properties file) are taken from its directory.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigFileError: the file cannot be read or does not validate (a ConfigurationError naming the line
+            and the field).
+    """
+    config = load_yaml(source, ConnectorConfig, "<connector>", "a mapping with name, columns and sink")
     if isinstance(source, Path) and isinstance(config.sink, ParquetSinkSpec) and not config.sink.root.is_absolute():
         sink = config.sink.model_copy(update={"root": source.parent / config.sink.root})
         config = config.model_copy(update={"sink": sink})

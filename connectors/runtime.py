@@ -66,7 +66,18 @@ class SinkApplier:
 
 
 def build_sink(config: ConnectorConfig) -> Sink:
-    """The sink of ``config``; its driver is imported here, so a missing extra is one clear error."""
+    """The sink ``config`` names; its driver is imported here, so a missing extra is one clear error.
+
+    Args:
+        config: the connector's configuration.
+
+    Returns:
+        The sink, not yet connected (a PostgreSQL sink connects when it first needs to).
+
+    Raises:
+        MissingExtraError: the sink's extra (``parquet``, ``postgres``) is not installed.
+        ConfigurationError: the sink cannot be set up (a Parquet root that cannot be created).
+    """
     if isinstance(config.sink, ParquetSinkSpec):
         require("parquet", "a Parquet sink")
         from connectors.sinks.parquet import ParquetSink
@@ -79,7 +90,20 @@ def build_sink(config: ConnectorConfig) -> Sink:
 
 
 def connector_app(config: ConnectorConfig, store: str | Store, sink: Sink | None = None) -> tuple[App, SinkApplier]:
-    """The app that runs the connector, and its sink's handler."""
+    """The app that runs the connector: the sink as the batch handler of each of its columns.
+
+    Args:
+        config: the connector's configuration (:func:`connectors.config.load_connector`).
+        store: the logstore, as a URL or path, or an open Store.
+        sink: the sink to use; None builds the one ``config`` names (:func:`build_sink`).
+
+    Returns:
+        The app (run it with ``drain`` or ``run``) and the sink's handler (``applier.sink`` is the sink).
+
+    Raises:
+        ConfigurationError: the configuration does not fit the app (as :class:`~indexer.App`), or the sink
+            cannot be built (as :func:`build_sink`).
+    """
     security: dict[str, Any] = {"kafka": config.kafka_security} if config.brokers is not None else {}
     app = App(config.name, store=store, brokers=config.brokers, commit_interval=config.checkpoint_interval,
               start_from=config.start_from, page_size=config.page_size, topic_prefix=config.topic_prefix, **security)

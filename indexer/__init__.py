@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from indexer.runtime.app import App
     from indexer.runtime.config import AppConfig
     from indexer.runtime.context import Context
-    from indexer.runtime.deadletters import DeadLetter
-    from indexer.runtime.dlq import DeadLetterQueue, DLQFilter, ReplayResult
+    from indexer.runtime.dlq_store import DeadLetter
+    from indexer.runtime.dlq_triage import DeadLetterQueue, DLQFilter, ReplayResult
     from indexer.runtime.handlers import Counts, Trigger
     from indexer.runtime.hooks import Hook
 
@@ -73,11 +73,11 @@ _LAZY = {
     "Context": "indexer.runtime.context",
     "Counts": "indexer.runtime.handlers",
     "Hook": "indexer.runtime.hooks",
-    "DLQFilter": "indexer.runtime.dlq",
-    "DeadLetter": "indexer.runtime.deadletters",
-    "DeadLetterQueue": "indexer.runtime.dlq",
+    "DLQFilter": "indexer.runtime.dlq_triage",
+    "DeadLetter": "indexer.runtime.dlq_store",
+    "DeadLetterQueue": "indexer.runtime.dlq_triage",
     "Index": "indexer.indexes.applier",
-    "ReplayResult": "indexer.runtime.dlq",
+    "ReplayResult": "indexer.runtime.dlq_triage",
     "Trigger": "indexer.runtime.handlers",
 }
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from logstore.errors import CellstreamError
+from logstore.errors import CellstreamError, ConfigFileError
 from logstore.errors import ConfigurationError as ConfigurationError  # the project's one class, re-exported
 
 
@@ -83,13 +83,8 @@ class HandlerMissingError(IndexerError):
 
 
 # -- secondary indexes -----------------------------------------------------------
-class DefinitionError(IndexerError, ValueError):
-    """An index definition file is invalid; ``line`` (1-based) and ``field`` say where."""
-
-    def __init__(self, source: str, line: int | None, field: str, message: str) -> None:
-        self.source, self.line, self.field = source, line, field
-        where = f"{source}:{line}" if line is not None else source
-        super().__init__(f"{where}: {field}: {message}" if field else f"{where}: {message}")
+# A bad index definition file is the project's ConfigFileError; its old name stays for callers that catch it.
+DefinitionError = ConfigFileError
 
 
 class EntryFieldError(NonRetriableError):

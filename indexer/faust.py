@@ -1,30 +1,15 @@
-"""faust-streaming apps on cellstream's topics: a team with a faust app of its own consumes the tailer's topics
-with it, and gives its agents cellstream's dead-lettering.
-
-    import faust
-    from indexer.faust import DeadLetters, register_codec
+"""faust-streaming apps on cellstream's topics: :func:`register_codec` decodes a tailer message into a
+:class:`logstore.Cell`, :class:`DeadLetters` gives a faust agent cellstream's dead-lettering (an entry like an
+:class:`~indexer.App` of the same name writes, mirrored to ``<app>.dlq`` before it returns), and
+:func:`tailer_deadletter` reads a record of the tailer's dead-letter topic.
 
     register_codec()                                      # the "cellstream" value serializer
-    app = faust.App("rides", broker="kafka://localhost:9092")
     cells = app.topic("cells.BASE", value_serializer="cellstream")
     dead = DeadLetters("rides", store="mysql://...", brokers="localhost:9092")
+    ...
+            await dead.deadletter("bill", event, exc)     # then acknowledge the event
 
-    @app.agent(cells)
-    async def bill(stream):
-        async for event in stream.events():
-            cell = event.value                            # a logstore.Cell
-            try:
-                ...
-            except Exception as exc:
-                await dead.deadletter("bill", event, exc)  # the entry in the store, then <app>.dlq
-
-The codec turns a tailer message's value (JSON or MessagePack, told apart by its first byte: a JSON object
-starts with ``{``, a MessagePack map never does) into a :class:`logstore.Cell`. :func:`tailer_deadletter`
-gives the coordinates and the failure in a record of the tailer's ``<prefix>-deadletter`` topic. A dead
-letter written here is an entry like any an :class:`~indexer.App` of the same name writes: ``cellstream dlq
---app`` lists, shows and discards it, and it is mirrored to the ``<app>.dlq`` topic with acks=all before
-:meth:`DeadLetters.deadletter` returns (so acknowledge the event after it). cellstream's own Kafka mode does
-not run on faust (:mod:`indexer.runtime.kafka` says why).
+docs/indexer.md (faust apps on cellstream topics) has the whole example.
 """
 
 from __future__ import annotations
@@ -38,13 +23,14 @@ from typing import Any
 import faust
 from faust.serializers import codecs
 
-from indexer.runtime.deadletters import DeadLetter, DeadLetterStore
+import logstore
+from indexer.runtime.dlq_store import DeadLetter, DeadLetterStore
 from indexer.runtime.handlers import tailer_deadletter as _tailer_deadletter
 from indexer.runtime.kafka import dlq_topic, mirror_deadletter
 from indexer.runtime.policy import Failure, Outcome, fingerprint, is_retriable, qualified_name
 from logstore import Cell, Store
 from tailer.config import KafkaOptions
-from tailer.messages import coordinates, decode_cell, encode_cell
+from tailer.messages import decode_cell, encode_cell
 from tailer.publishers.kafka import KafkaPublisher
 from tailer.security import PLAINTEXT, KafkaSecurity
 
@@ -81,8 +67,6 @@ class DeadLetters:
     """cellstream's dead-letter queue of the app ``app`` (in ``store``), for faust agents; ``close()`` when done."""
 
     def __init__(self, app: str, store: str | Store, brokers: str, security: KafkaSecurity = PLAINTEXT) -> None:
-        import logstore
-
         self._own_store = not isinstance(store, Store)
         self.store = logstore.open(store, create=False) if isinstance(store, str) else store
         self.entries = DeadLetterStore(self.store, app)
@@ -102,7 +86,7 @@ class DeadLetters:
         message = event.message
         source = {"mode": "faust", "topic": message.topic, "partition": message.partition, "offset": message.offset}
         value = event.value
-        cell: dict[str, Any] = coordinates(value) if isinstance(value, Cell) else {}
+        cell: dict[str, Any] = value.coordinates() if isinstance(value, Cell) else {}
         column = value.column if isinstance(value, Cell) else str(message.topic).rsplit(".", 1)[-1]
         now = dt.datetime.now(dt.UTC)
         failure = Failure(qualified_name(type(exc)), str(exc), "".join(traceback.format_exception(exc)),

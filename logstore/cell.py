@@ -44,17 +44,17 @@ class Cell(NamedTuple):
     shard: int
     created_at: dt.datetime
 
+    def coordinates(self) -> dict[str, Any]:
+        """The cell without its body, JSON-ready: what names it in errors and dead letters.
+
+        Returns:
+            ``row_key`` (a string), ``column``, ``ref_key``, ``added_id``, ``shard`` and ``created_at`` (ISO 8601).
+        """
+        return _coordinates(self)
+
     def to_json(self) -> dict[str, Any]:
-        """The cell as a JSON-ready dict (the wire and CLI form)."""
-        return {
-            "row_key": str(self.row_key),
-            "column": self.column,
-            "ref_key": self.ref_key,
-            "added_id": self.added_id,
-            "shard": self.shard,
-            "created_at": self.created_at.isoformat(),
-            "body": self.body,
-        }
+        """The cell as a JSON-ready dict (the wire and CLI form): its :meth:`coordinates` and its ``body``."""
+        return {**_coordinates(self), "body": self.body}
 
 
 class PackedCell(NamedTuple):
@@ -75,12 +75,23 @@ class PackedCell(NamedTuple):
         body: dict[str, Any] = msgpack.unpackb(self.packed, raw=False, strict_map_key=True)
         return body
 
+    def coordinates(self) -> dict[str, Any]:
+        """The cell without its body, as :meth:`Cell.coordinates` gives it (the body is not decoded)."""
+        return _coordinates(self)
+
     def to_cell(self) -> Cell:
         return Cell(self.row_key, self.column, self.ref_key, self.body, self.added_id, self.shard, self.created_at)
 
 
 #: What a log read gives: a cell, or one whose body stayed packed.
 AnyCell = Cell | PackedCell
+
+
+def _coordinates(cell: AnyCell) -> dict[str, Any]:
+    return {
+        "row_key": str(cell.row_key), "column": cell.column, "ref_key": cell.ref_key,
+        "added_id": cell.added_id, "shard": cell.shard, "created_at": cell.created_at.isoformat(),
+    }
 
 
 def shard_of(row_key: uuid.UUID, shard_count: int) -> int:

@@ -75,6 +75,21 @@ class ConfigurationError(LogstoreError):
     """
 
 
+class ConfigFileError(ConfigurationError):
+    """A configuration file (an index definition file, a connector file) cannot be read or does not validate.
+
+    ``source`` is the file's path (or a label such as ``<indexes>`` for text), ``line`` the 1-based line of the
+    problem (None when unknown), ``field`` its dotted field ("" for the file as a whole), ``problem`` what is
+    wrong; the message holds all of them on one line: ``indexes.yaml:7: indexes[trips].column: ...``.
+    """
+
+    def __init__(self, source: str, line: int | None, field: str, problem: str) -> None:
+        self.source, self.line, self.field = source, line, field
+        self.problem = " ".join(problem.split())  # one line whatever the parser said
+        where = source if line is None else f"{source}:{line}"
+        super().__init__(f"{where}: {field}: {self.problem}" if field else f"{where}: {self.problem}")
+
+
 class StoreNotFoundError(ConfigurationError):
     """A store was opened for reading (``create=False``) where there is none: no SQLite file, no MySQL database,
     or one without cellstream's tables. Nothing was created."""

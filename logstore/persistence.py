@@ -4,7 +4,7 @@ A *node recorder* stores a contiguous range of shards on one storage node (a
 SQLite directory or a MySQL database). The :class:`~logstore.store.Store` above it
 validates and encodes cells, routes them by shard and never sees SQL.
 
-Contract every recorder keeps (tests/logstore_contract.py checks it on each one):
+Contract every recorder keeps (tests/contracts/logstore_contract.py checks it on each one):
 - ``insert`` is atomic for the node: either every given cell is stored (or was
   already stored with an identical body) or nothing changes.
 - Within a shard, ``added_id`` is strictly increasing in commit order. A reader
@@ -146,48 +146,25 @@ class NodeRecorder(ABC):
         """The highest-ref_key cell of every column of the row."""
 
     @abstractmethod
-    def get_log(
-        self, shard: int, location: int, limit: int, columns: Sequence[str] | None
-    ) -> list[Cell]:
-        """Up to ``limit`` cells with ``added_id > location``, in added_id order."""
-
-    def get_logs(
-        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
-    ) -> dict[int, list[Cell] | CorruptCellError]:
-        """``get_log`` of several shards of this node (shard, location pairs); a damaged
-        page comes back as its CorruptCellError (holding the cells before the damage), so
-        one bad cell does not hide the other shards' pages. Backends with a network round
-        trip per query override this to read every shard in one."""
-        out: dict[int, list[Cell] | CorruptCellError] = {}
-        for shard, location in locations:
-            try:
-                out[shard] = self.get_log(shard, location, limit, columns)
-            except CorruptCellError as exc:
-                out[shard] = exc
-        return out
-
-    def get_packed_logs(
-        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
-    ) -> dict[int, list[PackedCell] | CorruptCellError]:
-        """``get_logs`` with each body left as MessagePack. Backends holding the stored bytes override this
-        to decompress them only; by default the decoded bodies are packed again."""
-        out: dict[int, list[PackedCell] | CorruptCellError] = {}
-        for shard, page in self.get_logs(locations, limit, columns).items():
-            if isinstance(page, CorruptCellError):
-                page.cells_before = [repack(c) for c in page.cells_before]
-                out[shard] = page
-            else:
-                out[shard] = [repack(c) for c in page]
-        return out
-
     def read_logs(
         self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool
     ) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
-        """The pages of ``get_logs`` (``packed``: of ``get_packed_logs``) read now, and a function that decodes
-        them (see :class:`UndecodedPages`). Backends that read rows apart from decoding them override this; by
-        default the pages are decoded now as well."""
-        pages = self.get_packed_logs(locations, limit, columns) if packed else self.get_logs(locations, limit, columns)
-        return lambda: pages
+        """The log pages of several shards of this node, read now, and a function that decodes them (on the
+        thread that calls it, see :class:`UndecodedPages`): the one read of the logs a backend implements.
+
+        Args:
+            locations: (shard, location) pairs, each shard once, all of this node.
+            limit: the most cells of a page.
+            columns: only cells of these columns when given.
+            packed: bodies left as MessagePack (:class:`~logstore.cell.PackedCell`), else decoded
+                (:class:`~logstore.cell.Cell`).
+
+        Returns:
+            The decoder, whose answer holds every shard of ``locations``: its cells with
+            ``added_id > location`` in added_id order, up to ``limit``; or, when the page meets a damaged cell,
+            its CorruptCellError with the good cells before it in ``cells_before`` (the other pages still
+            arrive). A backend that cannot read apart from decoding returns pages decoded already.
+        """
 
     @abstractmethod
     def first_at(self, shard: int, when: dt.datetime) -> int | None:
@@ -274,7 +251,8 @@ def concat_counts(shards: str | None, cells: str | None) -> dict[int, int]:
 
 
 def uuid_from_bytes(raw: bytes) -> uuid.UUID:
-    """``uuid.UUID(bytes=raw)`` without its argument checks (raw is a stored 16-byte key): 3x faster."""
+    """``uuid.UUID(bytes=raw)`` without its argument checks (raw is a stored 16-byte key), which cost more than
+    the rest of building it."""
     value = _new_object(uuid.UUID)
     _set(value, "int", int.from_bytes(raw, "big"))
     _set(value, "is_safe", _UNKNOWN)
@@ -364,10 +342,9 @@ class UndecodedPages:
     """Pages of several shards read by :meth:`~logstore.store.Store.read_pages` and not decoded yet:
     :meth:`decode` builds the cells (or a page's CorruptCellError) on the thread that calls it.
 
-    Reading is I/O, for a worker thread; decoding holds the GIL, but for each body's zlib call, which lets it
-    go. A reader thread beside a busy event loop then waits for the GIL back after every cell: in a
-    measurement, 30 µs a cell where the same decoding alone takes 1.8. The loop's own thread, which holds
-    the GIL most of the time anyway, rarely finds another thread waiting for it after a zlib call."""
+    Reading is I/O, for a worker thread; decoding holds the GIL but for each body's zlib call, so a reader
+    beside a busy event loop decodes on the loop's thread rather than queue for the GIL after every cell
+    (docs/logstore.md, "Reading apart from decoding")."""
 
     __slots__ = ("_parts",)
 
@@ -375,6 +352,7 @@ class UndecodedPages:
         self._parts = parts
 
     def decode(self) -> dict[int, Sequence[AnyCell] | CorruptCellError]:
+        """Every shard's page: its cells, or the CorruptCellError of its first damaged cell."""
         out: dict[int, Sequence[AnyCell] | CorruptCellError] = {}
         for part in self._parts:
             out.update(part())

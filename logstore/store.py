@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, cast
 
 from logstore.cell import (
     Cell,
@@ -229,19 +229,46 @@ class Store:
     def put_cell(self, row_key: uuid.UUID | str, column: str, ref_key: int, body: dict[str, Any]) -> Cell:
         """Write one cell. Writing it again with an identical body returns the stored cell.
 
-        The returned cell's ``body`` is the dict you passed (not copied): do not mutate it.
+        Args:
+            row_key: the row, a UUID (or its text).
+            column: the column's name (not ``_``-prefixed: those are cellstream's own).
+            ref_key: the cell's version within (row_key, column), an integer in [0, 2^63).
+            body: a JSON object; kept as given, so do not mutate it afterwards.
+
+        Returns:
+            The stored cell, with its shard, ``added_id`` and ``created_at`` (``added_id`` 0 when the write
+            was buffered on another node while its own did not answer); its ``body`` is the dict passed.
+
+        Raises:
+            InvalidCellError: a row key, column, ref_key or body that is not valid (nothing is written).
+            CellConflictError: the cell exists with another body.
+            StorageUnavailableError: the storage node did not answer within the retry policy (retriable).
+            StorageError: the store is closed, or the node failed otherwise.
         """
         return self._put([self._pending(row_key, column, ref_key, body, False)])[0]
 
     def put_cells(self, cells: Iterable[tuple[uuid.UUID | str, str, int, dict[str, Any]]]) -> list[Cell]:
-        """Write many cells: all are validated before any is written; atomic per storage node.
+        """Write many cells: all are validated before any is written; atomic per storage node. Safe to retry
+        whole; the same coordinates twice in ``cells`` are one write (a conflict if the bodies differ).
 
-        Returns the stored cell for each input, in order. Safe to retry whole.
+        Args:
+            cells: (row_key, column, ref_key, body) tuples, each as :meth:`put_cell` takes them.
+
+        Returns:
+            The stored cell for each input, in order.
+
+        Raises:
+            InvalidArgumentError: an item that is not a 4-tuple (nothing is written).
+            InvalidCellError: an invalid cell, its ``index`` in ``cells`` given (nothing is written).
+            CellConflictError: a cell exists with another body (nothing of its storage node's is written).
+            StorageUnavailableError: a storage node did not answer within the retry policy (retriable).
+            StorageError: the store is closed, or a node failed otherwise.
         """
         return self._put(self._validate_many(cells, allow_reserved=False))
 
     def put_system_cells(self, cells: Iterable[tuple[uuid.UUID | str, str, int, dict[str, Any]]]) -> list[Cell]:
-        """Like :meth:`put_cells`, but for cellstream's own ``_``-prefixed columns (offsets, dead letters)."""
+        """:meth:`put_cells` for cellstream's own ``_``-prefixed columns (offsets, dead letters) as well: same
+        arguments, result and errors."""
         return self._put(self._validate_many(cells, allow_reserved=True))
 
     def _validate_many(self, cells: Iterable[Any], allow_reserved: bool) -> list[PendingCell]:
@@ -415,6 +442,22 @@ class Store:
 
     # -- random access ----------------------------------------------------
     def get_cell(self, row_key: uuid.UUID | str, column: str, ref_key: int) -> Cell | None:
+        """The cell at (row_key, column, ref_key).
+
+        Args:
+            row_key: the row, a UUID (or its text).
+            column: the column's name (``_``-prefixed ones too).
+            ref_key: the cell's version.
+
+        Returns:
+            The cell, or None when there is none.
+
+        Raises:
+            InvalidCellError: a row key, column or ref_key that is not valid.
+            CorruptCellError: the stored cell cannot be decoded.
+            StorageUnavailableError: the storage node did not answer within the retry policy (retriable).
+            StorageError: the store is closed, or the node failed otherwise.
+        """
         key = coerce_row_key(row_key)
         shard = shard_of(key, self._cluster.shards)
         return self._recorder(shard).get_cell(
@@ -422,13 +465,19 @@ class Store:
         )
 
     def get_cell_latest(self, row_key: uuid.UUID | str, column: str) -> Cell | None:
-        """The cell of (row_key, column) with the highest ref_key."""
+        """The cell of (row_key, column) with the highest ref_key, or None when there is none.
+
+        Args and Raises: as :meth:`get_cell`'s (without ``ref_key``).
+        """
         key = coerce_row_key(row_key)
         shard = shard_of(key, self._cluster.shards)
         return self._recorder(shard).get_latest(shard, key, check_column(column, allow_reserved=True))
 
     def get_row(self, row_key: uuid.UUID | str) -> dict[str, Cell]:
-        """The latest cell of every column of the row, by column name."""
+        """The latest cell (highest ref_key) of every column of the row, by column name ({} for an unknown row).
+
+        Args and Raises: as :meth:`get_cell`'s (without ``column`` and ``ref_key``).
+        """
         key = coerce_row_key(row_key)
         shard = shard_of(key, self._cluster.shards)
         return {cell.column: cell for cell in self._recorder(shard).get_row(shard, key)}
@@ -437,55 +486,78 @@ class Store:
     def get_cells_for_shard(
         self, shard: int, location: int = 0, limit: int = 1000, *, columns: Sequence[str] | None = None
     ) -> tuple[list[Cell], int]:
-        """Cells with ``added_id > location`` in added_id order, and the location to continue from.
+        """A page of the shard's log: cells with ``added_id > location`` in added_id order, and the location to
+        continue from. Paging from the returned location never skips a committed cell.
 
-        Paging from the returned location never skips a committed cell. ``columns``
-        restricts the page to those columns; the location advances to the last cell returned.
+        Args:
+            shard: a shard of the store, in [0, shard_count).
+            location: the location to read after (0: from the start; a cell's ``added_id``).
+            limit: the most cells of the page, in [1, 100000].
+            columns: only cells of these columns when given.
+
+        Returns:
+            The cells, and the location to continue from: the last cell's ``added_id``, or ``location`` when
+            the page is empty.
+
+        Raises:
+            InvalidArgumentError: a shard, location, limit or column that is not valid.
+            CorruptCellError: the page meets a damaged cell (``cells_before`` holds the good cells before it).
+            StorageUnavailableError: the storage node did not answer within the retry policy (retriable).
+            StorageError: the store is closed, or the node failed otherwise.
         """
         names = self._check_page(shard, location, limit, columns)
-        cells = self._recorder(shard).get_log(shard, location, limit, names)
+        page = self._recorder(shard).read_logs([(shard, location)], limit, names, False)().get(shard, [])
+        if isinstance(page, CorruptCellError):
+            raise page
+        cells = cast(list[Cell], page)
         return cells, (cells[-1].added_id if cells else location)
-
-    def get_cells_for_shards(
-        self, locations: Mapping[int, int], limit: int = 1000, *, columns: Sequence[str] | None = None
-    ) -> dict[int, list[Cell] | CorruptCellError]:
-        """``get_cells_for_shard`` of many shards at once: one query per storage node.
-
-        ``locations`` maps shards to the location to read after. Each shard's page
-        obeys the same rules as a single read; a shard whose page meets a damaged cell
-        gets its CorruptCellError (``cells_before`` holds the good cells before it)
-        instead of a list, so the other shards' pages still arrive.
-        """
-        out: dict[int, list[Cell] | CorruptCellError] = {}
-        for recorder, group, names in self._page_reads(locations, limit, columns):
-            out.update(recorder.get_logs(group, limit, names))
-        return out
-
-    def get_packed_cells_for_shards(
-        self, locations: Mapping[int, int], limit: int = 1000, *, columns: Sequence[str] | None = None
-    ) -> dict[int, list[PackedCell] | CorruptCellError]:
-        """``get_cells_for_shards`` with each body left as its stored MessagePack, decompressed and not
-        decoded (:class:`~logstore.cell.PackedCell`): for readers that pass bodies on as MessagePack."""
-        out: dict[int, list[PackedCell] | CorruptCellError] = {}
-        for recorder, group, names in self._page_reads(locations, limit, columns):
-            out.update(recorder.get_packed_logs(group, limit, names))
-        return out
 
     def read_pages(
         self, locations: Mapping[int, int], limit: int = 1000, *, columns: Sequence[str] | None = None,
         packed: bool = False,
     ) -> UndecodedPages:
-        """The pages of ``get_cells_for_shards`` (``packed``: of ``get_packed_cells_for_shards``), read now and
-        decoded by the :meth:`~logstore.persistence.UndecodedPages.decode` of what this returns: a reader that
-        reads in a worker thread and handles the cells on its event loop decodes them there."""
-        return UndecodedPages([recorder.read_logs(group, limit, names, packed)
-                               for recorder, group, names in self._page_reads(locations, limit, columns)])
+        """The log pages of many shards, read now (one query per storage node) and decoded by the
+        :meth:`~logstore.persistence.UndecodedPages.decode` of what this returns, on the thread that calls it:
+        a reader that reads in a worker thread and handles the cells on its event loop decodes them there.
+        The one read of many shards: :meth:`get_cells_for_shards` and :meth:`get_packed_cells_for_shards`
+        are it, decoded at once.
 
-    def _page_reads(self, locations: Mapping[int, int], limit: int, columns: Sequence[str] | None
-                    ) -> list[tuple[NodeRecorder, list[tuple[int, int]], list[str] | None]]:
-        """The checked reads of several shards' pages: (node, its (shard, location) pairs, columns) each."""
+        Args:
+            locations: shard -> the location to read after.
+            limit: the most cells of each page, in [1, 100000].
+            columns: only cells of these columns when given.
+            packed: each body left as its stored MessagePack, decompressed and not decoded
+                (:class:`~logstore.cell.PackedCell`), for readers that pass bodies on as MessagePack.
+
+        Returns:
+            The undecoded pages; their ``decode()`` gives each shard's page as :meth:`get_cells_for_shard`
+            reads it or, for a page that meets a damaged cell, its CorruptCellError (``cells_before`` holds
+            the good cells before it), so one bad cell does not hide the other shards' pages.
+
+        Raises:
+            InvalidArgumentError: a shard, location, limit or column that is not valid (nothing is read).
+            StorageUnavailableError: a storage node did not answer within the retry policy (retriable).
+            StorageError: the store is closed, or a node failed otherwise.
+        """
         names = self._check_reading(limit, columns)  # once, not once per shard
-        return [(recorder, group, names) for recorder, group in self._locations_by_node(locations)]
+        return UndecodedPages([recorder.read_logs(group, limit, names, packed)
+                               for recorder, group in self._locations_by_node(locations)])
+
+    def get_cells_for_shards(
+        self, locations: Mapping[int, int], limit: int = 1000, *, columns: Sequence[str] | None = None
+    ) -> dict[int, list[Cell] | CorruptCellError]:
+        """:meth:`read_pages`, decoded: each shard's page, or its CorruptCellError. Args and Raises: as
+        :meth:`read_pages`'s."""
+        return cast("dict[int, list[Cell] | CorruptCellError]",
+                    self.read_pages(locations, limit, columns=columns).decode())
+
+    def get_packed_cells_for_shards(
+        self, locations: Mapping[int, int], limit: int = 1000, *, columns: Sequence[str] | None = None
+    ) -> dict[int, list[PackedCell] | CorruptCellError]:
+        """:meth:`read_pages` with ``packed``, decoded: each shard's page of
+        :class:`~logstore.cell.PackedCell`, or its CorruptCellError. Args and Raises: as :meth:`read_pages`'s."""
+        return cast("dict[int, list[PackedCell] | CorruptCellError]",
+                    self.read_pages(locations, limit, columns=columns, packed=True).decode())
 
     def _check_page(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[str] | None:
         self.check_shard(shard)
@@ -555,8 +627,8 @@ class Store:
 
     def cell_counts(self) -> dict[int, int]:
         """Cells per shard for every shard: one read per storage node, and the shard map only when
-        ``map_refresh`` has passed. Its cost is a few milliseconds at 4096 shards, where
-        :meth:`shard_stats` also reads the moves and builds a record per shard."""
+        ``map_refresh`` has passed: cheaper than :meth:`shard_stats`, which also reads the moves and builds a
+        record per shard."""
         return self.changed_counts().counts
 
     def changed_counts(self, since: object | None = None) -> ChangedCounts:

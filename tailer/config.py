@@ -56,10 +56,11 @@ class TailerConfig(BaseModel):
     read_ahead: int | None = Field(
         None, ge=1, le=64, description="read queries under way at once while pages are sent (default: the store's "
         "parallel_reads, 1 for the embedded SQLite, 4 over a server)")
-    poll_interval: float = Field(0.005, gt=0, description="seconds between looks at the shards while cells arrive")
+    poll_interval: float = Field(
+        0.005, gt=0, description="seconds between count polls of the shards while cells arrive")
     idle_poll_interval: float = Field(
-        0.05, gt=0, description="the longest wait between looks: once no cell has arrived for this long, the "
-        "interval doubles at each look that finds none, up to it"
+        0.05, gt=0, description="the longest wait between count polls: once no cell has arrived for this long, "
+        "the interval doubles at each count poll that finds none, up to it"
     )
     commit_interval: float = Field(1.0, gt=0, description="seconds between offset commits")
     lag_interval: float = Field(2.0, gt=0, description="seconds between lag measurements")

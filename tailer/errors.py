@@ -60,3 +60,17 @@ class CellRejectedError(PublishError):
             f"{cell.get('shard')} at added_id {cell.get('added_id')}: {problem}",
             retriable=False,
         )
+
+
+class TopicPartitionsError(ConfigurationError):
+    """A topic exists with another partition count than the tailer maps shards onto (shard mod ``needed``), so
+    the column's cells cannot keep their shard's order there. The message says how to fix the topic. ``logged``
+    is set once the sink has logged it: the same refusal, raised again for every later attempt, need not be."""
+
+    def __init__(self, topic: str, found: int, needed: int, fix: str) -> None:
+        self.topic = topic
+        self.found = found
+        self.needed = needed
+        self.logged = False
+        super().__init__(f"topic {topic} has {found} partitions but the tailer maps shards onto {needed} (shard mod "
+                         f"{needed}): its column is not published until they match. {fix}")

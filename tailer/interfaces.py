@@ -59,8 +59,8 @@ class Coordinator(ABC):
 
     worker_id: str = ""
     # The threads the worker spreads a batch of claims or releases over (each thread's share in one call of
-    # claim_many or release_many). One where claims are answered from memory: more only add thread hops (4
-    # ms of 4096 claims). A coordinator with a round trip per shard raises it.
+    # claim_many or release_many). One where claims are answered from memory: more only add thread hops.
+    # A coordinator with a round trip per shard raises it.
     coordination_threads: int = 1
 
     @abstractmethod
@@ -163,22 +163,33 @@ class Sink(ABC):
         refused as a whole (the worker hands them over one at a time to find the culprit).
         """
 
-    #: The worker hands the pages of a read of several shards over as one :meth:`deliver_group`.
-    delivers_groups = False
+    #: The worker hands the pages of a read of several shards over as one delivery batch (:meth:`deliver_batch`).
+    delivers_batches = False
 
-    async def deliver_group(
+    async def deliver_batch(
         self, runs: Sequence[tuple[int, str, Sequence[Any]]]
     ) -> list[list[tuple[asyncio.Future[Any], int]]]:
-        """Hand over runs of several shards at once (each as :meth:`deliver` takes one; a shard's in added_id
-        order); returns for each run what :meth:`deliver` returns for it. Runs may share futures (a record
-        batch, a unit of work): the worker waits on each distinct future once, not once a run.
-        Raises PublishError like :meth:`deliver`. This default delivers each run."""
+        """Hand over a delivery batch: the runs of several shards at once (each run as :meth:`deliver` takes
+        one; a shard's runs in added_id order).
+
+        Runs may share futures (a record batch, a handler job): the worker waits on each distinct future
+        once, not once a run. This default delivers each run.
+
+        Args:
+            runs: (shard, column, accepted cells) of each run.
+
+        Returns:
+            For each run, what :meth:`deliver` returns for it.
+
+        Raises:
+            PublishError: as :meth:`deliver`, for the batch as a whole.
+        """
         sent: list[list[tuple[asyncio.Future[Any], int]]] = []
         try:
             for shard, column, items in runs:
                 sent.append(await self.deliver(shard, column, items))
         except PublishError:
-            # The runs handed over already are tracked by nobody (each shard of the group resends): their
+            # The runs handed over already are tracked by nobody (each shard of the batch resends): their
             # outcome is read, not left unread.
             for future, _count in itertools.chain.from_iterable(sent):
                 future.add_done_callback(_read_outcome)

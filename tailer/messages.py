@@ -40,14 +40,6 @@ class Message(NamedTuple):
     headers: Headers
 
 
-def coordinates(cell: AnyCell) -> dict[str, Any]:
-    """The cell without its body: what names it in errors and dead letters."""
-    return {
-        "row_key": str(cell.row_key), "column": cell.column, "ref_key": cell.ref_key,
-        "added_id": cell.added_id, "shard": cell.shard, "created_at": cell.created_at.isoformat(),
-    }
-
-
 def _headers(where: dict[str, Any]) -> Headers:
     return [(name, str(where[name]).encode()) for name in ("shard", "added_id", "column", "ref_key", "created_at")]
 
@@ -76,13 +68,12 @@ def _json(record: dict[str, Any]) -> bytes:
     return value
 
 
-# UTC created_at times rendered, as text and bytes. A transaction's cells share their time, and a backlog's
-# pages hold, for each shard, cells of many writers' batches: thousands of shards' pages need the times of a
-# few batches, each many times (isoformat() was a tenth of the tailer's CPU when every cell paid it). Only UTC
+# UTC created_at times rendered, as text and bytes: a transaction's cells share their time, so the pages of
+# many shards need the times of a few batches, each many times, and isoformat() per cell is costly. Only UTC
 # times (the store's): for them equal times are equal texts. Cleared when full.
 _rendered: dict[dt.datetime, tuple[str, bytes]] = {}
 _RENDERED_KEPT = 4096
-_new_tuple = tuple.__new__  # Message(...) goes through a Python-level __new__: twice as slow, per cell
+_new_tuple = tuple.__new__  # Message(...) goes through a Python-level __new__, a cost per cell
 
 
 def encode_cell(cell: AnyCell, value_format: Literal["json", "msgpack"] = "json") -> Message:

@@ -8,8 +8,8 @@ class PollSchedule:
 
     ``fast`` while cells arrive; once none has been found for ``slowest`` seconds, the wait doubles at
     each poll that finds none, up to ``slowest``. A poll that finds nothing right after one that found
-    cells is the normal case of a modest rate (250 writes a second leave a quarter of 5 ms windows
-    empty): backing off at once made the next cells wait two or four intervals.
+    cells is the normal case of a modest write rate: backing off at once would make the next cells wait
+    two or four intervals.
     """
 
     def __init__(self, fast: float, slowest: float) -> None:

@@ -11,7 +11,6 @@ from typing import Any, NamedTuple, cast
 from logstore import ChangedCounts, CorruptCellError, LogstoreError, UndecodedPages
 from logstore.cell import AnyCell, Cell, PackedCell
 from tailer.interfaces import Claim
-from tailer.messages import coordinates
 
 # A read's result per shard: its page, or the error that ended it (a CorruptCellError holds the cells before).
 Pages = dict[int, Sequence[AnyCell] | LogstoreError]
@@ -41,7 +40,7 @@ class Pending(NamedTuple):
 
     @property
     def where(self) -> dict[str, Any]:
-        return coordinates(self.source) if isinstance(self.source, Cell | PackedCell) else self.source
+        return self.source.coordinates() if isinstance(self.source, Cell | PackedCell) else self.source
 
 
 @dataclasses.dataclass(slots=True)  # no __dict__ per shard: thousands are owned, and the collector walks them

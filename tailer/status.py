@@ -33,7 +33,7 @@ def _shard_rows(store: Store, offsets: dict[int, dict[str, Any]], owners: dict[i
 def zookeeper_status(store: Store, zookeeper: str, name: str, timeout: float = 10.0,
                      auth: SecretStr | None = None) -> dict[str, Any]:
     """The tailer's workers, assignment and offsets as read from ZooKeeper (with ``auth``, ``user:password``,
-    when its nodes have a digest ACL)."""
+    when its znodes have a digest ACL)."""
     require("zookeeper", "a ZooKeeper tailer's status")
     from kazoo.exceptions import KazooException, NoAuthError, NoNodeError
     from kazoo.handlers.threading import KazooTimeoutError

@@ -1,20 +1,13 @@
 """The tailer worker: reads the shard logs it owns and publishes them, at least once, in order.
 
-Per shard the worker keeps three positions (added_ids): ``position`` (read and
-handed to the sink), ``acked`` (every cell up to it acknowledged, or
-dead-lettered and the dead letter acknowledged) and ``committed`` (stored by the
-coordinator). Only ``acked`` is ever committed, so a crash replays at most the
-cells after the last commit. A failed delivery rewinds ``position`` to ``acked``
-and resends from there, so a shard's cells reach the sink in added_id order
-(a replay repeats a suffix, never reorders). Once one of a shard's deliveries has
-failed, nothing more of the shard is handed to the sink until that rewind:
-the failure may have replaced the sink's client, which would deliver later
-cells before the failed ones are resent. A cell that can never be delivered
-(too large, undecodable) goes to the sink as a dead-letter record and is counted
-in the committed offset; nothing is skipped without a record.
-
-The sink (:class:`~tailer.interfaces.Sink`) is Kafka's topics (a
-:class:`~tailer.publishers.topics.TopicSink`) or, in an app's direct mode, its handlers.
+Per shard it keeps three added_ids: ``position`` (read and handed to the sink), ``acked`` (every cell up to
+it acknowledged, or dead-lettered and the dead letter acknowledged) and ``committed`` (stored by the
+coordinator). Only ``acked`` is committed, so a crash replays at most the cells after the last commit. A
+failed delivery rewinds ``position`` to ``acked``, and nothing more of the shard goes to the sink until
+then (the failure may have replaced the sink's client): a replay repeats a suffix, never reorders. A cell
+that can never be delivered goes to the sink as a dead-letter record; nothing is skipped without one.
+Which shards to read next is the :class:`~tailer.reads.ReadScheduler`'s; the sink
+(:class:`~tailer.interfaces.Sink`) is Kafka's topics or, in an app's direct mode, its handlers.
 """
 
 from __future__ import annotations
@@ -33,10 +26,10 @@ from logstore import CorruptCellError, LogstoreError, Store
 from logstore.cell import AnyCell
 from logstore.retry import RetryPolicy
 from tailer.config import TailerConfig
-from tailer.errors import ConfigurationError, FencedError, PublishError, TailerError
+from tailer.errors import ConfigurationError, FencedError, PublishError, TailerError, TopicPartitionsError
 from tailer.interfaces import Claim, Coordinator, Offset, Publisher, Sink
 from tailer.lag import LagMeter
-from tailer.messages import coordinates, deadletter_record
+from tailer.messages import deadletter_record
 from tailer.metrics import TailerMetrics
 from tailer.publishers.topics import TopicSink
 from tailer.reads import ReadScheduler
@@ -365,10 +358,10 @@ class Tailer:
         for future in [f for f in self._running if f.done()]:
             shards, _reserved = self._running.pop(future)
             pages = decoded(future.result())
-            # A read of many shards goes to a sink that takes a delivery batch as one delivery: at 4096 shards a
-            # read holds a hundred pages of a few cells each, and a delivery per page cost more than they.
+            # A read of many shards goes to a sink that takes delivery batches as one: a read of many shards
+            # holds many pages of a few cells each, and a delivery per page would cost more than its cells.
             batch: list[tuple[ShardState, _Runs]] | None = (
-                [] if self.sink.delivers_groups and len(shards) > 1 else None)
+                [] if self.sink.delivers_batches and len(shards) > 1 else None)
             touched: list[int] = []
             for shard in shards:
                 st = self._shards.get(shard)
@@ -507,26 +500,26 @@ class Tailer:
             return None  # sent alone, which dead-letters the cell
         return runs
 
-    async def _send_batch(self, group: list[tuple[ShardState, _Runs]]) -> bool:
-        """Deliver the plain pages of several shards as one delivery, with a callback for each distinct future
-        (a record batch holds the pages of many shards), not one for each page."""
+    async def _send_batch(self, batch: list[tuple[ShardState, _Runs]]) -> bool:
+        """Deliver the plain pages of several shards as one delivery batch, with a callback for each distinct
+        future (a record batch holds the pages of many shards), not one for each page."""
         try:
-            sent = await self.sink.deliver_group(
-                [(st.shard, cells[0].column, items) for st, runs in group for cells, items in runs])
+            sent = await self.sink.deliver_batch(
+                [(st.shard, cells[0].column, items) for st, runs in batch for cells, items in runs])
         except PublishError as exc:
-            for st, runs in group:
-                if not exc.retriable:  # refused as a whole: each shard looks for the culprit alone
+            for st, runs in batch:
+                if not exc.retriable:  # refused as a whole: each shard finds the culprit alone
                     st.singles_until = max(st.singles_until, runs[-1][0][-1].added_id)
                 self._failed(st, exc, "publish")
             return False
         # Each distinct future: the shards it covers and its messages. Runs in a row mostly share one (a
-        # partition's batch, a unit of handlers): the last one is kept at hand.
+        # partition's record batch, a handler job): the last one is kept at hand.
         waiters: dict[asyncio.Future[Any], list[Any]] = {}
         last: asyncio.Future[Any] | None = None
         waiter: list[Any] = []
         topics: dict[str, str] = {}
         per_run = iter(sent)
-        for st, runs in group:
+        for st, runs in batch:
             read = 0
             for cells, _items in runs:
                 column = cells[0].column
@@ -585,7 +578,7 @@ class Tailer:
             stage = "publish" if isinstance(problem, PublishError) else "encode"
             logger.error("shard %d: cell at added_id %d cannot be delivered (%s); dead-lettered",
                          st.shard, cell.added_id, problem)
-            if not await self._send_deadletter(st, coordinates(cell), self.sink.destination(cell.column), problem,
+            if not await self._send_deadletter(st, cell.coordinates(), self.sink.destination(cell.column), problem,
                                                stage):
                 return False
         return await self._send_run(st, run)
@@ -621,7 +614,7 @@ class Tailer:
             if len(run) == 1:
                 logger.error("shard %d: cell at added_id %d rejected (%s); dead-lettered", st.shard,
                              first.added_id, exc)
-                return await self._send_deadletter(st, coordinates(first), topic, exc, "publish")
+                return await self._send_deadletter(st, first.coordinates(), topic, exc, "publish")
             st.singles_until = max(st.singles_until, run[-1][0].added_id)  # find the culprit alone
             self._failed(st, exc, "publish")
             return False
@@ -697,8 +690,9 @@ class Tailer:
         st.last_error = {"added_id": st.acked + 1 if stage != "read" else None, "stage": stage,
                          "error": f"{type(exc).__name__}: {exc}", "at": dt.datetime.now(dt.UTC).isoformat()}
         self.metrics.delivery_failures.labels(self.config.name).inc()
-        logger.warning("shard %d: %s failed (%s); resending from %d in %.2fs",
-                       st.shard, stage, exc, st.acked, delay)
+        # A refusal the sink has logged for its whole topic (every shard of the column meets it) is not repeated.
+        level = logging.DEBUG if isinstance(exc, TopicPartitionsError) and exc.logged else logging.WARNING
+        logger.log(level, "shard %d: %s failed (%s); resending from %d in %.2fs", st.shard, stage, exc, st.acked, delay)
 
     # -- acknowledgements -----------------------------------------------------
     async def _collect(self) -> bool:

@@ -1,17 +1,19 @@
 """``cellstream run`` and ``cellstream dlq``: run a stream-processing app, triage its dead letters.
 
-  cellstream run MODULE:APP [--workers N] [--drain [--timeout S]] [--metrics-port PORT [--per-shard-metrics]]
+  cellstream run MODULE:APP [--workers N | --drain [--timeout S]] [--metrics-port PORT [--per-shard-metrics]]
                  [--kafka-config FILE] [--zookeeper-auth-file FILE]
   cellstream dlq --app MODULE:APP list [--handler H] [--status S] [--error E] [--text T] [--since T] [--until T]
   cellstream dlq --app MODULE:APP stats | show ID
   cellstream dlq --app MODULE:APP replay (ID | --match FILTER) [--dry-run]
-  cellstream dlq --app MODULE:APP discard (ID | --match FILTER) --reason TEXT [--dry-run]
+  cellstream dlq --app MODULE:APP discard (ID | --match FILTER) (--reason TEXT | --dry-run)
 
 MODULE is an importable module (the current directory is on the path) or a file
 path; APP is the name of its :class:`indexer.App`. ``--app`` may also be a
-connector's YAML file (``cellstream connect``), with ``--store``. Exit codes: 0 success, 1 no such
-dead letter, 2 bad input, 4 configuration error, 5 a server unreachable, 6 other
-failure, 7 a handler stalled (too many open dead letters), 130 interrupted.
+connector's YAML file (``cellstream connect``), with ``--store``. A relative store path in the app's
+code is the current directory's, as Python's ``open()`` takes it (a connector's ``root:`` is its file's):
+loaded from a file elsewhere, the app is warned about (:func:`warn_relative_store`). Exit codes: 0 success,
+1 no such dead letter, 2 bad input (a malformed ID too), 4 configuration error, 5 a server unreachable,
+6 other failure, 7 a handler stalled (too many open dead letters), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ import getpass
 import importlib
 import importlib.util
 import json
+import logging
 import multiprocessing
 import os
 import signal
 import sys
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cellstream.cli import logs
+from cellstream.cli import logsetup
 from cellstream.cli.common import (
     Output,
     add_kafka_config,
@@ -38,12 +42,14 @@ from cellstream.cli.common import (
     tune_for_streaming,
     zookeeper_auth,
 )
-from cellstream.cli.exits import Exit
+from cellstream.cli.exits import Exit, exit_code
 from cellstream.errors import UsageError
 
 if TYPE_CHECKING:
     from indexer import App
-    from indexer.runtime.deadletters import DeadLetter
+    from indexer.runtime.dlq_store import DeadLetter
+
+logger = logging.getLogger(__name__)
 
 
 def load_app(spec: str, per_shard_metrics: bool = False, kafka_config: str | None = None,
@@ -89,13 +95,43 @@ def load_app(spec: str, per_shard_metrics: bool = False, kafka_config: str | Non
     return app
 
 
+def warn_relative_store(app: App, spec: str) -> None:
+    """Warn when the app of a file (``path/to/file.py:APP``) outside the current directory names its store
+    by a relative path: that path is the current directory's, as Python's ``open()`` takes it, not the file's
+    (as a connector's ``root:`` is), so the app's store depends on where the command runs."""
+    from logstore.config import parse_node_url
+    from logstore.errors import InvalidArgumentError
+
+    module_name = spec.rpartition(":")[0]
+    if not (module_name.endswith(".py") or "/" in module_name):
+        return  # an importable module: where Python found it says nothing about where its store is
+    target = app.store_target
+    if not isinstance(target, str) or Path(module_name).resolve().parent == Path.cwd().resolve():
+        return
+    if "://" in target:
+        try:
+            where = getattr(parse_node_url(target), "directory", None)
+        except InvalidArgumentError:
+            return
+    else:
+        where = Path(target)  # a cluster file
+    if not isinstance(where, Path) or where.is_absolute():
+        return
+    logger.warning("%s names its store by a relative path, %s: that is %s, in the current directory, not beside "
+                   "%s; give the app an absolute path to be sure which store it uses",
+                   spec, target, where.resolve(), module_name)
+
+
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("run", parents=[common], help="run a stream-processing app (MODULE:APP) until SIGTERM")
     p.add_argument("app", metavar="MODULE:APP")
     add_kafka_config(p)
     add_zookeeper_auth(p)
-    p.add_argument("--workers", type=int, default=1, help="processes (needs --zookeeper or Kafka mode when > 1)")
-    p.add_argument("--drain", action="store_true", help="process what is in the log now, print the counts, exit")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes sharing the shards; more than 1 needs the app's zookeeper= (direct mode) or "
+                        "brokers= (Kafka mode), and no --drain")
+    p.add_argument("--drain", action="store_true",
+                   help="process what is in the log now in this one process, print the counts, exit")
     p.add_argument("--timeout", type=float, default=600.0, help="with --drain: give up after this many seconds")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--per-shard-metrics", action="store_true",
@@ -122,7 +158,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     a = action("discard", "close open entries without processing them: an ID, or every open entry --match matches")
     a.add_argument("id", nargs="?")
     a.add_argument("--match", metavar="FILTER", help="e.g. 'handler=bill_rider,error=Declined' (open entries)")
-    a.add_argument("--reason", required=True)
+    a.add_argument("--reason", help="why, kept in each entry's history (needed unless --dry-run)")
     a.add_argument("--dry-run", action="store_true", help="list what would be discarded")
     p.set_defaults(run=cmd_dlq, with_store=False)
 
@@ -142,14 +178,19 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
 
     if args.workers < 1:
         raise UsageError("--workers must be at least 1")
+    if args.drain and args.workers > 1:
+        # A drain ends when its own shards are caught up, and a process whose shards a joining worker takes
+        # stops (TakenOverError): N draining processes would end with a failure or a count of part of the log.
+        raise UsageError("--drain runs in one process: drop --workers (N processes share the shards only "
+                         "while they run, without --drain)")
     app = load_app(args.app, args.per_shard_metrics, args.kafka_config, args.zookeeper_auth_file)
     check_store(app, args.store, args.app)
     app.open_existing_store()
     if args.workers > 1 and not (app.brokers or app.config.zookeeper):
         raise indexer.ConfigurationError(
             "--workers > 1 needs shared coordination: give the app zookeeper=... (direct mode) or brokers=...")
-    logs.starting("run", args, app=app.name, mode="kafka" if app.brokers else "direct",
-                  kafka_security=app.config.kafka.masked() if app.brokers and app.config.kafka else None)
+    logsetup.starting("run", args, app=app.name, mode="kafka" if app.brokers else "direct",
+                      kafka_security=app.config.kafka.masked() if app.brokers and app.config.kafka else None)
     if args.drain or args.workers == 1:
         # The process is the app's, as a tail command's is its tailer's: direct mode runs the same worker loop.
         tune_for_streaming()
@@ -160,29 +201,59 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         return Exit.OK
     if args.workers == 1:
         app.run(metrics_port=args.metrics_port)
+        logger.info("app %s stopped", app.name)
         return Exit.OK
-    return _run_workers(args)
+    return _run_workers(args, app.name)
+
+
+class _Terminated(BaseException):
+    """SIGTERM reached a worker process before its app took the signal over (while it loads or starts)."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
 
 
 def _worker(spec: str, metrics_port: int | None, per_shard_metrics: bool, kafka_config: str | None,
-            zookeeper_auth_file: str | None) -> None:
+            zookeeper_auth_file: str | None, log_format: str) -> None:
+    """One process of ``run --workers N`` (spawned: it starts with nothing of its parent's but these
+    arguments). Its exit code is the table's: an error is one log line, not a traceback."""
+    from logstore.errors import CellstreamError
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards SIGTERM; Ctrl-C goes to the parent
-    app = load_app(spec, per_shard_metrics, kafka_config, zookeeper_auth_file)
-    tune_for_streaming()
-    app.run(metrics_port=metrics_port)
+    signal.signal(signal.SIGTERM, _terminated)  # until app.run handles it: a stop during start-up is a stop too
+    logsetup.configure_worker(log_format, multiprocessing.current_process().name)
+    name = spec
+    try:
+        app = load_app(spec, per_shard_metrics, kafka_config, zookeeper_auth_file)
+        name = app.name
+        tune_for_streaming()
+        logger.info("app %s: worker process %d running", name, os.getpid())
+        app.run(metrics_port=metrics_port)
+    except _Terminated:
+        pass
+    except (CellstreamError, OSError, UnicodeDecodeError) as exc:  # as main() reports them: one line
+        logger.error("%s", exc)
+        sys.exit(exit_code(exc))
+    except Exception:
+        logger.exception("worker process %d failed", os.getpid())
+        sys.exit(Exit.FAILED)
+    logger.info("app %s: worker process %d stopped", name, os.getpid())
 
 
-def _run_workers(args: argparse.Namespace) -> int:
-    """N processes of the same app: they share the shards (ZooKeeper) or partitions (consumer group)."""
+def _run_workers(args: argparse.Namespace, name: str) -> int:
+    """N processes of the same app: they share the shards (ZooKeeper) or partitions (consumer group).
+    SIGTERM or SIGINT stops them all; the exit code is the first failed worker's, else 0."""
     context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=_worker, args=(args.app, args.metrics_port + n if args.metrics_port else None,
                                                      args.per_shard_metrics, args.kafka_config,
-                                                     args.zookeeper_auth_file),
+                                                     args.zookeeper_auth_file, args.log_format),
                                name=f"worker-{n}") for n in range(args.workers)]
     for worker in workers:
         worker.start()
 
     def forward(signum: int, _frame: Any) -> None:
+        logger.info("app %s: %s, stopping %d workers", name, signal.Signals(signum).name, len(workers))
         for worker in workers:
             if worker.pid is not None and worker.is_alive():
                 worker.terminate()  # SIGTERM: each stops gracefully
@@ -191,7 +262,11 @@ def _run_workers(args: argparse.Namespace) -> int:
     for worker in workers:
         worker.join()
     failed = [w for w in workers if w.exitcode not in (0, -signal.SIGTERM)]
-    return Exit.FAILED if failed else Exit.OK
+    for w in failed:
+        logger.error("app %s: %s (pid %s) exited with %s", name, w.name, w.pid, w.exitcode)
+    logger.info("app %s stopped: %d workers, %d failed", name, len(workers), len(failed))
+    codes = [w.exitcode for w in failed if w.exitcode in set(Exit)]  # else a signal ended it (negative)
+    return Exit(codes[0]) if codes else Exit.FAILED if failed else Exit.OK
 
 
 def same_store(a: str, b: str) -> bool:
@@ -209,8 +284,10 @@ def same_store(a: str, b: str) -> bool:
 
 def check_store(app: App, store: str | None, spec: str) -> None:
     """``--store`` (or CELLSTREAM_STORE) given with an app must name the app's own store: an operator must
-    never triage or run one store believing it is another."""
+    never triage or run one store believing it is another. Without either, an app file's relative store path
+    is warned about (:func:`warn_relative_store`)."""
     if store is None:
+        warn_relative_store(app, spec)
         return
     import indexer
 
@@ -288,10 +365,39 @@ def human_entry(entry: DeadLetter) -> str:
     return "\n".join(lines)
 
 
+def _check_id(action: str, entry_id: str) -> None:
+    """A dead letter's ID is a UUID: anything else is a typing slip (bad input), not an entry that is missing."""
+    try:
+        uuid.UUID(entry_id)
+    except ValueError:
+        raise UsageError(f"dlq {action}: {entry_id!r} is not a dead letter's ID (a UUID, as `dlq list` "
+                         "prints)") from None
+
+
+def _stats_table(groups: list[dict[str, Any]]) -> str:
+    """``dlq stats`` for a person: one line per handler and error fingerprint under a header."""
+    def when(text: str) -> str:
+        return dt.datetime.fromisoformat(text).isoformat(timespec="seconds").replace("+00:00", "Z")
+    rows = [(str(g["count"]), str(g["open"]), g["handler"], g["error_type"], g["fingerprint"],
+             when(g["first_seen"]), when(g["last_seen"]), repr(g["example"][:60])) for g in groups]
+    header = ("COUNT", "OPEN", "HANDLER", "ERROR", "FINGERPRINT", "FIRST", "LAST", "EXAMPLE")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+    right = {0, 1}  # the counts
+
+    def line(row: tuple[str, ...]) -> str:
+        cells = [row[i].rjust(w) if i in right else row[i].ljust(w) for i, w in enumerate(widths)]
+        return "  ".join([*cells, row[-1]])
+    return "\n".join(line(row) for row in [header, *rows])
+
+
 def cmd_dlq(args: argparse.Namespace, out: Output) -> int:
     import indexer
     from indexer import DLQFilter
 
+    if getattr(args, "id", None) is not None:
+        _check_id(args.action, args.id)
+    if args.action == "discard" and not args.dry_run and not (args.reason or "").strip():
+        raise UsageError("dlq discard needs --reason TEXT (kept in each entry's history), or --dry-run")
     app = dlq_app(args)
     dlq = app.dlq
     if args.action in ("list", "stats"):
@@ -307,10 +413,14 @@ def cmd_dlq(args: argparse.Namespace, out: Output) -> int:
             if not entries and not out.as_json:
                 out.emit(None, "no dead letters match")
             return Exit.OK
-        for group in dlq.stats(match):
-            out.emit(group, f"{group['count']:6} ({group['open']} open) {group['handler']} {group['error_type']} "
-                            f"[{group['fingerprint']}] {group['example'][:60]!r} "
-                            f"first {group['first_seen']} last {group['last_seen']}")
+        groups = dlq.stats(match)
+        if out.as_json:
+            for group in groups:
+                out.emit(group, "")
+        elif groups:
+            out.emit(None, _stats_table(groups))
+        else:
+            out.emit(None, "no dead letters match")
         return Exit.OK
     if args.action == "show":
         entry = dlq.show(args.id)
@@ -327,7 +437,8 @@ def cmd_dlq(args: argparse.Namespace, out: Output) -> int:
             entry = dlq.discard(args.id, args.reason, actor=cli_actor())
             out.emit(entry.summary(), f"{entry.id} discarded ({args.reason})")
             return Exit.OK
-        entries = dlq.discard_matching(DLQFilter.parse(args.match), args.reason, dry_run=args.dry_run,
+        # A dry run records nothing: the reason the library asks for is not kept.
+        entries = dlq.discard_matching(DLQFilter.parse(args.match), args.reason or "dry run", dry_run=args.dry_run,
                                        actor=cli_actor())
         verb = "would be discarded" if args.dry_run else f"discarded ({args.reason})"
         for entry in entries:

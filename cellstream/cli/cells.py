@@ -53,8 +53,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--poll", type=poll_arg, default=0.5, help="seconds between polls with --follow")
     p.set_defaults(run=cmd_log)
 
-    p = sub.add_parser("shards", parents=[common], help="cells per shard and storage node; move shards")
-    p.add_argument("--all", action="store_true", help="list empty shards too")
+    p = sub.add_parser("shards", parents=[common], help="cells per storage node (and per shard); move shards")
+    p.add_argument("--per-shard", action="store_true", help="after the totals, list the shards holding cells")
+    p.add_argument("--all", action="store_true", help="after the totals, list every shard, empty ones too")
     p.set_defaults(run=cmd_shards)
     actions = p.add_subparsers(dest="action", required=False, parser_class=Parser)
     a = actions.add_parser("move", parents=[common], help="move shards to another MySQL node, online")
@@ -152,39 +153,47 @@ def cmd_log(store: Store, args: argparse.Namespace, out: Output, sleep: Callable
 
 
 def cmd_shards(store: Store, args: argparse.Namespace, out: Output) -> int:
+    """The totals, then each storage node's shards and cells; with --per-shard (or --all) the shards after
+    them, as ``kafka-topics --describe`` gives a topic's line before its partitions'."""
     stats = store.shard_stats()
-    shown = stats if args.all else [s for s in stats if s.cells]
-    if out.as_json:
-        out.emit([s._asdict() for s in shown], "")
-        return Exit.OK
-    print(f"{'shard':>6} {'node':<12} {'cells':>10}", file=out.out)
-    for s in shown:
-        print(f"{s.shard:>6} {s.node:<12} {s.cells:>10}", file=out.out)
-    per_node: dict[str, int] = {}
+    nodes: dict[str, dict[str, Any]] = {}
     for s in stats:
-        per_node[s.node] = per_node.get(s.node, 0) + s.cells
-    for node, total in per_node.items():
-        print(f"node {node}: {total} cells", file=out.out)
-    print(f"{len(stats)} shards, {sum(per_node.values())} cells", file=out.out)
+        node = nodes.setdefault(s.node, {"node": s.node, "shards": 0, "cells": 0})
+        node["shards"] += 1
+        node["cells"] += s.cells
+    cells = sum(s.cells for s in stats)
+    listed = stats if args.all else [s for s in stats if s.cells] if args.per_shard else []
+    if out.as_json:
+        doc: dict[str, Any] = {"shards": len(stats), "cells": cells, "nodes": list(nodes.values())}
+        if args.per_shard or args.all:
+            doc["per_shard"] = [s._asdict() for s in listed]
+        out.emit(doc, "")
+        return Exit.OK
+    width = max([4, *(len(name) for name in nodes)])
+    lines = [f"{len(stats)} shards, {cells} cells on {len(nodes)} storage node{'s' if len(nodes) != 1 else ''}",
+             f"{'node':<{width}} {'shards':>6} {'cells':>10}"]
+    lines += [f"{n['node']:<{width}} {n['shards']:>6} {n['cells']:>10}" for n in nodes.values()]
+    if args.per_shard or args.all:
+        lines += ["", f"{'shard':>6} {'node':<{width}} {'cells':>10}"]
+        lines += [f"{s.shard:>6} {s.node:<{width}} {s.cells:>10}" for s in listed]
+    out.emit(None, "\n".join(lines))
     return Exit.OK
 
 
 def cmd_shards_move(store: Store, args: argparse.Namespace, out: Output) -> int:
-    from tqdm import tqdm
-
+    from cellstream.cli.progress import Bar
     from logstore.extras import require
 
     require("mysql", "moving shards")
     from logstore.backends.mysql.moves import move_shards
 
-    bars: dict[int, Any] = {}
+    bars: dict[int, Bar] = {}
 
     def progress(shard: int, copied: int) -> None:
         bar = bars.get(shard)
         if bar is None:
-            bar = bars[shard] = tqdm(desc=f"shard {shard}", unit="cells", file=sys.stderr, leave=False,
-                                     disable=out.as_json or None)
-        bar.update(copied - bar.n)
+            bar = bars[shard] = Bar(out, "cells", desc=f"shard {shard}", leave=False)
+        bar.show(copied)
 
     try:
         reports = move_shards(store, args.shard, args.to, progress)

@@ -30,19 +30,14 @@ if TYPE_CHECKING:
     from tailer.security import KafkaSecurity
 
 
-# The garbage collector's thresholds for a process that streams cells (cellstream tail, cellstream run). Each
-# cell leaves a few container objects behind (a decoded body is dicts and lists), and with Python's default
-# (700, 10, 10) the collections cost the tailer 10-15% of its JSON throughput at 4096 shards (35,000-36,000 against
-# 40,000-42,000 cells/s, same runs alternating). Reference cycles are still collected, 70 times less often.
+# The garbage collector's thresholds for a process that streams cells (cellstream tail, cellstream run): each cell
+# leaves a few container objects behind, and the default (700, 10, 10) collects far too often for that
+# (measured in docs/benchmarks.md). Reference cycles are still collected, less often.
 STREAMING_GC_THRESHOLDS = (50_000, 20, 20)
 
 
-# The interpreter's switch interval for that process (Python's default is 5 ms). Its event loop does most
-# of the work, fed by threads that read pages; when the loop's thread gives up the GIL for a moment
-# (aiokafka builds a record batch without it) it waited up to the whole interval to get it back: 0.3 s of
-# 1.2 s at 4096 shards, when the threads decoded the pages too. At 0.5 ms the tailer then published 5-10%
-# more JSON cells a second; since the loop decodes, 5 ms and 0.5 ms measure alike (docs/benchmarks.md),
-# so it stays.
+# The interpreter's switch interval for that process (Python's default is 5 ms): the event loop does most of
+# the work, fed by threads that read pages, and gets the GIL back sooner after lending it to them.
 STREAMING_SWITCH_INTERVAL = 0.0005
 
 

@@ -4,8 +4,8 @@
   cellstream connect status FILE
 
 ``run`` loads the cells of the file's columns into its sink until SIGTERM or SIGINT;
-with ``--drain`` it loads what the log holds now (with a progress bar: cells, cells/s,
-ETA), checkpoints, prints the counts and exits. ``status`` shows each shard's
+with ``--drain`` it loads what the log holds now (with a progress bar on a terminal: cells,
+cells/s, ETA), checkpoints, prints the counts and exits. ``status`` shows each shard's
 committed position and lag in cells (with a Kafka source: each topic partition's
 committed offset and lag in messages). Exit codes: 0 success, 2 a bad file or option,
 4 a store configuration problem, 5 a server or the sink unavailable, 6 other
@@ -17,14 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cellstream.cli import logs
+from cellstream.cli import logsetup
 from cellstream.cli.common import Output, add_kafka_config, kafka_override
 from cellstream.cli.exits import Exit
+from cellstream.cli.progress import Bar
 
 if TYPE_CHECKING:
     import indexer
@@ -73,31 +73,26 @@ def _run(store: Store, config: ConnectorConfig, args: argparse.Namespace, out: O
     from connectors.runtime import connector_app
 
     app, applier = connector_app(config, store)
-    logs.starting("connect run", args, connector=config.name, columns=config.columns, sink=config.sink.type,
+    logsetup.starting("connect run", args, connector=config.name, columns=config.columns, sink=config.sink.type,
                   brokers=config.brokers)  # the sink's URL may hold a password: not shown
     try:
         if not args.drain:
             app.run(metrics_port=args.metrics_port)
             return Exit.OK
-        from tqdm import tqdm
-
         total = _kafka_lag(config) if config.brokers is not None else sum(
             cells for _, cells in _behind(store, config).values())
-        bar = tqdm(total=total, unit="cells", file=sys.stderr, disable=out.as_json, dynamic_ncols=True)
+        bar = Bar(out, "cells", total=total)
 
         async def load() -> indexer.Counts:
             task = asyncio.ensure_future(app.drain_async(args.timeout))
             while not task.done():
                 counts = app.processor.counts
-                bar.n = min(total, counts.processed + counts.dead_lettered)
-                bar.refresh()
+                bar.show(min(total, counts.processed + counts.dead_lettered))
                 await asyncio.wait([task], timeout=0.25)
             return task.result()
         started = time.monotonic()
-        try:
+        with bar:
             counts = asyncio.run(load())
-        finally:
-            bar.close()
         # The stop's checkpoint may have failed to flush (it then commits nothing): say so, not success.
         applier.flush()
         behind = _kafka_lag(config) if config.brokers is not None else sum(

@@ -19,7 +19,7 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cellstream.cli import logs
+from cellstream.cli import logsetup
 from cellstream.cli.common import Output, option_problem, parse_bind, read_token, stop_signals
 from cellstream.cli.exits import Exit
 from cellstream.errors import UsageError
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
 async def _serve(console: Console, out: Output, args: argparse.Namespace) -> int:
     async with stop_signals() as stop, console:
         required = console.sessions.token_required
-        logs.starting("console", args, url=console.url, token_required=required, apps=console.catalog.apps)
+        logsetup.starting("console", args, url=console.url, token_required=required, apps=console.catalog.apps)
         if out.as_json:
             out.emit({"url": console.url, "token_required": required, "apps": console.catalog.apps}, "")
         else:

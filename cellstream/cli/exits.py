@@ -2,6 +2,8 @@
 
 Commands raise; :func:`cellstream.cli.main.main` reports the error in one line and exits with
 :func:`exit_code` of it. The table's modules are imported when an error is mapped, never at start-up.
+Two codes are no error of a command: INTERRUPTED (Ctrl-C) and BROKEN_PIPE (the reader of stdout closed it),
+which ``main`` returns without a message.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ class Exit(IntEnum):
     STALLED = 7  # a handler stalled: too many open dead letters
     MISMATCH = 8  # index verify found mismatches and did not repair them all
     STATE = 9  # an index version in the wrong state for the command
-    INTERRUPTED = 130
+    INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+    BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader went away (`cellstream log 1 | head`); nothing printed
 
 
 def exit_code(exc: BaseException) -> Exit:
@@ -36,7 +39,7 @@ def exit_code(exc: BaseException) -> Exit:
          Exit.USAGE),
         ((indexer.EntryNotFoundError, indexer.IndexNotFoundError), Exit.NOT_FOUND),
         ((logstore.CellConflictError,), Exit.CONFLICT),
-        ((logstore.ConfigurationError, indexer.DefinitionError), Exit.CONFIG),
+        ((logstore.ConfigurationError,), Exit.CONFIG),  # ConfigFileError (an index or connector file) too
         ((indexer.HandlerStalledError,), Exit.STALLED),
         ((indexer.IndexStateError,), Exit.STATE),
         # Input files (--batch, --token-file): a path that cannot be read, or text that is not UTF-8.

@@ -17,14 +17,13 @@ wrong state.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from cellstream.cli.common import Output
 from cellstream.cli.exits import Exit
+from cellstream.cli.progress import Bar
 from indexer.errors import InvalidQueryError
 
 if TYPE_CHECKING:
@@ -91,6 +90,11 @@ def _query(store: Store, args: argparse.Namespace, out: Output) -> int:
     index = Index(store, args.name, version=args.version)
     definition = index.definition
     typed = {k: _typed(definition.field(k).type if k in definition.keys else "str", v) for k, v in fields.items()}
+    shard_field = definition.shard_field
+    if not args.scatter and set(fields) <= set(definition.keys) and not isinstance(fields.get(shard_field), str):
+        # The library's refusal names its argument (scatter=True); a command line's user needs the flag.
+        raise InvalidQueryError(f"index {args.name}: a query without {shard_field}=VALUE reads every shard; "
+                                "ask for it with --scatter")
     entries = index.query(limit=args.limit, order=args.order, scatter=args.scatter, **typed)
     for entry in entries:
         data = entry.to_json()
@@ -118,34 +122,19 @@ def _typed(kind: str, value: Any) -> Any:
     return value
 
 
-@contextlib.contextmanager
-def _progress(out: Output, unit: str) -> Iterator[Callable[[int, int, str], None]]:
-    """A progress bar on stderr (none with --json): yields show(done, total, postfix)."""
-    from tqdm import tqdm
-
-    bar = tqdm(total=0, unit=unit, file=sys.stderr, disable=out.as_json, dynamic_ncols=True)
-
-    def show(done: int, total: int, postfix: str) -> None:
-        bar.total, bar.n = total, done
-        bar.set_postfix_str(postfix, refresh=False)
-        bar.refresh()
-    try:
-        yield show
-    finally:
-        bar.close()
-
-
 def _backfill(store: Store, args: argparse.Namespace, out: Output) -> int:
     from indexer.indexes.backfill import backfill
+    from indexer.indexes.catalog import IndexCatalog
 
-    with _progress(out, "cells") as show:
+    column = IndexCatalog(store).get(args.name).version(args.version).definition.column
+    with Bar(out, "cells", desc=f"{column} cells") as bar:
         def report(p: BackfillProgress) -> None:
-            show(p.cells_done, p.cells, f"shards {p.shards_done}/{p.shards}")
+            bar.show(p.cells_done, p.cells, f"shards {p.shards_done}/{p.shards}")
         result = backfill(store, args.name, args.version, batch=args.batch, workers=args.workers, progress=report)
-    data = {"index": args.name, "version": args.version, **result._asdict()}
-    out.emit(data, f"index {args.name} version {args.version}: {result.shards} shards done, {result.cells} cells "
-                   f"read, {result.applied} applied, {result.superseded} superseded, {result.dead_lettered} "
-                   f"dead-lettered in {result.seconds:.1f}s")
+    data = {"index": args.name, "version": args.version, "column": column, **result._asdict()}
+    out.emit(data, f"index {args.name} version {args.version}: {result.shards} of {store.shard_count} shards done, "
+                   f"{result.cells} {column} cells read, {result.applied} applied, {result.superseded} superseded, "
+                   f"{result.dead_lettered} dead-lettered in {result.seconds:.1f}s")
     return Exit.OK
 
 
@@ -196,22 +185,23 @@ def _status(store: Store, args: argparse.Namespace, out: Output) -> int:
 def _verify(store: Store, args: argparse.Namespace, out: Output) -> int:
     from indexer.indexes.verify import verify
 
-    with _progress(out, "shards") as show:
+    with Bar(out, "shards", desc="entries") as bar:
         def report(p: VerifyProgress) -> None:
-            show(p.steps_done, p.steps, f"rows {p.rows}")
+            bar.show(p.shards_done, p.shards, desc="entries" if p.phase == "entries" else "log")
         result = verify(store, args.name, args.version, sample=args.sample, repair=args.repair, progress=report)
     counts = result.counts()
     left = len({m.row_key for m in result.mismatches}) - result.repaired
-    data = {"index": result.name, "version": result.version, "sample": result.sample, "rows": result.rows,
+    data = {"index": result.name, "version": result.version, "shards": store.shard_count, "sample": result.sample,
+            "rows": result.rows,
             "pending": result.pending, "entries": result.entries, "cells": result.cells, "mismatches": counts,
             "repaired": result.repaired, "changed": result.changed, "seconds": round(result.seconds, 3),
             "listed": [m.to_json() for m in result.mismatches[:max(0, args.show)]]}
     for m in result.mismatches[:max(0, args.show)] if not out.as_json else ():
         print(f"{m.kind:<10} row {m.row_key} shard {m.shard} ref_key {m.ref_key}: {m.detail}")
     summary = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) or "no mismatches"
-    out.emit(data, f"index {result.name} version {result.version}: {result.rows} rows checked ({result.pending} "
-                   f"pending), {summary}" + (f"; {result.repaired} rows repaired, {result.changed} changed "
-                                             "meanwhile" if args.repair else ""))
+    repaired = f"; {result.repaired} rows repaired, {result.changed} changed meanwhile" if args.repair else ""
+    out.emit(data, f"index {result.name} version {result.version}: the entries and logs of {store.shard_count} "
+                   f"shards read, {result.rows} rows checked ({result.pending} pending), {summary}{repaired}")
     return Exit.MISMATCH if left > 0 else Exit.OK
 
 

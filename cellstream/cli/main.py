@@ -11,11 +11,13 @@ are reported in one line and mapped to exit codes by one table,
 from __future__ import annotations
 
 import argparse
+import io
+import os
 import sys
 from collections.abc import Sequence
 
 from cellstream import __version__
-from cellstream.cli import apps, cells, connect, console, demo, indexes, logs, serve, tail
+from cellstream.cli import apps, cells, connect, console, demo, indexes, logsetup, serve, tail
 from cellstream.cli.common import Output, Parser, common_options
 from cellstream.cli.exits import Exit, fail
 from cellstream.errors import UsageError
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        logs.configure(args.log_format, args.verbose)
+        logsetup.configure(args.log_format, args.verbose)
         out = Output(args.json, sys.stdout)
         if getattr(args, "limit", None) is not None and args.limit < 1:
             raise UsageError("--limit must be at least 1")
@@ -52,7 +54,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         with logstore.open(args.store, shards=getattr(args, "shards", None),
                            create=getattr(args, "creates_store", False)) as store:
             return int(args.run(store, args, out))
+    except BrokenPipeError:
+        # The reader of stdout went away (`cellstream log 1 | head`): nothing to tell it. The Python docs'
+        # recipe: point stdout at devnull, so that the interpreter's last flush at exit does not fail again.
+        _drop_stdout()
+        return Exit.BROKEN_PIPE
     except (CellstreamError, OSError, UnicodeDecodeError) as exc:
-        return fail(exc)
+        return fail(_token_hint(exc))
     except KeyboardInterrupt:
         return Exit.INTERRUPTED
+
+
+def _drop_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass  # stdout is no file (a test's capture): nothing will flush into a closed pipe
+
+
+def _token_hint(exc: BaseException) -> BaseException:
+    """A worker node's refusal (HTTP 401 or 403), saying where the command takes its token from; never the
+    token itself."""
+    from logstore.errors import ConfigurationError
+
+    # The client's error for a 401 or 403 (logstore/node/wire.py) says which node refused, not why it may have.
+    if not isinstance(exc, ConfigurationError) or not str(exc).startswith("worker node refused the request"):
+        return exc
+    told = "it is set, and the node refused it" if os.environ.get("CELLSTREAM_TOKEN") else "it is not set"
+    return ConfigurationError(f"{exc} (cellstream sends the worker node the token in the CELLSTREAM_TOKEN "
+                              f"environment variable: {told})")

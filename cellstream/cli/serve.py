@@ -24,7 +24,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cellstream.cli import logs
+from cellstream.cli import logsetup
 from cellstream.cli.common import Output, option_problem, parse_bind, read_token, stop_signals
 from cellstream.cli.exits import Exit
 from logstore.errors import InvalidArgumentError
@@ -90,7 +90,7 @@ async def _serve(store: Store, config: ServerConfig, out: Output, args: argparse
     from logstore.node.server import WorkerNode
 
     async with stop_signals() as stop, WorkerNode(store, config) as node:
-        logs.starting("serve", args, url=node.url, token_required=config.token is not None,
+        logsetup.starting("serve", args, url=node.url, token_required=config.token is not None,
                       admin_token=config.admin_token is not None)
         required = config.token is not None
         if out.as_json:

@@ -5,6 +5,7 @@
                   [--metrics-port PORT [--per-shard-metrics]]
   cellstream tail --store URL --out DIR --offsets FILE --name NAME ...      (standalone, no servers)
   cellstream tail status NAME --store URL (--zookeeper HOST:PORT | --offsets FILE) [--all] [--json]
+                  (totals, then the lagging or failing shards; --all: every shard)
 
 Exit codes of ``tail``: 0 after a graceful stop (SIGTERM/SIGINT), 4 configuration
 error, 5 Kafka, ZooKeeper or the store unreachable, 6 other failure.
@@ -19,9 +20,10 @@ import os
 import signal
 from typing import TYPE_CHECKING, Any
 
-from cellstream.cli import logs
+from cellstream.cli import logsetup
 from cellstream.cli.common import (
     Output,
+    Parser,
     add_kafka_config,
     add_zookeeper_auth,
     columns_arg,
@@ -43,8 +45,6 @@ logger = logging.getLogger(__name__)
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("tail", parents=[common], help="publish shard logs to Kafka (or `tail status NAME`)")
-    p.add_argument("action", nargs="?", choices=["status"], help="status: show a tailer's workers and lag")
-    p.add_argument("status_name", nargs="?", metavar="NAME", help="the tailer to show (with status)")
     p.add_argument("--name", help="the tailer's name; workers with the same name share the shards")
     p.add_argument("--brokers", default=os.environ.get("CELLSTREAM_BROKERS"), help="Kafka bootstrap servers")
     add_kafka_config(p)
@@ -66,14 +66,30 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--per-shard-metrics", action="store_true",
                    help="export lag series for every owned shard (default: totals and the most lagging shards)")
-    p.add_argument("--all", action="store_true", help="status: list every shard, not only lagging ones")
     p.set_defaults(run=cmd_tail)
+    # `tail status` has a parser of its own: its --help shows its options, not the worker's. The options it
+    # shares with the worker's parser default to SUPPRESS there, so that one given before `status` stays.
+    actions = p.add_subparsers(dest="action", required=False, parser_class=Parser, metavar="status",
+                               help="`tail status NAME --help` shows its options")
+    a = actions.add_parser("status", parents=[common], help="show a tailer's workers, totals and lagging shards")
+    a.add_argument("status_name", metavar="NAME", help="the tailer to show")
+    a.add_argument("--zookeeper", default=argparse.SUPPRESS,
+                   help="host:port[/chroot] of a tailer coordinated through ZooKeeper (env CELLSTREAM_ZOOKEEPER)")
+    a.add_argument("--zookeeper-auth-file", metavar="FILE", default=argparse.SUPPRESS,
+                   help="file holding user:password for ZooKeeper's digest authentication (env "
+                        "CELLSTREAM_ZOOKEEPER_AUTH)")
+    a.add_argument("--offsets", metavar="FILE", default=argparse.SUPPRESS,
+                   help="the offsets file of a standalone tailer")
+    a.add_argument("--all", action="store_true", help="list every shard, not only the lagging or failing ones")
+    a.set_defaults(run=cmd_tail_status)
 
 
 def cmd_tail(store: Store, args: argparse.Namespace, out: Output) -> int:
-    if args.action == "status":
-        return _status(store, args, out)
     return _run(store, args)
+
+
+def cmd_tail_status(store: Store, args: argparse.Namespace, out: Output) -> int:
+    return _status(store, args, out)
 
 
 def _config(args: argparse.Namespace) -> TailerConfig:
@@ -140,7 +156,7 @@ def _run(store: Store, args: argparse.Namespace) -> int:
 
         security = resolve_kafka_config(args.kafka_config)
         kafka = security.masked() if security is not None else None
-    logs.starting("tail", args, tailer=config.model_dump(mode="json"), kafka_security=kafka)
+    logsetup.starting("tail", args, tailer=config.model_dump(mode="json"), kafka_security=kafka)
     from tailer.metrics import TailerMetrics
     from tailer.worker import Tailer
 
@@ -169,9 +185,7 @@ async def _serve(tailer: Tailer) -> int:
 
 
 def _status(store: Store, args: argparse.Namespace, out: Output) -> int:
-    name = args.status_name or args.name
-    if not name:
-        raise UsageError("tail status needs the tailer's NAME")
+    name = args.status_name
     from tailer import status
 
     if args.offsets:
@@ -181,20 +195,29 @@ def _status(store: Store, args: argparse.Namespace, out: Output) -> int:
     else:
         raise UsageError("tail status needs --zookeeper HOST:PORT or --offsets FILE")
     shards = report["shards"]
+    totals = {"shards": len(shards), "lagging_shards": sum(1 for r in shards if r["lag_cells"]),
+              "lag_cells": sum(r["lag_cells"] for r in shards),
+              "max_lag_seconds": max((r["lag_seconds"] for r in shards), default=0.0),
+              "failing_shards": sum(1 for r in shards if r["last_error"]),
+              "deadlettered": sum(r["deadlettered"] for r in shards)}
+    # The shards worth a look (lagging or failing), as `kafka-consumer-groups --describe` is read for its
+    # lagging partitions; every shard with --all.
+    listed = [r for r in shards if r["lag_cells"] or r["last_error"] or args.all]
     if out.as_json:
-        out.emit(report, "")
+        out.emit({**{k: v for k, v in report.items() if k != "shards"}, "totals": totals, "shards": listed}, "")
         return Exit.OK
-    lagging = [r for r in shards if r["lag_cells"] or r["last_error"] or args.all]
-    print(f"tailer {name}: assignment epoch {report['epoch']}, {len(report['workers'])} workers, "
-          f"{sum(r['lag_cells'] for r in shards)} cells behind, "
-          f"{sum(r['deadlettered'] for r in shards)} dead-lettered", file=out.out)
-    for w in report["workers"]:
-        print(f"  worker {w.get('member', w['worker'])}{' (leader)' if w['leader'] else ''}", file=out.out)
-    for r in lagging:
+    lines = [f"tailer {name}: assignment epoch {report['epoch']}, {len(report['workers'])} workers",
+             f"  {totals['shards']} shards: {totals['lagging_shards']} lagging, {totals['lag_cells']} cells behind "
+             f"(up to {totals['max_lag_seconds']}s), {totals['failing_shards']} failing, "
+             f"{totals['deadlettered']} dead-lettered"]
+    lines += [f"  worker {w.get('member', w['worker'])}{' (leader)' if w['leader'] else ''}"
+              for w in report["workers"]]
+    for r in listed:
         error = f" last_error={r['last_error']['error']!r}" if r["last_error"] else ""
-        print(f"  shard {r['shard']}: location={r['location']} head={r['head']} lag={r['lag_cells']} cells "
-              f"{r['lag_seconds']}s owner={r['claimed_by'] or r['assigned_to']} "
-              f"deadlettered={r['deadlettered']}{error}", file=out.out)
+        lines.append(f"  shard {r['shard']}: location={r['location']} head={r['head']} lag={r['lag_cells']} cells "
+                     f"{r['lag_seconds']}s owner={r['claimed_by'] or r['assigned_to']} "
+                     f"deadlettered={r['deadlettered']}{error}")
+    out.emit(None, "\n".join(lines))
     return Exit.OK
 
 

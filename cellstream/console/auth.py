@@ -15,6 +15,8 @@ import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from aiohttp import web
+
 from cellstream.errors import LoginError
 
 COOKIE = "cellstream_console"
@@ -29,6 +31,14 @@ class Session:
     csrf: str
     seen: float
     jobs: list[int] = field(default_factory=list)
+
+
+SESSION = web.RequestKey("session", Session)  # the request's Session, once authenticated
+
+
+def session_of(request: web.Request) -> Session:
+    """The session of an authenticated request (the server's check put it there); KeyError before that."""
+    return request[SESSION]
 
 
 def check_name(name: str) -> str:

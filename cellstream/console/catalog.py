@@ -1,6 +1,6 @@
 """What the console shows: a summary of every dead letter of its apps, followed incrementally.
 
-An app's entries are versions of cells in one shard's log (:mod:`indexer.runtime.deadletters`), so the
+An app's entries are versions of cells in one shard's log (:mod:`indexer.runtime.dlq_store`), so the
 catalog reads each app's DLQ shard once from the start and afterwards only the cells added since (the
 store's paging never skips a committed cell). Filters, paging, the overview's groups and its chart then
 run over summaries in memory: a page of 100,000 entries costs a filter over a list, not a read of the
@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from indexer.runtime.deadletters import DLQ_COLUMN, OPEN_STATES, STATUSES, DeadLetterStore
-from indexer.runtime.dlq import DLQFilter
+from indexer.runtime.dlq_store import DLQ_COLUMN, OPEN_STATES, STATUSES, DeadLetterStore
+from indexer.runtime.dlq_triage import DLQFilter
 
 _PAGE = 5000
 _CACHED_QUERIES = 16

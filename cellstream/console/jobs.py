@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from indexer.runtime.dlq import DeadLetterQueue
+from indexer.runtime.dlq_triage import DeadLetterQueue
 from logstore.errors import CellstreamError
 
 logger = logging.getLogger(__name__)

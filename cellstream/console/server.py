@@ -21,24 +21,21 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from cellstream.console.auth import COOKIE, Session, Sessions
+from cellstream.console import views
+from cellstream.console.auth import COOKIE, SESSION, Sessions
 from cellstream.console.catalog import EntryCatalog
 from cellstream.console.jobs import JobRunner
-from indexer.runtime.deadletters import STATUSES
-from indexer.runtime.dlq import DeadLetterQueue
+from indexer.runtime.dlq_store import STATUSES
+from indexer.runtime.dlq_triage import DeadLetterQueue
 from logstore.build_info import register_build_info
 from logstore.errors import ConfigurationError, InvalidArgumentError
+from logstore.net import is_loopback
 from logstore.tls import server_context
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = ("/login", "/static/", "/healthz")
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
-SESSION = web.RequestKey("session", Session)  # the request's Session, once authenticated
-
-
-def session_of(request: web.Request) -> Session:
-    return request[SESSION]
 
 
 class ConsoleConfig(BaseModel):
@@ -56,8 +53,6 @@ class ConsoleConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ConsoleConfig:
-        from logstore.node.server import is_loopback
-
         if self.token is None and not is_loopback(self.host):
             raise ValueError(f"--bind {self.host}: without a token the console listens only on loopback "
                              "(set CELLSTREAM_CONSOLE_TOKEN or --token-file)")
@@ -89,8 +84,6 @@ class Console:
 
     def __init__(self, queues: Mapping[str, DeadLetterQueue], config: ConsoleConfig, *, store_label: str = "",
                  registry: CollectorRegistry | None = None) -> None:
-        from cellstream.console import views
-
         if not queues:
             raise InvalidArgumentError("the console needs at least one app or connector")
         self.config = config

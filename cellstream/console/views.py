@@ -19,13 +19,12 @@ import jinja2
 from aiohttp import web
 
 from cellstream import __version__
-from cellstream.console.auth import COOKIE
+from cellstream.console.auth import COOKIE, SESSION, session_of
 from cellstream.console.catalog import Query, timeline
-from cellstream.console.server import SESSION, session_of
 from cellstream.errors import LoginError
 from indexer.errors import EntryNotFoundError, InvalidFilterError
-from indexer.runtime.deadletters import OPEN_STATES, STATUSES
-from indexer.runtime.dlq import DLQFilter
+from indexer.runtime.dlq_store import OPEN_STATES, STATUSES
+from indexer.runtime.dlq_triage import DLQFilter
 
 if TYPE_CHECKING:
     from cellstream.console.jobs import Kind

@@ -1,30 +1,11 @@
-"""The Parquet lake sink: ``<root>/<column>/date=YYYY-MM-DD/`` (Hive-style), read back with DuckDB's
-``read_parquet('<root>/<column>/date=*/*.parquet', hive_partitioning=true, union_by_name=true)``.
+"""The Parquet lake sink: ``<root>/<column>/date=YYYY-MM-DD/p<partition>-<first>-<last>.parquet`` (Hive-style,
+by the cell's UTC date), read back with DuckDB's ``read_parquet(..., hive_partitioning=true, union_by_name=true)``.
 
-A file holds consecutive cells of one column, one UTC date (of the cell's created_at)
-and one source partition, and is named by the positions it holds:
-``p<partition>-<first>-<last>.parquet``. It is written under a temporary name,
-synced, and renamed into place, so a reader never sees half a file.
-
-Replays are harmless. The runtime commits positions only after a flush, so a
-restarted process is handed again exactly the cells after the last commit, and the
-first cell of a column it gets in a partition tells where that is
-(:meth:`ParquetSink.begin`). Rows an earlier process wrote from there on (flushed, but never committed) are found by the
-file names and removed: a file holding only such rows is deleted, one that also
-holds committed rows (a flush can write cells acknowledged after the positions the
-commit took) is rewritten without them. So every cell ends in exactly one file.
-
-Rows are the cell's own columns (row_key, column, ref_key, added_id, shard,
-created_at) and its body's fields, flattened (``a.b`` for nested objects; lists as
-JSON text). Each column keeps a registry of its fields' types in
-``<root>/<column>/_schema.json``: a new field becomes a new nullable column in later
-files; an int field that meets a float is widened to float; any other conflict
-turns the field into a string column (values as JSON text) and is reported in
-``conflicts`` and the log, never a crash. DuckDB unifies the files by name.
-
-A buffer is also written on its own once it holds ``max_rows`` rows or about
-``max_bytes`` bytes, or is ``max_seconds`` old (rotation), so files stay bounded
-between commits.
+A file holds consecutive cells of one column, date and source partition; it is written under a temporary name,
+synced and renamed, so a reader never sees half a file. Every cell ends in exactly one file: rows an earlier
+process wrote but never committed are removed when the source resumes (:meth:`ParquetSink.begin`). A field's
+type conflict widens or stringifies the column (``<root>/<column>/_schema.json``), never a crash.
+docs/connectors.md (The Parquet lake) gives the design.
 """
 
 from __future__ import annotations

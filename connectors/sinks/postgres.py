@@ -1,26 +1,10 @@
 """The PostgreSQL sink: one table per column, loaded by COPY (into a staging table, then one upsert per flush).
 
-Each column's table holds row_key, ref_key, added_id, shard, created_at, the body as
-JSONB, and the configured *promoted* fields as typed columns. Two modes:
-
-- ``history``: one row per cell, primary key (row_key, ref_key); a cell written
-  again changes nothing (``ON CONFLICT DO NOTHING``).
-- ``latest``: one row per row_key, replaced only by a cell of a higher ref_key, so
-  an older cell arriving late, or a replay, never overwrites a newer one.
-
-A flush is one transaction: every buffered cell is COPYed into a temporary staging
-table, then moved with one ``INSERT ... SELECT ... ON CONFLICT`` per table, so
-writing the same cells twice leaves the tables as if written once, whatever the
-order. A history table first tries the COPY straight into the table, inside a
-savepoint: cells already there (a replay after a restart, or another process
-writing the same shard during a rebalance) raise a unique violation, the savepoint
-undoes the whole COPY, and the batch takes the staging path. Only replays pay for
-the second write on the server; a latest table always needs the upsert.
-
-A promoted field whose value does not fit its type makes the cell a
-ConversionError (dead-lettered); a missing one is NULL. The tables are created if
-missing, and promoted fields added to the configuration are added as columns.
-Connection errors become SinkUnavailableError (retried); the password is never logged.
+Each column's table holds the cell's coordinates, the body as JSONB and the configured *promoted* fields as typed
+columns; ``history`` keeps a row per cell, ``latest`` a row per row_key replaced only by a higher ref_key. A
+flush is one transaction and idempotent: writing the same cells twice, in any order, leaves the tables as if
+written once. A promoted value that does not fit its type is a ConversionError (dead-lettered); connection errors
+are SinkUnavailableError (retried). docs/connectors.md (PostgreSQL) gives the design.
 """
 
 from __future__ import annotations

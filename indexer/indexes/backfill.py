@@ -26,20 +26,22 @@ from indexer.errors import IndexStateError
 from indexer.indexes.applier import handler_name
 from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.definitions import IndexDefinition
-from indexer.runtime.deadletters import DeadLetterStore
+from indexer.runtime.dlq_store import DeadLetterStore
 from indexer.runtime.policy import Outcome, describe
 from logstore import Cell, CorruptCellError, Store
 from logstore.index_tables.persistence import IndexChange, IndexPosition
-from tailer.messages import coordinates
 
 logger = logging.getLogger(__name__)
 
 
 class BackfillProgress(NamedTuple):
+    """How far a backfill is: ``cells_done`` of ``cells`` counts the cells of the index's column, the ones
+    :attr:`BackfillResult.cells` reports when it ends."""
+
     shards_done: int
     shards: int
     cells_done: int
-    cells: int  # in the log up to the targets, of every column (what has to be read)
+    cells: int  # of the index's column, after the positions and up to the targets when the backfill (re)started
     seconds: float
 
     @property
@@ -52,8 +54,8 @@ class BackfillProgress(NamedTuple):
 
 
 class BackfillResult(NamedTuple):
-    shards: int
-    cells: int  # cells of the index's column read
+    shards: int  # shards done: every shard of the store once the backfill finished
+    cells: int  # cells of the index's column read (an undecodable one included: it is dead-lettered)
     applied: int
     superseded: int
     dead_lettered: int
@@ -71,11 +73,11 @@ class _Run:
         self.progress = progress
         self.lock = threading.Lock()
         self.started = time.monotonic()
-        self.read = self.applied = self.superseded = self.dead = self.done = self.scanned = 0
+        self.read = self.applied = self.superseded = self.dead = self.done = 0
 
     def report(self) -> None:
         if self.progress is not None:
-            self.progress(BackfillProgress(self.done, self.shards, self.scanned, self.total,
+            self.progress(BackfillProgress(self.done, self.shards, self.read, self.total,
                                            time.monotonic() - self.started))
 
     def deadletter(self, source: dict[str, Any], where: dict[str, Any], body: dict[str, Any] | None,
@@ -104,23 +106,25 @@ class _Run:
             except CorruptCellError as exc:
                 cells, damaged = exc.cells_before, exc
             cells = [c for c in cells if c.added_id <= target]
+            # A damaged cell past the target is the app's: the page before it holds the rest of the column.
+            inside = damaged if damaged is not None and (damaged.added_id or 0) <= target else None
             through = cells[-1].added_id if cells else location
-            if damaged is not None and (damaged.added_id or 0) <= target:
-                through = damaged.added_id or location
-            elif damaged is None and len(cells) < batch:
+            if inside is not None:
+                through = inside.added_id or location
+            elif damaged is not None or len(cells) < batch:
                 through = target  # nothing more of the column up to the target
             changes = self.prepare(cells)
-            if damaged is not None and through > location:
-                where = {"row_key": str(damaged.row_key), "column": damaged.column, "ref_key": damaged.ref_key,
+            dead = inside is not None and through > location
+            if inside is not None and dead:
+                where = {"row_key": str(inside.row_key), "column": inside.column, "ref_key": inside.ref_key,
                          "shard": shard, "added_id": through}
-                self.deadletter({"mode": "backfill", "shard": shard, "added_id": through}, where, None, damaged)
+                self.deadletter({"mode": "backfill", "shard": shard, "added_id": through}, where, None, inside)
             result = self.store.indexes.apply(self.spec, changes, "backfill", through={shard: through})
-            scanned = self.store.count_after(shard, location) - self.store.count_after(shard, through)
             with self.lock:
-                self.read += len(cells)
+                # The column's cells in (location, through]: the page's, and the damaged one it ends at.
+                self.read += len(cells) + dead
                 self.applied += result.applied
                 self.superseded += result.superseded
-                self.scanned += scanned
             location = through
             self.report()
         if location >= target:
@@ -136,7 +140,7 @@ class _Run:
                                            self.definition.entry(cell.body)))
             except Exception as exc:
                 self.deadletter({"mode": "backfill", "shard": cell.shard, "added_id": cell.added_id},
-                                coordinates(cell), cell.body, exc)
+                                cell.coordinates(), cell.body, exc)
         return changes
 
 
@@ -155,7 +159,10 @@ def backfill(store: Store, name: str, version: int, *, batch: int = 1000, worker
         store.indexes.set_targets(spec, "backfill", {s: store.head(s) for s in unset})
         positions = store.indexes.positions(spec, "backfill")
     todo = [p for _, p in sorted(positions.items()) if p.location < (p.target or 0)]
-    total = sum(store.count_after(p.shard, p.location) - store.count_after(p.shard, p.target or 0) for p in todo)
+    column = [definition.column]
+    after = store.counts_after({p.shard: p.location for p in todo}, columns=column)
+    beyond = store.counts_after({p.shard: p.target or 0 for p in todo}, columns=column)
+    total = sum(after[p.shard] - beyond[p.shard] for p in todo)
     run = _Run(store, definition, found.app, total, store.shard_count, max_dead_letters, progress)
     run.done = store.shard_count - len(todo)
     run.report()

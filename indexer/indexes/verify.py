@@ -59,9 +59,13 @@ class Mismatch(NamedTuple):
 
 
 class VerifyProgress(NamedTuple):
-    steps_done: int  # entry shards scanned, then shard logs read
-    steps: int
-    rows: int  # sampled rows seen so far
+    """How far a verification is: in ``phase`` "entries", the entries of ``shards_done`` of the store's
+    ``shards`` shards scanned; then, in phase "log", the logs of ``shards_done`` shards read."""
+
+    phase: Literal["entries", "log"]
+    shards_done: int
+    shards: int
+    rows: int  # sampled rows seen so far (in the phase's reading)
 
 
 class VerifyResult(NamedTuple):
@@ -197,11 +201,10 @@ def verify(store: Store, name: str, version: int | None = None, *, sample: float
     backfill = store.indexes.positions(spec, "backfill")
     covered = {s: max(live[s].location if s in live else 0, backfill[s].location if s in backfill else 0)
                for s in range(shards)}
-    steps = 2 * shards
 
-    def report(done: int, rows: int) -> None:
+    def report(phase: Literal["entries", "log"], done: int, rows: int) -> None:
         if progress is not None:
-            progress(VerifyProgress(done, steps, rows))
+            progress(VerifyProgress(phase, done, shards, rows))
     # 2. entries
     copies: dict[uuid.UUID, list[IndexEntry]] = {}
     entries = 0
@@ -213,7 +216,7 @@ def verify(store: Store, name: str, version: int | None = None, *, sample: float
                 if check.sampled(entry.row_key):
                     copies.setdefault(entry.row_key, []).append(entry)
             after = batch[-1].row_key
-        report(shard + 1, len(copies))
+        report("entries", shard + 1, len(copies))
     # 3. the log, then the locators
     rows: dict[uuid.UUID, _Row] = {}
     cells = 0
@@ -236,7 +239,7 @@ def verify(store: Store, name: str, version: int | None = None, *, sample: float
                     seen.pending = True
                 elif cell.ref_key > seen.ref_key:
                     seen.ref_key, seen.values = cell.ref_key, values
-        report(shards + shard + 1, len(rows))
+        report("log", shard + 1, len(rows))
     keys = list(dict.fromkeys([*copies, *rows]))
     locators = store.indexes.locators(spec, keys)
     mismatches: list[Mismatch] = []

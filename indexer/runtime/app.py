@@ -34,8 +34,8 @@ from indexer.errors import ConfigurationError, DrainTimeoutError, TakenOverError
 from indexer.runtime.clock import SYSTEM_CLOCK, Clock
 from indexer.runtime.config import AppConfig
 from indexer.runtime.context import Context, takes_context, with_context
-from indexer.runtime.deadletters import DeadLetterStore
-from indexer.runtime.dlq import DeadLetterQueue
+from indexer.runtime.dlq_store import DeadLetterStore
+from indexer.runtime.dlq_triage import DeadLetterQueue
 from indexer.runtime.handlers import BatchApplier, Counts, Handler, Processor, Trigger
 from indexer.runtime.hooks import Hook
 from indexer.runtime.metrics import AppMetrics
@@ -66,6 +66,22 @@ class App:
 
     def __init__(self, name: str, store: str | Store, brokers: str | None = None, *, clock: Clock = SYSTEM_CLOCK,
                  **options: Any) -> None:
+        """Describe the app; nothing is opened until it is first used (a URL or path store opens then).
+
+        Args:
+            name: the app's name: its offsets, dead letters and consumer group live under it, and processes
+                of the same name share the shards (or partitions).
+            store: the logstore, as a URL or path, or an open :class:`~logstore.Store` (which the app does
+                not close).
+            brokers: ``host:port[,host:port...]`` for Kafka mode (the tailer's topics); None for direct mode.
+            clock: the time the handlers' backoff waits on and their dead letters are dated by.
+            **options: the fields of :class:`~indexer.runtime.config.AppConfig` (``zookeeper``,
+                ``stall_threshold``, ``concurrency``, ``page_size``, ...).
+
+        Raises:
+            ConfigurationError: an option is unknown or out of range, or does not fit the mode
+                (``zookeeper`` or a start time with ``brokers``, ``kafka`` without them).
+        """
         try:
             self.config = AppConfig(name=name, **options)
         except ValidationError as exc:
@@ -97,7 +113,20 @@ class App:
     # -- handlers -------------------------------------------------------------
     def trigger(self, column: str, *, max_attempts: int = 5, name: str | None = None) -> Callable[[H], H]:
         """Run the decorated function (sync or async) on every cell written to ``column``: ``fn(cell)``, or
-        ``fn(cell, ctx)`` for one that wants its :class:`~indexer.runtime.context.Context` (the app's store)."""
+        ``fn(cell, ctx)`` for one that wants its :class:`~indexer.runtime.context.Context` (the app's store).
+
+        Args:
+            column: the column whose cells the handler takes.
+            max_attempts: attempts at a cell (with the app's backoff between them) before it is dead-lettered.
+            name: the handler's name, in its dead letters and metrics; by default the function's name.
+
+        Returns:
+            A decorator that registers the function and returns it unchanged.
+
+        Raises:
+            ConfigurationError: a bad column or ``max_attempts``; when the decorator is applied, a handler of
+                that name exists already, or the app has started.
+        """
         self._check_trigger("trigger", column, max_attempts)
 
         def register(fn: H) -> H:
@@ -111,10 +140,23 @@ class App:
                       name: str | None = None) -> Callable[[B], B]:
         """Run the decorated function (sync or async) on the cells written to ``column``, a list at a time: the
         consecutive cells of one shard (direct mode) or partition (Kafka mode), in order, up to ``page_size``.
-        A sync one takes one trip to the thread pool per list. The list is retried whole under the retry
+
+        ``fn(cells)``, or ``fn(cells, ctx)`` for one that wants its :class:`~indexer.runtime.context.Context`;
+        a sync one takes one trip to the thread pool per list. The list is retried whole under the retry
         policy; if it still fails, its cells are passed one at a time (``[cell]``), so only the cells that
-        fail are dead-lettered (and a dead letter's replay passes its one cell). ``fn(cells)``, or
-        ``fn(cells, ctx)`` for one that wants its :class:`~indexer.runtime.context.Context`."""
+        fail are dead-lettered (and a dead letter's replay passes its one cell).
+
+        Args:
+            column: the column whose cells the handler takes.
+            max_attempts: attempts at a list (then at each of its cells) before a cell is dead-lettered.
+            name: the handler's name, in its dead letters and metrics; by default the function's name.
+
+        Returns:
+            A decorator that registers the function and returns it unchanged.
+
+        Raises:
+            ConfigurationError: as :meth:`trigger`.
+        """
         self._check_trigger("batch trigger", column, max_attempts)
 
         def register(fn: B) -> B:
@@ -152,11 +194,21 @@ class App:
         self.triggers.append(trigger)
 
     def index(self, definitions: str | Path | Sequence[IndexDefinition]) -> list[IndexDefinition]:
-        """Keep the indexes of a YAML file (or these definitions) current; return the versions kept.
+        """Keep the indexes of a YAML file (or these definitions) current.
 
         Each version is registered in the index catalog (its tables created) if new; a version that
         exists must have the same definition. Every version of these indexes that is not dropped is
         kept current, the ones the file no longer lists included (an active one must not go stale).
+
+        Args:
+            definitions: the path of an indexes YAML file (docs/indexes.md), or the definitions themselves.
+
+        Returns:
+            The index versions the app keeps current.
+
+        Raises:
+            ConfigurationError: the app has started, the file is invalid (a ConfigFileError naming the line),
+                or a registered version has another definition.
         """
         if self._processor is not None:
             raise ConfigurationError("add indexes before the app starts")
@@ -257,30 +309,56 @@ class App:
             from indexer.runtime.kafka import KafkaRunner  # aiokafka is imported only in Kafka mode
 
             return KafkaRunner(self.config, self.brokers, processor, self.metrics)
-        from indexer.runtime.direct import DirectRunner
+        from indexer.runtime.direct import DirectRunner  # the tailer's worker is imported only in direct mode
 
         return DirectRunner(self.store, self.config, processor, self.source_metrics)
 
     # -- running ----------------------------------------------------------------
     def drain(self, timeout: float = 60) -> Counts:
-        """Process every cell now in the log (of the shards this process gets), then stop; return the counts.
+        """Process every cell now in the log (of the shards or partitions this process gets), then stop.
 
-        Raises HandlerStalledError when a handler reached the stall threshold and
-        DrainTimeoutError (with the counts so far) when ``timeout`` passes first.
+        Args:
+            timeout: seconds to reach the end before giving up.
+
+        Returns:
+            What this drain processed, retried and dead-lettered.
+
+        Raises:
+            HandlerStalledError: a handler reached the stall threshold (its cell stays unacknowledged).
+            DrainTimeoutError: ``timeout`` passed first (with the counts so far).
+            TakenOverError: another process of the app took this one's shards over.
+            ConfigurationError: the app has no handler, or is serving already.
+            SourceUnavailableError: in Kafka mode, the cluster cannot be reached.
         """
         return asyncio.run(self.drain_async(timeout))
 
     async def drain_async(self, timeout: float = 60) -> Counts:
+        """:meth:`drain` inside a running event loop (the same arguments, result and errors)."""
         return await self._serve(lambda runner, since: runner.caught_up(since), timeout)
 
     def run(self, metrics_port: int | None = None) -> None:
-        """Run until SIGTERM or SIGINT, then stop gracefully (handlers under way finish)."""
+        """Run until SIGTERM or SIGINT, then stop gracefully: handlers under way finish, positions are committed.
+
+        Args:
+            metrics_port: serve the Prometheus metrics on this port while running; None serves none.
+
+        Raises:
+            HandlerStalledError, TakenOverError, ConfigurationError, SourceUnavailableError: as :meth:`drain`,
+                after the app has stopped.
+        """
         if metrics_port is not None:
             self.metrics.serve(metrics_port)
         asyncio.run(self.run_async())
 
     async def run_async(self, stop: asyncio.Event | None = None) -> None:
-        """Run until ``stop`` is set (default: until SIGTERM or SIGINT)."""
+        """:meth:`run` inside a running event loop.
+
+        Args:
+            stop: run until it is set; None runs until SIGTERM or SIGINT (handlers installed on the loop).
+
+        Raises:
+            HandlerStalledError, TakenOverError, ConfigurationError, SourceUnavailableError: as :meth:`run`.
+        """
         event = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         signals = [] if stop is not None else [signal.SIGTERM, signal.SIGINT]
@@ -319,6 +397,8 @@ class App:
             await runner.stop()
             raise
         ticks = _Ticks(self.hooks)
+        recounts = asyncio.create_task(_recount_open(processor, self.config.dlq_recount_interval),
+                                       name=f"{self.name}-recount-open")
         try:
             while not done(runner, since):
                 ticks.due()
@@ -334,8 +414,11 @@ class App:
                     raise DrainTimeoutError(timeout or 0, processor.counts - before)
                 await asyncio.sleep(_WATCH)
         finally:
+            recounts.cancel()
             await runner.stop()
             await ticks.finish()
+            with contextlib.suppress(asyncio.CancelledError):
+                await recounts
         if processor.stalled is not None:
             raise processor.stalled
         return processor.counts - before
@@ -373,6 +456,16 @@ class _Ticks:
 
     async def finish(self) -> None:
         await asyncio.gather(*(running for running in self._running if running is not None))
+
+
+async def _recount_open(processor: Processor, interval: float) -> None:
+    """Count the open dead letters again every ``interval`` seconds while the app serves."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await processor.recount_open()
+        except Exception as exc:  # the store is down: the counts stay as they are until it answers
+            logger.debug("open dead letters not counted: %s: %s", type(exc).__name__, exc)
 
 
 def _tick(hook: Hook) -> None:

@@ -2,8 +2,8 @@
 dead letters record, and the ``now`` a handler's context gives.
 
 The system clock in production; :class:`indexer.testing.FakeClock` in a test, so that backoff
-costs no real time and the recorded times are known. The tailer's polls (how often the log is
-looked at) stay on real time: they wait for cells, not for a retry to be due.
+costs no real time and the recorded times are known. The tailer's count polls (how often the log
+is polled for new cells) stay on real time: they wait for cells, not for a retry to be due.
 """
 
 from __future__ import annotations

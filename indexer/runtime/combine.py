@@ -2,8 +2,8 @@
 
 Cells arrive as one batch per shard (or partition), and a shard's next batch waits
 for its previous one. Applied one batch per call, an index spends a transaction per
-shard: at 1,000 cells/s spread over 64 shards that is hundreds of tiny transactions
-a second, queueing for the storage nodes. The :class:`Combiner` instead runs one call
+shard and batch: under a load spread over many shards, many tiny transactions a second,
+queueing for the storage nodes. The :class:`Combiner` instead runs one call
 at a time per applier; the batches that arrive meanwhile (or in the same turn of the
 event loop: a poll of every shard) wait and go together in the next call, so the
 calls grow with the load and the transactions per second stay few.

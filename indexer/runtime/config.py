@@ -25,8 +25,8 @@ class AppConfig(BaseModel):
     concurrency: int = Field(8, ge=1, le=256, description="threads running synchronous handlers (shards in parallel)")
     max_active_shards: int = Field(
         256, ge=1, le=100_000,
-        description="direct mode: batches handled at the same time (a batch holds one shard's cells or several "
-                    "shards'); what waits is taken in the order it became ready, each shard's cells in order",
+        description="direct mode: handler batches at the same time (a batch holds one shard's cells or "
+                    "several shards'); what waits is taken in the order it became ready, each shard's cells in order",
     )
     start_from: StartFrom = Field("beginning", description="where a shard with no committed offset starts")
     page_size: int = Field(500, ge=1, le=10_000)
@@ -34,15 +34,20 @@ class AppConfig(BaseModel):
     commit_interval: float | None = Field(
         None, gt=0, description="seconds between offset commits; default 1 in direct mode, 3 in Kafka mode"
     )
-    poll_interval: float = Field(0.005, gt=0, description="seconds between looks at the log while cells arrive")
-    idle_poll_interval: float = Field(0.05, gt=0, description="the longest wait between looks while the log is idle")
+    poll_interval: float = Field(0.005, gt=0, description="seconds between count polls of the log while cells arrive")
+    idle_poll_interval: float = Field(
+        0.05, gt=0, description="the longest wait between count polls while the log is idle")
     index_lag_interval: float = Field(
         5.0, gt=0, description="seconds between measures of each kept index version's lag (two reads per shard)")
+    dlq_recount_interval: float = Field(
+        5.0, gt=0, description="seconds between counts of the open dead letters in the store: the stall threshold "
+                               "and cellstream_app_dlq_open follow replays and discards made elsewhere (the CLI, "
+                               "the console, another process) within that time")
     stop_timeout: float = Field(30.0, gt=0, description="seconds a stop waits for handlers already running")
     zookeeper: str | None = Field(None, description="host:port[/chroot]: share shards between processes (direct mode)")
     zookeeper_auth: SecretStr | None = Field(
-        None, description="user:password: authenticate to ZooKeeper (digest) and give the nodes the app creates an "
-                          "ACL for that user alone")
+        None, description="user:password: authenticate to ZooKeeper (digest) and give the znodes the app creates "
+                          "an ACL for that user alone")
     per_shard_metrics: bool = Field(
         False, description="direct mode: export the source's lag per shard too, not only totals and the most "
                            "lagging shards",
@@ -60,9 +65,8 @@ class AppConfig(BaseModel):
         return load_kafka_config(value) if isinstance(value, str | PathLike) else value
 
     def commit_every(self, kafka: bool) -> float:
-        """The commit interval in effect: 1 s in direct mode, 3 s in Kafka mode, where a commit is a round trip
-        to the group coordinator (measured on the faust engine: 1 s commits put the p99 latency near 100 ms,
-        3 s near 55 ms; on aiokafka directly the commit runs beside fetching)."""
+        """The commit interval in effect: ``commit_interval`` if set, else 1 s in direct mode and 3 s in Kafka
+        mode, where a commit is a round trip to the group coordinator (docs/benchmarks.md, Kafka mode)."""
         if self.commit_interval is not None:
             return self.commit_interval
         return 3.0 if kafka else 1.0

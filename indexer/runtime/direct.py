@@ -1,30 +1,12 @@
-"""Direct mode: the app tails the logstore itself, reusing the tailer's worker.
+"""Direct mode: the app tails the logstore itself, reusing the tailer's worker (:class:`tailer.worker.Tailer`).
 
-The tailer worker (:class:`tailer.worker.Tailer`) already reads the shard logs in
-order, owns shards through a coordinator (offsets in the store, or shared through
-ZooKeeper) and commits only positions whose deliveries were acknowledged. Here its
-sink is :class:`HandlerSink`: instead of sending cells to Kafka it takes what the
-worker hands over as units (a run of consecutive cells of a shard and a column, up to a
-page; or, from a read of many shards, all their pages at once, split by shard when the
-handlers wait and their cells take long enough for shards side by side to gain more than the
-trips to the thread pool cost) and acknowledges a unit
-once every handler succeeded or dead-lettered each of its cells: one future per unit,
-not per cell. A unit runs only after every earlier unit with one of its shards has
-settled, and a failed or abandoned unit fails those waiting for it: so a shard's cells
-are never handled concurrently nor out of order, and a crash re-delivers at most the
-cells after the last commit.
-
-The units are worked by a pool of at most ``max_active_shards`` tasks in the order they
-became runnable, rather than by a task per shard: with 4096 shards a task per shard with
-cells cost more than the cells did. The pool grows only while all its tasks wait on
-handlers, so handlers that never wait are run by one task. A task takes a batch off the
-front of the line: units within ``page_size`` cells, as many as its share of the line
-(the line over the batches that can run at once: tasks, or the pool's threads for
-synchronous handlers), or all of them while the handlers do not wait (one task runs them
-one after another anyway). At 4096 shards a page holds a few cells, and a delivery and a
-call of the processor per page (a trip to the thread pool, for a synchronous handler)
-cost more than its cells. The shards of a batch wait for each other as a partition's
-cells do in Kafka mode: a cell whose handler retries holds up the cells after it.
+The worker's sink here is :class:`HandlerSink`: what the worker hands over (a run, or a delivery batch of
+several shards' runs) becomes a *job*, handed to the handlers and acknowledged by one future once every handler
+succeeded or dead-lettered each of its cells. A job runs only after every earlier job with one of its shards has
+settled, and a failed or abandoned job fails those waiting for it: a shard's cells are never handled concurrently
+nor out of order, and a crash re-delivers at most the cells after the last commit. A pool of at most
+``max_active_shards`` tasks works the runnable jobs, a handler batch (jobs within ``page_size`` cells) at a time.
+docs/indexer.md (Direct mode) gives the design.
 """
 
 from __future__ import annotations
@@ -49,15 +31,15 @@ from tailer.worker import Tailer
 
 logger = logging.getLogger(__name__)
 _SLICE = 0.002  # seconds a handler worker runs batches that never wait before it lets the loop run
-# Seconds of handling below which a read's shards are not split over the pool's threads: a trip to the pool
-# costs the loop some 50-100 µs, and a split into a batch per thread saves at most the handling time.
+# Seconds of handling below which a read's shards are not split over the pool's threads: a split into a batch
+# per thread saves at most the handling time, and each trip to the pool costs the loop time too.
 _SPLIT_WORTH = 0.001
 
 
-class _Unit:
-    """Cells handed over together and acknowledged together (a run of a shard, or the runs of several shards
-    that the worker read at once), or a dead-letter record. It runs once every unit handed over before it
-    with one of its shards has settled: so a shard's cells are handled in order, never two at once."""
+class _Job:
+    """Cells handed over together and acknowledged together (a shard's run, or the runs of a delivery batch),
+    or a dead-letter record. It runs once every job handed over before it with one of its shards has
+    settled: so a shard's cells are handled in order, never two at once."""
 
     __slots__ = ("cells", "deadletter", "future", "shards", "taken", "then", "waits")
 
@@ -66,28 +48,28 @@ class _Unit:
         self.cells = cells
         self.deadletter = deadletter  # the tailer's dead-letter record of a cell it could not read
         self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waits = 0  # units before it, with one of its shards, not settled yet
-        self.then: list[_Unit] | None = None  # units waiting for this one
+        self.waits = 0  # jobs before it, with one of its shards, not settled yet
+        self.then: list[_Job] | None = None  # jobs waiting for this one
         self.taken = False  # under way: a worker is handling it
 
 
 class HandlerSink(Sink):
     """The tailer's sink in direct mode: hands cells to the processor, in order per shard."""
 
-    delivers_groups = True
+    delivers_batches = True
 
     def __init__(self, processor: Processor, batch_size: int, max_workers: int = 256) -> None:
         self.processor = processor
-        # Cells handled together by a worker (an index applies them at once); a unit is never split.
+        # Cells handled together by a worker (an index applies them at once); a job is never split.
         self.batch_size = batch_size
         self.max_workers = max_workers
-        self._last: dict[int, _Unit] = {}  # per shard, its last unit not settled: the next one waits for it
-        self._unsettled: dict[_Unit, None] = {}  # in the order handed over
-        self._runnable: deque[_Unit] = deque()  # units nothing waits for, not under way, in turn
+        self._last: dict[int, _Job] = {}  # per shard, its last job not settled: the next one waits for it
+        self._unsettled: dict[_Job, None] = {}  # in the order handed over
+        self._runnable: deque[_Job] = deque()  # jobs nothing waits for, not under way, in turn
         self._workers: set[asyncio.Task[None]] = set()
         self._busy = 0  # workers inside a batch (waiting on its handlers, if they wait)
         # Batches at once that handlers can use: a pool's threads run the synchronous ones.
-        self.lanes = min(max_workers, processor.max_parallel_batches or max_workers)
+        self.parallel_batches = min(max_workers, processor.max_parallel_batches or max_workers)
         self._ticks = 0  # loop callbacks run while batches were handled (see _work)
         self._waited = True  # whether the last batch's handlers waited (gave the loop a turn)
         self._running = False
@@ -111,37 +93,36 @@ class HandlerSink(Sink):
         if not self._running:
             raise PublishError("the app is stopping", retriable=True)
         # The worker's list is the sink's from now on (it builds one per run): not copied.
-        unit = _Unit((shard,), items if isinstance(items, list) else list(items), None)
-        self._add(unit)
-        return [(unit.future, len(items))]
+        job = _Job((shard,), items if isinstance(items, list) else list(items), None)
+        self._add(job)
+        return [(job.future, len(items))]
 
-    async def deliver_group(
+    async def deliver_batch(
         self, runs: Sequence[tuple[int, str, Sequence[Any]]]
     ) -> list[list[tuple[asyncio.Future[Any], int]]]:
         if not self._running:
             raise PublishError("the app is stopping", retriable=True)
         if not self._waited or not self._worth_splitting(runs):
             # Handlers that never wait, or whose cells take less than a few trips to the pool cost, take the
-            # group as one unit: one batch runs it all.
-            unit = _Unit(tuple(dict.fromkeys(shard for shard, _column, _items in runs)),
-                         [cell for _shard, _column, items in runs for cell in items], None)
-            self._add(unit)
-            return [[(unit.future, len(items))] for _shard, _column, items in runs]
-        # Handlers that wait run shards side by side: a unit per shard, shared out over the batches as the
-        # line is.
+            # delivery batch as one job: one handler batch runs it all.
+            job = _Job(tuple(dict.fromkeys(shard for shard, _column, _items in runs)),
+                       [cell for _shard, _column, items in runs for cell in items], None)
+            self._add(job)
+            return [[(job.future, len(items))] for _shard, _column, items in runs]
+        # Handlers that wait run shards side by side: a job per shard, shared out over the handler batches as
+        # the line is.
         by_shard: dict[int, list[Cell]] = {}  # a shard's runs come one after another: kept in order
         for shard, _column, items in runs:
             by_shard.setdefault(shard, []).extend(items)
-        units = {shard: _Unit((shard,), cells, None) for shard, cells in by_shard.items()}
-        for unit in units.values():
-            self._add(unit)
-        return [[(units[shard].future, len(items))] for shard, _column, items in runs]
+        jobs = {shard: _Job((shard,), cells, None) for shard, cells in by_shard.items()}
+        for job in jobs.values():
+            self._add(job)
+        return [[(jobs[shard].future, len(items))] for shard, _column, items in runs]
 
     def _worth_splitting(self, runs: Sequence[tuple[int, str, Sequence[Any]]]) -> bool:
-        """Whether the group's cells, handled one after another, would take long enough (by what cells recently
-        took) that running its shards side by side gains more than the trips to the pool cost. At 4096 shards
-        a read is a hundred shards of a few cells: a batch per thread of the pool cost a synchronous no-op
-        handler more than its cells did."""
+        """Whether the delivery batch's cells, handled one after another, would take long enough (by what cells
+        recently took) that running its shards side by side gains more than the trips to the pool cost: a read
+        of many shards of a few cells each is not worth a handler batch per thread."""
         per_cell = self.processor.cell_seconds
         return per_cell is None or per_cell * sum(len(items) for _shard, _column, items in runs) >= _SPLIT_WORTH
 
@@ -149,9 +130,9 @@ class HandlerSink(Sink):
         """A stored cell the worker could not decode: each handler of its column dead-letters it."""
         if not self._running:
             raise PublishError("the app is stopping", retriable=True)
-        unit = _Unit((shard,), None, record)
-        self._add(unit)
-        return unit.future
+        job = _Job((shard,), None, record)
+        self._add(job)
+        return job.future
 
     async def before_commit(self) -> None:
         """Flush the handlers that buffer (warehouse sinks) before the worker commits their positions."""
@@ -162,48 +143,48 @@ class HandlerSink(Sink):
             raise PublishError(f"a handler could not flush: {type(exc).__name__}: {exc}", retriable=retriable) from exc
 
     def abandon(self, shards: Iterable[int]) -> None:
-        """Cancel the units of ``shards`` not under way, and with them those waiting for them (the cells of
-        other shards in them too: they are delivered again). Units under way finish."""
+        """Cancel the jobs of ``shards`` not under way, and with them those waiting for them (the cells of
+        other shards in them too: they are delivered again). Jobs under way finish."""
         leaving = set(shards)
-        for unit in list(self._unsettled):
-            if not unit.taken and not unit.future.done() and not leaving.isdisjoint(unit.shards):
-                self._settle(unit, asyncio.CancelledError())
+        for job in list(self._unsettled):
+            if not job.taken and not job.future.done() and not leaving.isdisjoint(job.shards):
+                self._settle(job, asyncio.CancelledError())
 
-    def _add(self, unit: _Unit) -> None:
+    def _add(self, job: _Job) -> None:
         last = self._last
-        for shard in unit.shards:
+        for shard in job.shards:
             before = last.get(shard)
             if before is not None:
                 if before.then is None:
                     before.then = []
-                before.then.append(unit)
-                unit.waits += 1
-            last[shard] = unit
-        self._unsettled[unit] = None
-        if not unit.waits:
-            self._runnable.append(unit)
+                before.then.append(job)
+                job.waits += 1
+            last[shard] = job
+        self._unsettled[job] = None
+        if not job.waits:
+            self._runnable.append(job)
             if self._busy == len(self._workers):  # else a worker not waiting on a handler comes back for it
                 self._spawn()
 
-    def _settle(self, unit: _Unit, error: BaseException | None) -> None:
-        """Acknowledge ``unit`` (``error`` None) or fail it, and with it every unit waiting for it: a shard's
+    def _settle(self, job: _Job, error: BaseException | None) -> None:
+        """Acknowledge ``job`` (``error`` None) or fail it, and with it every job waiting for it: a shard's
         later cells must not be handled before the worker has resent the failed ones."""
-        failed = [unit]
+        failed = [job]
         while failed:
-            unit = failed.pop()
-            if unit.future.done():  # failed already, through another of its shards
+            job = failed.pop()
+            if job.future.done():  # failed already, through another of its shards
                 continue
             if error is None:
-                unit.future.set_result(None)
+                job.future.set_result(None)
             elif isinstance(error, asyncio.CancelledError):
-                unit.future.cancel()
+                job.future.cancel()
             else:
-                unit.future.set_exception(error)
-            del self._unsettled[unit]
-            for shard in unit.shards:
-                if self._last.get(shard) is unit:
+                job.future.set_exception(error)
+            del self._unsettled[job]
+            for shard in job.shards:
+                if self._last.get(shard) is job:
                     del self._last[shard]
-            for later in unit.then or ():
+            for later in job.then or ():
                 later.waits -= 1
                 if error is not None:
                     failed.append(later)
@@ -214,14 +195,14 @@ class HandlerSink(Sink):
 
     def _spawn(self) -> None:
         """One more worker, within ``max_workers``. Workers are added only while every one waits on a
-        handler: a task per unit cost 4096 shards more than their cells when handlers never wait."""
+        handler: handlers that never wait are run by one task, as a task per job would cost more than the cells."""
         if len(self._workers) < self.max_workers:
             task = asyncio.create_task(self._worker(), name=f"handlers-{len(self._workers)}")
             self._workers.add(task)
             task.add_done_callback(self._workers.discard)  # also if it never ran
 
     async def _worker(self) -> None:
-        """Work the units in line a batch at a time."""
+        """Work the jobs in line a handler batch at a time."""
         loop = asyncio.get_running_loop()
         pause_at = loop.time() + _SLICE
         try:
@@ -240,65 +221,65 @@ class HandlerSink(Sink):
                     await asyncio.sleep(0)
                     pause_at = loop.time() + _SLICE
         finally:
-            # At once, not in a done callback: a unit made runnable from now on needs a new worker.
+            # At once, not in a done callback: a job made runnable from now on needs a new worker.
             self._workers.discard(asyncio.current_task())
 
-    def _take(self) -> list[_Unit]:
-        """The next batch, off the front of the line: units within ``batch_size`` cells (the first whatever its
+    def _take(self) -> list[_Job]:
+        """The next handler batch, off the front of the line: jobs within ``batch_size`` cells (the first whatever its
         size), as many as handlers that do not wait can take (all of them: one task runs them one after another
         either way), or when they wait, a share of the line split over the batches that can still start. A
         dead letter goes alone."""
-        lanes = max(1, self.lanes - self._busy)  # the batches that can still start beside those under way
-        most = len(self._runnable) if not self._waited else -(-len(self._runnable) // lanes)
-        taken: list[_Unit] = []
+        starts = max(1, self.parallel_batches - self._busy)  # the batches that can start beside those under way
+        most = len(self._runnable) if not self._waited else -(-len(self._runnable) // starts)
+        taken: list[_Job] = []
         size = 0
         while self._runnable and len(taken) < most:
-            unit = self._runnable[0]
-            if unit.future.done():  # abandoned
+            job = self._runnable[0]
+            if job.future.done():  # abandoned
                 self._runnable.popleft()
                 continue
-            if taken and (unit.cells is None or size + len(unit.cells) > self.batch_size):
+            if taken and (job.cells is None or size + len(job.cells) > self.batch_size):
                 break
             self._runnable.popleft()
-            unit.taken = True
-            taken.append(unit)
-            if unit.cells is None:
+            job.taken = True
+            taken.append(job)
+            if job.cells is None:
                 break
-            size += len(unit.cells)
+            size += len(job.cells)
         return taken
 
-    async def _work(self, taken: list[_Unit]) -> None:
-        """Handle a batch and settle its units; when the app stalled, they stay unsettled, in front."""
+    async def _work(self, taken: list[_Job]) -> None:
+        """Handle a handler batch and settle its jobs; when the app stalled, they stay unsettled, in front."""
         ticks = self._ticks
         asyncio.get_running_loop().call_soon(self._tick)  # runs before the batch ends only if a handler waits
         try:
             done = await self._handle(taken)
         except Exception as exc:  # e.g. the store is down while dead-lettering: redeliver from here
             logger.warning("shards %s: cells not settled (%s); they will be delivered again",
-                           ", ".join(str(shard) for unit in taken for shard in unit.shards), exc)
+                           ", ".join(str(shard) for job in taken for shard in job.shards), exc)
             error = PublishError(f"not settled: {type(exc).__name__}: {exc}", retriable=True)
-            for unit in taken:
-                self._settle(unit, error)
+            for job in taken:
+                self._settle(job, error)
             return
         finally:
             self._waited = self._ticks != ticks
         if not done:  # stalled: unacknowledged (abandoned when the app stops)
-            for unit in reversed(taken):
-                unit.taken = False
-                self._runnable.appendleft(unit)
+            for job in reversed(taken):
+                job.taken = False
+                self._runnable.appendleft(job)
             return
-        for unit in taken:
-            self._settle(unit, None)
+        for job in taken:
+            self._settle(job, None)
 
     def _tick(self) -> None:
         self._ticks += 1
 
-    async def _handle(self, batch: list[_Unit]) -> bool:
+    async def _handle(self, batch: list[_Job]) -> bool:
         first = batch[0]
         if first.cells is not None:
             return await self.processor.process_many(
                 [(cell, {"mode": "direct", "shard": cell.shard, "added_id": cell.added_id})
-                 for unit in batch for cell in unit.cells or ()], by_shard=True)
+                 for job in batch for cell in job.cells or ()], by_shard=True)
         where, failure = tailer_deadletter(first.deadletter or {})
         source = {"mode": "direct", "shard": where.get("shard"), "added_id": where.get("added_id")}
         return await self.processor.undecodable(where, source, failure)

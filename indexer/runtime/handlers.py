@@ -32,12 +32,11 @@ from typing import Any, NamedTuple, Protocol
 from indexer.errors import HandlerStalledError, RetriableError
 from indexer.runtime.combine import Combiner
 from indexer.runtime.config import AppConfig
-from indexer.runtime.deadletters import OPEN_STATES, DeadLetter, DeadLetterStore
+from indexer.runtime.dlq_store import OPEN_STATES, DeadLetter, DeadLetterStore
 from indexer.runtime.hooks import Hook
 from indexer.runtime.metrics import AppMetrics
 from indexer.runtime.policy import Failure, Outcome, deliver, describe, qualified_name
 from logstore import Cell
-from tailer.messages import coordinates
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[Cell], Any]
@@ -127,13 +126,18 @@ class Processor:
         self.hooks = list(hooks)
         self.counts = Counts()
         self.stalled: HandlerStalledError | None = None
-        self.open: dict[str, int] = {}
+        self.open: dict[str, int] = {}  # open dead letters per handler, as last counted (and changed here since)
+        self._open_counts = deadletters.open_counts()
+        # Dead letters being written here, and changes of ``open`` made here: a recount whose read overlapped one
+        # may lack it, so it is dropped (the next one counts it).
+        self._writing = 0
+        self._changes = 0
         # Kafka mode mirrors each recorded entry to the app's DLQ topic before the cell is acknowledged.
         self.on_deadletter: Callable[[DeadLetter], Awaitable[None]] | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(config.concurrency, thread_name_prefix="handler")
         self._combiners: dict[str, Combiner] = {}  # batch handlers: the batches of many shards in one call
-        # Each handler's labelled children of processed and seconds: a labels() lookup per page was, at 4096
-        # shards of a few cells each, a cost per shard.
+        # Each handler's labelled children of processed and seconds, kept: a labels() lookup per page would be a
+        # cost per shard when shards hold a few cells each.
         self._meters: dict[str, tuple[Any, Any]] = {}
         # What a cell recently cost the handlers that take a cell at a time (a moving mean of their own time,
         # trips to the pool aside); None until measured, and for apps with batch handlers or appliers, whose
@@ -151,11 +155,26 @@ class Processor:
         return self.config.concurrency if in_pool else None
 
     def load_open_counts(self) -> None:
-        """(blocking) Count the open dead letters per handler, for the stall threshold."""
-        self.open = dict.fromkeys((t.name for t in self.triggers), 0)
-        for entry in self.deadletters.entries():
-            if entry.status in OPEN_STATES:
-                self.open[entry.handler] = self.open.get(entry.handler, 0) + 1
+        """(blocking) Count the open dead letters per handler in the store, for the stall threshold and the
+        ``cellstream_app_dlq_open`` metric."""
+        self._set_open(self._open_counts.read())
+
+    async def recount_open(self) -> bool:
+        """Count the open dead letters again (a read of the entries changed since the last count), so that the
+        stall threshold and the metric follow triage done elsewhere: ``cellstream dlq``, the console, another
+        process of the app. False when a dead letter of this process was written meanwhile: the counts stay
+        as they are, for the next recount."""
+        if self._writing:
+            return False
+        changes = self._changes
+        counts = await asyncio.to_thread(self._open_counts.read)
+        if self._writing or changes != self._changes:
+            return False
+        self._set_open(counts)
+        return True
+
+    def _set_open(self, counts: dict[str, int]) -> None:
+        self.open = {**dict.fromkeys([*self.open, *(t.name for t in self.triggers)], 0), **counts}
         for handler, count in self.open.items():
             self.metrics.dlq_open.labels(self.config.name, handler).set(count)
 
@@ -204,7 +223,7 @@ class Processor:
             cell, source = items[at]
             at += 1
             outcome = await self.run(trigger, cell, failed)
-            if not outcome.ok and not await self._deadletter(trigger, source, coordinates(cell), cell.body, outcome):
+            if not outcome.ok and not await self._deadletter(trigger, source, cell.coordinates(), cell.body, outcome):
                 return False
         return True
 
@@ -282,7 +301,7 @@ class Processor:
             if self.stalled is not None:
                 return False
             one = await self.run(trigger, cell)
-            if not one.ok and not await self._deadletter(trigger, source, coordinates(cell), cell.body, one):
+            if not one.ok and not await self._deadletter(trigger, source, cell.coordinates(), cell.body, one):
                 return False
         return True
 
@@ -300,7 +319,7 @@ class Processor:
                 kept.append((cell, source))
             except Exception as exc:
                 now = self.clock.now()
-                if not await self._deadletter(trigger, source, coordinates(cell), cell.body,
+                if not await self._deadletter(trigger, source, cell.coordinates(), cell.body,
                                               Outcome(False, 1, describe(exc), now, now)):
                     return False
         batch = [cell for cell, _ in items]
@@ -327,7 +346,7 @@ class Processor:
             assert one.failure is not None
             if one.failure.retriable:
                 raise RetriableError(f"{trigger.name}: cell not applied: {one.failure.message}")
-            if not await self._deadletter(trigger, source, coordinates(cell), cell.body, one):
+            if not await self._deadletter(trigger, source, cell.coordinates(), cell.body, one):
                 return False
         return True
 
@@ -402,12 +421,16 @@ class Processor:
             return False
         # Count the entry before the write: handlers of other shards check the threshold meanwhile.
         self.open[trigger.name] = opened + 1
+        self._writing += 1
+        self._changes += 1
         try:
             entry: DeadLetter = await asyncio.to_thread(
                 self.deadletters.record, trigger.name, trigger.column, source, where, body, outcome)
         except BaseException:
             self.open[trigger.name] -= 1
             raise
+        finally:
+            self._writing -= 1
         if len(entry.history) > 1 and entry.history[-2].status in OPEN_STATES:
             self.open[trigger.name] -= 1  # another failure of an entry that was open already
         self.metrics.dlq_open.labels(*labels).set(self.open[trigger.name])
@@ -421,7 +444,9 @@ class Processor:
         return True
 
     def entry_closed(self, handler: str) -> None:
-        """An open entry of ``handler`` was resolved or discarded (by a replay or triage in this process)."""
+        """An open entry of ``handler`` was resolved or discarded (by a replay or triage in this process): counted
+        at once; triage elsewhere is counted by :meth:`recount_open`."""
+        self._changes += 1
         self.open[handler] = max(0, self.open.get(handler, 0) - 1)
         self.metrics.dlq_open.labels(self.config.name, handler).set(self.open[handler])
 

@@ -1,32 +1,12 @@
-"""Kafka mode: the app consumes the tailer's topics with aiokafka's consumer group, directly.
+"""Kafka mode: the app consumes the tailer's topics with aiokafka's consumer group ``app.<name>``, directly.
 
-The consumer group ``app.<name>`` subscribes to ``<prefix>.<column>`` for every column with a handler, and to
-the tailer's ``<prefix>-deadletter`` topic so that a cell the tailer could not publish reaches the DLQ of each
-handler of its column instead of vanishing. Processes started with the same app name share the partitions.
-
-``getmany`` fetches batches; each partition's records queue in offset order and one task per partition runs
-them through the :class:`~indexer.runtime.handlers.Processor` a page at a time (partitions in parallel, no two
-cells of a partition at once). A partition whose queue is full is paused (no more fetches for it) until its
-task has worked the queue down: memory stays bounded by ``max_in_flight``. A record is *settled* once every
-handler succeeded or dead-lettered it; the consumer's position is never committed past an unsettled record, so
-a crash re-delivers from the first of them. When a cell cannot be settled (the store is down while
-dead-lettering) the task waits and handles it again instead of moving on; when a handler stalls, its
-partition stops there.
-
-Offsets are committed (manually: auto-commit is off) every ``commit_every`` seconds, on revocation and on stop,
-always in this order: note the settled offsets, flush the handlers that buffer (a connector's sink), commit the
-noted offsets. A partition being revoked is not handed over until its task has finished the page it is on and
-its offset is committed (aiokafka runs the rebalance listener inside the rebalance), so no partition is
-handled by two processes at once; the records queued behind that page are dropped, to be fetched by the
-new owner from the committed offset.
-
-Each dead letter is recorded in the logstore (the source of truth, see :mod:`indexer.runtime.deadletters`) and
-mirrored to the ``<name>.dlq`` topic (key: entry id; value: the entry as JSON; its scalar fields, traceback
-included, in headers), with acks=all, before the cell is settled.
-
-faust-streaming was the engine before: about 100 µs per event through its conductor, channel and stream
-iterator, and overrides of its private methods to get manual commits; a team's faust app can still consume
-cellstream topics with :mod:`indexer.faust`.
+It subscribes by pattern to ``<prefix>.<column>`` for every column with a handler and to ``<prefix>-deadletter``
+(so it never makes a broker create a topic). Each partition's records are handled in offset order by one task
+(partitions in parallel); a record is *settled* once every handler succeeded or dead-lettered it, and no offset
+is committed past an unsettled record, nor before the handlers that buffer have flushed. A revoked partition is
+committed at its settled offset before it is handed over. Each dead letter is recorded in the store
+(:mod:`indexer.runtime.dlq_store`) and mirrored to the ``<name>.dlq`` topic before its cell is settled.
+docs/indexer.md (Kafka mode) gives the design.
 """
 
 from __future__ import annotations
@@ -36,6 +16,7 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import time
 import traceback
 from collections import deque
@@ -48,7 +29,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
 from indexer.errors import ConfigurationError, SourceUnavailableError
 from indexer.runtime.config import AppConfig
-from indexer.runtime.deadletters import DeadLetter
+from indexer.runtime.dlq_store import DeadLetter
 from indexer.runtime.handlers import Processor, tailer_deadletter
 from indexer.runtime.metrics import AppMetrics
 from indexer.runtime.policy import Failure, fingerprint, qualified_name
@@ -65,7 +46,7 @@ logger = logging.getLogger(__name__)
 TP = tuple[str, int]
 _WATCH_INTERVAL = 1.0  # positions for the lag metric
 _DRAIN_WATCH_INTERVAL = 0.1  # while drain() waits for the end
-FETCH_MAX_WAIT_MS = 100  # measured against 5, 20 and 50 ms (bench/app_kafka_bench.py): the lowest p99
+FETCH_MAX_WAIT_MS = 100  # the lowest p99 of those measured (docs/benchmarks.md, Kafka mode)
 _FETCH_TIMEOUT_MS = 100  # getmany's wait when nothing is fetched: how soon a paused partition is resumed
 _METADATA_MAX_AGE_MS = 3000
 _UNSETTLED = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)  # until it works or the app stops
@@ -93,8 +74,12 @@ async def group_positions(brokers: str, app: str, topics: list[str], security: K
     try:
         await probe.start()
         await admin.start()
-        described = await retry_call_async(lambda: admin.describe_topics(topics), _POSITIONS_RETRY)
-        partitions = [TopicPartition(d["topic"], p["partition"]) for d in described if d["error_code"] == 0
+        # Every topic, not the ones asked for: naming a missing one would make the broker create it.
+        described = await retry_call_async(admin.describe_topics, _POSITIONS_RETRY)
+        order = {topic: n for n, topic in enumerate(topics)}
+        partitions = [TopicPartition(d["topic"], p["partition"])
+                      for d in sorted(described, key=lambda d: order.get(d["topic"], -1))
+                      if d["error_code"] == 0 and d["topic"] in order
                       for p in sorted(d["partitions"], key=lambda p: p["partition"])]
         if not partitions:
             return []
@@ -121,6 +106,11 @@ async def _unavailable(brokers: str, security: KafkaSecurity, exc: BaseException
     one (refused credentials, an untrusted certificate), else SourceUnavailableError (retriable)."""
     cause = exc if isinstance(exc, ConfigurationError) else await diagnose(brokers, security)
     return cause or SourceUnavailableError(f"Kafka at {brokers}: {type(exc).__name__}: {exc}")
+
+
+def topics_pattern(topics: list[str]) -> str:
+    """A subscription pattern that matches exactly ``topics``."""
+    return "^(" + "|".join(re.escape(topic) for topic in sorted(topics)) + ")$"
 
 
 def group_id(app: str) -> str:
@@ -222,6 +212,7 @@ class KafkaRunner:
         self._commit_lock = asyncio.Lock()
         self._view: _View | None = None
         self._assigned_once = False
+        self._waiting: set[str] = set()  # subscribed topics that do not exist yet, each logged once
         self._rebalancing = False
         self._draining = False
         self._wake = asyncio.Event()
@@ -262,7 +253,9 @@ class KafkaRunner:
             # The tailer creates its topics after an app may have subscribed: see them within seconds, not the
             # default five minutes.
             metadata_max_age_ms=_METADATA_MAX_AGE_MS, **security)
-        self._consumer.subscribe([*self.topics, self.tailer_deadletters], listener=_Rebalance(self))
+        # By pattern: metadata requests then ask for every topic and name none, so none is auto-created.
+        self._consumer.subscribe(pattern=topics_pattern([*self.topics, self.tailer_deadletters]),
+                                 listener=_Rebalance(self))
         self.processor.on_deadletter = self._mirror
         await self._consumer.start()
         self._fetcher = asyncio.create_task(self._fetch(), name=f"{self.group}-fetch")
@@ -526,11 +519,26 @@ class KafkaRunner:
     async def _mirror(self, entry: DeadLetter) -> None:
         await mirror_deadletter(self.publisher, self.dlq_topic, entry, lambda: self._stopping)
 
+    def _note_missing_topics(self) -> None:
+        """Log once each subscribed topic that does not exist yet, and once more when it appears."""
+        if self._consumer is None or not self._assigned_once:
+            return
+        found = self._consumer.subscription()
+        for topic in [*self.topics, self.tailer_deadletters]:
+            if topic not in found and topic not in self._waiting:
+                self._waiting.add(topic)
+                logger.info("%s: topic %s does not exist yet; waiting for the tailer to create it (as it publishes "
+                            "the column's first cell)", self.group, topic)
+            elif topic in found and topic in self._waiting:
+                self._waiting.discard(topic)
+                logger.info("%s: topic %s exists now; consuming it", self.group, topic)
+
     # -- positions, for drain and the lag metric ----------------------------------------
     async def _watch(self) -> None:
         assert self._probe is not None and self._admin is not None
         while True:
             taken = time.monotonic()
+            self._note_missing_topics()
             try:
                 assigned = self._assignment()
                 partitions = [TopicPartition(*tp) for tp in sorted(assigned)]

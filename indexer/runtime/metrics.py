@@ -22,7 +22,8 @@ class AppMetrics:
                                registry=r)
         self.deadlettered = Counter("cellstream_app_deadlettered", "Cells dead-lettered by a handler", labels,
                                     registry=r)
-        self.dlq_open = Gauge("cellstream_app_dlq_open", "Open dead-letter entries of a handler", labels, registry=r)
+        self.dlq_open = Gauge("cellstream_app_dlq_open", "Open dead-letter entries of a handler in the store, counted "
+                              "again every dlq_recount_interval", labels, registry=r)
         self.stalled = Gauge("cellstream_app_handler_stalled",
                              "1 when a handler stopped because of too many open dead letters", labels, registry=r)
         self.seconds = Histogram("cellstream_app_handler_seconds", "Time of one successful handler call", labels,

@@ -1,4 +1,4 @@
-"""An app's handlers over a temporary embedded store: write cells, drain, look at what came of them.
+"""An app's handlers over a temporary embedded store: write cells, drain, check what came of them.
 
 The harness runs the app the way ``cellstream run`` does in direct mode, through the same
 processor: retries, dead letters and the stall threshold behave as in production. Only the
@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 import logstore
 from indexer.errors import ConfigurationError
 from indexer.runtime.app import App
-from indexer.runtime.deadletters import DeadLetter
-from indexer.runtime.dlq import DeadLetterQueue, DLQFilter
+from indexer.runtime.dlq_store import DeadLetter
+from indexer.runtime.dlq_triage import DeadLetterQueue, DLQFilter
 from indexer.runtime.handlers import Counts
 from indexer.runtime.hooks import Hook
 from indexer.testing.clock import FakeClock
@@ -65,6 +65,17 @@ class AppHarness:
 
     def __init__(self, app: App | Callable[[Store], App], *, shards: int | None = None,
                  clock: FakeClock | None = None) -> None:
+        """Open the temporary store and put ``app`` over it.
+
+        Args:
+            app: the app, or a function that builds it over the store it is given.
+            shards: the temporary store's shard count; None for 4096.
+            clock: the app's clock; None for a new :class:`~indexer.testing.FakeClock`.
+
+        Raises:
+            ConfigurationError: the builder did not return an :class:`~indexer.App`, or the app cannot run over
+                another store (it has handlers built over their destination: pass a builder) or is serving.
+        """
         self.clock = clock or FakeClock()
         self._directory = tempfile.TemporaryDirectory(prefix="cellstream-harness-")
         self.directory = Path(self._directory.name)
@@ -90,8 +101,21 @@ class AppHarness:
     # -- cells in -----------------------------------------------------------------
     def write(self, column: str, body: dict[str, Any], *, row_key: uuid.UUID | str | None = None,
               ref_key: int | None = None) -> Cell:
-        """Write a cell as a producer would: a new row unless ``row_key`` is given, the next version of the
-        row's column unless ``ref_key`` is given. Invalid input raises the store's typed error."""
+        """Write a cell as a producer would.
+
+        Args:
+            column: the cell's column.
+            body: the cell's body (JSON-like).
+            row_key: the row; None for a new one.
+            ref_key: the version; None for the next of the row's column.
+
+        Returns:
+            The cell as stored.
+
+        Raises:
+            InvalidCellError: a bad column, row key, ref_key or body (the store's typed errors).
+            CellConflictError: the row's column has that ref_key already, with another body.
+        """
         key = row_key if row_key is not None else uuid.uuid4()  # the store checks a given one (a typed error)
         if ref_key is None:
             latest = self.store.get_cell_latest(key, column)
@@ -102,8 +126,17 @@ class AppHarness:
 
     # -- running --------------------------------------------------------------------
     def drain(self, timeout: float = 60) -> Counts:
-        """Run the handlers over every cell not handled yet (the cells they write included), then stop; the
-        counts of this drain. Raises what :meth:`App.drain <indexer.App.drain>` raises (a stalled handler)."""
+        """Run the handlers over every cell not handled yet (the cells they write included), then stop.
+
+        Args:
+            timeout: seconds to reach the end before giving up.
+
+        Returns:
+            What this drain processed, retried and dead-lettered.
+
+        Raises:
+            HandlerStalledError, DrainTimeoutError: as :meth:`App.drain <indexer.App.drain>`.
+        """
         return self.app.drain(timeout)
 
     async def drain_async(self, timeout: float = 60) -> Counts:
@@ -123,23 +156,50 @@ class AppHarness:
         return self.app.dlq
 
     def dead_letters(self, match: DLQFilter | None = None, **filters: Any) -> list[DeadLetter]:
-        """The app's dead-letter entries, oldest first; ``filters`` as for ``DeadLetterQueue.list``
-        (handler=, status=, error=, fingerprint=, text=)."""
+        """The app's dead-letter entries, oldest first.
+
+        Args:
+            match: a filter; or give its fields as ``filters``.
+            **filters: handler=, status=, error=, fingerprint=, text=, since=, until= (see
+                :class:`~indexer.DLQFilter`).
+
+        Returns:
+            The latest version of each matching entry.
+
+        Raises:
+            InvalidFilterError: an unknown filter field or a bad value.
+        """
         return self.dlq.list(match, **filters)
 
     def cell(self, row_key: uuid.UUID | str, column: str, ref_key: int | None = None) -> Cell | None:
-        """The cell at ``ref_key``, or the latest of the row's column; None if there is none."""
+        """One cell of the store.
+
+        Args:
+            row_key: the row.
+            column: the column.
+            ref_key: the version; None for the latest.
+
+        Returns:
+            The cell, or None if there is none.
+        """
         if ref_key is None:
             return self.store.get_cell_latest(row_key, column)
         return self.store.get_cell(row_key, column, ref_key)
 
     def row(self, row_key: uuid.UUID | str) -> dict[str, Cell]:
-        """The latest cell of each column of the row."""
+        """The latest cell of each column of the row ``row_key`` (column -> cell; empty when there is none)."""
         return self.store.get_row(row_key)
 
     def cells(self, column: str | None = None) -> list[Cell]:
-        """Every cell in the store (of ``column``), shard after shard in log order; cellstream's own cells
-        (offsets, dead letters: columns starting with ``_``) left out."""
+        """Every cell in the store, shard after shard in log order; cellstream's own cells (offsets, dead
+        letters: columns starting with ``_``) left out.
+
+        Args:
+            column: only this column's cells; None for every column.
+
+        Returns:
+            The cells, by shard and added_id.
+        """
         columns = None if column is None else [column]
         locations = dict.fromkeys(range(self.store.shard_count), 0)
         found: list[Cell] = []
@@ -157,7 +217,8 @@ class AppHarness:
         return sorted(found, key=lambda c: (c.shard, c.added_id))
 
     def written(self, column: str | None = None) -> list[Cell]:
-        """The cells the handlers wrote: every cell of :meth:`cells` that the test did not :meth:`write`."""
+        """The cells the handlers wrote: every cell of :meth:`cells` (of ``column``, if given) that the test
+        did not :meth:`write`."""
         return [cell for cell in self.cells(column) if (cell.row_key, cell.column, cell.ref_key) not in self._mine]
 
     # -- lifetime -------------------------------------------------------------------------

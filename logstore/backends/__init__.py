@@ -1,4 +1,4 @@
-"""Storage backends: each one a :class:`logstore.persistence.NodeRecorder`, whole in its own place.
-
-``sqlite/`` is the embedded default, ``mysql/`` MySQL/MariaDB (pool, driver-error boundary, moves),
-and :mod:`logstore.backends.http` the client of a worker node (``cellstream serve``)."""
+"""Storage backends, each whole in its folder: ``sqlite/`` the embedded default, ``mysql/`` MySQL/MariaDB,
+``http/`` the client of a worker node (``cellstream serve``). Each has ``target.py`` (its URL's model and
+parser) and a :class:`~logstore.persistence.NodeRecorder`; :data:`logstore.registry.BACKENDS` finds them by
+URL scheme."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import logging
 import ssl
 import threading
@@ -48,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, Valid
 
 from logstore.build_info import register_build_info
 from logstore.errors import ConfigurationError, InvalidArgumentError, LogstoreError
+from logstore.net import is_loopback
 from logstore.node import openapi, wire
 from logstore.node.connections import Connection, Limits, protocol_factory
 from logstore.node.models import models
@@ -93,15 +93,6 @@ class ServerConfig(BaseModel):
 
     def tls_context(self) -> ssl.SSLContext | None:
         return None if self.tls_cert is None else server_context(self.tls_cert, self.tls_key)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _Metrics:

@@ -1,8 +1,8 @@
 """Offsets kept in the logstore itself: one process owns every shard, no other server.
 
 This is the embedded default for stream-processing apps (and usable by a standalone
-tailer): positions live in the store's consumer-offsets table, on the node holding
-each shard. Starting claims every shard for this process; a second process started
+tailer): positions live in the store's consumer-offsets table, on the storage node
+holding each shard. Starting claims every shard for this process; a second process started
 with the same consumer name takes the shards over, and from then on the first one's
 commits are refused (FencedError) and it drops those shards instead of moving the
 offsets back. Until its next commit the first one may still deliver cells the second

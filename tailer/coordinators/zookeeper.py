@@ -7,20 +7,9 @@ Layout under ``<chroot>/cellstream/tailers/<name>``::
     claims/<shard>              ephemeral: the member publishing the shard now
     offsets/<shard>             {"location": added_id, "owner", "token", "epoch", "deadlettered", ...}
 
-Fencing. A worker publishes a shard only while it holds the shard's ephemeral
-claim, and claiming also rewrites the offset node, so a commit from the previous
-owner (which carries the old node version) fails with FencedError. Offsets
-therefore never move backwards. A claim disappears only when its session expires
-on the server; the worker stops publishing before that can happen: it records the
-send time of its last answered request and treats its lease as gone once
-``lease_fraction`` of the session timeout has passed without an answer. So a
-partitioned worker is quiet before anyone else can take its shards, and when the
-whole ZooKeeper service is down for less than that, workers keep publishing.
-
-Connection states, and what the worker does in each: CONNECTED - everything
-works; SUSPENDED - keep publishing owned shards while the lease holds, commits
-are retried later, no reassignment; LOST (session expired) - every claim is
-gone: drop all shards at once, re-register, wait for a new assignment.
+A worker publishes a shard only while it holds the shard's claim and its lease (``lease_fraction`` of the session
+timeout since its last answered request); claiming rewrites the offset znode, so a commit from the previous owner
+fails with FencedError and offsets never move backwards. docs/tailer.md (Guarantees) gives the design.
 """
 
 from __future__ import annotations
@@ -69,7 +58,7 @@ class _Claiming(NamedTuple):
     at: int  # in claim_many's answer
     shard: int
     location: int
-    version: int | None  # of its offsets node; None: none yet
+    version: int | None  # of its offsets znode; None: none yet
     token: str
     deadlettered: int
     claim: bytes
@@ -101,7 +90,7 @@ def _seq(member: str) -> int:
 
 def zookeeper_client(hosts: str, timeout: float, auth: SecretStr | None = None, **options: Any) -> KazooClient:
     """A kazoo client. With ``auth`` (``user:password``) it authenticates with ZooKeeper's digest scheme, and
-    every node it creates gets an ACL that gives that user, and nobody else, every permission."""
+    every znode it creates gets an ACL that gives that user, and nobody else, every permission."""
     if auth is None:
         return KazooClient(hosts=hosts, timeout=timeout, **options)
     user, _, password = check_zookeeper_auth(auth.get_secret_value()).partition(":")
@@ -185,7 +174,7 @@ class ZooKeeperCoordinator(Coordinator):
         if self._thread is not None:
             self._thread.join(timeout=10)
         try:
-            self._client.stop()  # closing the session deletes our member and claim nodes now
+            self._client.stop()  # closing the session deletes our member and claim znodes now
             self._client.close()
         except KazooException as exc:  # pragma: no cover - best effort on shutdown
             logger.warning("closing the ZooKeeper session failed: %s", exc)
@@ -326,9 +315,8 @@ class ZooKeeperCoordinator(Coordinator):
         claims sent _CLAIM_BATCH shards a transaction before the first answer is awaited. There is no
         separate check that a claim is free: the transaction creating it fails if it is not, and a batch
         refused as a whole (one of its shards held, or its offsets changed meanwhile) is sent again a
-        shard a transaction. kazoo spends about 0.2-0.4 ms of Python per request, so the requests per
-        shard are what 4096 claims cost: 7.6 s with three each, one claim after another; 1.4 s of CPU with
-        two, overlapped; 0.7 s with the read and a 200th of a transaction."""
+        shard a transaction. kazoo spends its Python per request, so the requests per shard are what many
+        claims cost (docs/benchmarks.md, the tailer's start)."""
         with self._lock:
             member, epoch = self._member, self._epoch
         out: list[Claim | BaseException | None] = [None] * len(wanted)
@@ -435,10 +423,10 @@ class ZooKeeperCoordinator(Coordinator):
                            ", ".join(failed[:5]))
 
     def commit(self, offsets: Mapping[int, tuple[Claim, Offset]]) -> dict[int, Claim | BaseException]:
-        """Every offset written with its claim's version, _COMMIT_BATCH shards a ZooKeeper transaction: a
-        request per shard cost kazoo 0.4 ms of Python each, which at 4096 shards took more CPU than the
-        cells did. A transaction refused by one shard (fenced, or a version this worker lost track of)
-        is refused whole and names only that shard, so its shards are then written one by one."""
+        """Every offset written with its claim's version, _COMMIT_BATCH shards a ZooKeeper transaction: with a
+        request per shard, kazoo's Python per request would cost more CPU than the cells. A transaction refused
+        by one shard (fenced, or a version this worker lost track of) is refused whole and names only that
+        shard, so its shards are then written one by one."""
         now = dt.datetime.now(dt.UTC).isoformat()
         docs = {shard: _dump({"location": offset.location, "owner": self._member, "token": claim.token,
                               "epoch": self._epoch, "deadlettered": offset.deadlettered,
@@ -493,7 +481,7 @@ class ZooKeeperCoordinator(Coordinator):
         try:
             raw, stat = self._client.get(self._path("offsets", claim.shard))
         except NoNodeError:
-            return FencedError(claim.shard, "its offset node is gone")
+            return FencedError(claim.shard, "its offset znode is gone")
         except (KazooException, KazooTimeoutError) as exc:
             return translate(exc, f"commit of shard {claim.shard}")
         if _load(raw).get("token") == claim.token:

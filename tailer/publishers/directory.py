@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from tailer.errors import ConfigurationError, PublishError
+from tailer.errors import PublishError, TopicPartitionsError
 from tailer.interfaces import Publisher
 from tailer.messages import Message
 
@@ -55,8 +55,7 @@ class DirectoryPublisher(Publisher):
         self._running = True
         self.root.mkdir(parents=True, exist_ok=True)
         # The files a write touched are fsynced side by side: ext4 commits its journal once for fsyncs that
-        # wait together (16 files: 1.8-2 ms against 5.4-6.4 one after another). With many shards a write
-        # holds cells of every partition.
+        # wait together, and with many shards a write holds cells of every partition.
         self._syncs = ThreadPoolExecutor(max_workers=16, thread_name_prefix="topic-fsync")
         self._flusher = asyncio.create_task(self._flush_loop())
 
@@ -87,7 +86,10 @@ class DirectoryPublisher(Publisher):
         if marker.exists():
             found = int(marker.read_text())
             if found != partitions:
-                raise ConfigurationError(f"topic {topic} has {found} partitions, not {partitions}")
+                raise TopicPartitionsError(topic, found, partitions,
+                                           f"Once what it holds is read, delete the folder {folder} and the tailer "
+                                           f"creates it again; or run the tailer with --partitions {found} if every "
+                                           f"topic of its prefix has {found}.")
             return
         folder.mkdir(parents=True, exist_ok=True)
         marker.write_text(str(partitions))

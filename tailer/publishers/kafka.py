@@ -27,7 +27,7 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from tailer.config import KafkaOptions
-from tailer.errors import ConfigurationError, PublishError
+from tailer.errors import ConfigurationError, PublishError, TopicPartitionsError
 from tailer.interfaces import Publisher
 from tailer.messages import Message
 from tailer.publishers.batching import PartitionBatcher
@@ -60,6 +60,7 @@ class KafkaPublisher(Publisher):
         self.options = options or KafkaOptions()
         self._producer: AIOKafkaProducer | None = None
         self._topics: dict[str, int] = {}
+        self._mismatched: set[str] = set()  # topics found with another partition count, checked again when asked
         self._started = False
         self._restart_lock = asyncio.Lock()
         self._generation = 0
@@ -148,13 +149,28 @@ class KafkaPublisher(Publisher):
         finally:
             await admin.close()
         assert self._producer is not None
-        found = await self._producer.partitions_for(topic)
-        if len(found) != partitions:
-            raise ConfigurationError(
-                f"topic {topic} has {len(found)} partitions but the tailer maps shards onto {partitions}; "
-                "per-shard order needs the same count (delete the topic or change --partitions)"
-            )
+        if topic in self._mismatched:  # the producer's metadata may predate the operator's fix
+            await self._producer.client.force_metadata_update()
+        found = len(await self._producer.partitions_for(topic))
+        if found != partitions:
+            self._mismatched.add(topic)
+            raise TopicPartitionsError(topic, found, partitions, self._fix(topic, found, partitions))
+        self._mismatched.discard(topic)
         self._topics[topic] = partitions
+
+    def _fix(self, topic: str, found: int, needed: int) -> str:
+        """How an operator makes ``topic`` fit: the commands, for the refusal's message."""
+        tool = f"kafka-topics.sh --bootstrap-server {self.options.brokers.split(',')[0]}"
+        if found < needed:
+            how = (f"Once what it holds is consumed (an auto-created topic is empty), add partitions: {tool} --alter "
+                   f"--topic {topic} --partitions {needed}; or delete it ({tool} --delete --topic {topic}) and the "
+                   f"tailer creates it with {needed}.")
+        else:
+            how = (f"Partitions cannot be removed: once what it holds is consumed, delete it ({tool} --delete "
+                   f"--topic {topic}) and the tailer creates it with {needed}; or run the tailer with --partitions "
+                   f"{found} if every topic of its prefix has {found}.")
+        return (f"{how} A broker with auto.create.topics.enable=true creates a topic with its num.partitions when a "
+                "client names it before the tailer created it; set it to false.")
 
     async def send(
         self, topic: str, partition: int, key: bytes, value: bytes, headers: list[tuple[str, bytes]]

@@ -4,33 +4,42 @@
 A cell goes to the topic ``<prefix>.<column>``, partition ``shard mod P``, encoded as
 :mod:`tailer.messages` describes; a dead-letter record to ``<prefix>-deadletter`` on the same
 partition, so a shard's cells and dead letters keep one order.
+
+A topic that exists with another partition count is refused (TopicPartitionsError, which says how to fix
+it): logged once, then raised again from memory to each shard that asks, and asked of the broker again
+every ``RECHECK_SECONDS``, so a fixed topic is published within that time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from logstore.cell import AnyCell
 from tailer.config import TailerConfig
-from tailer.errors import PublishError
+from tailer.errors import PublishError, TopicPartitionsError
 from tailer.interfaces import Publisher, Sink
 from tailer.messages import Message, deadletter_message
+
+logger = logging.getLogger(__name__)
+RECHECK_SECONDS = 10.0
 
 
 class TopicSink(Sink):
     """Delivers cells through ``publisher`` to the topics that ``config`` names."""
 
-    # A read of many shards goes over as one delivery: at 4096 shards its pages hold a dozen cells each, and
-    # the worker's path for each page (a delivery of its own, a callback on its future) cost about what its
-    # cells did. A partition's pages share its record batch, so the worker waits on a few futures a read.
-    delivers_groups = True
+    # A read of many shards goes over as one delivery batch: a partition's pages share its record batch, so the
+    # worker waits on a few futures a read rather than paying a delivery and a callback per page of a few cells.
+    delivers_batches = True
 
     def __init__(self, publisher: Publisher, config: TailerConfig) -> None:
         self.publisher = publisher
         self.config = config
         self._topics: set[str] = set()
+        self._refused: dict[str, tuple[TopicPartitionsError, float]] = {}  # topic -> (refusal, when to ask again)
         self.packed_bodies = config.value_format == "msgpack"  # the stored MessagePack is the message's body
 
     async def start(self) -> None:
@@ -46,9 +55,28 @@ class TopicSink(Sink):
         await self._prepare_topic(self.config.topic(column))
 
     async def _prepare_topic(self, topic: str) -> None:
-        if topic not in self._topics:
+        if topic in self._topics:
+            return
+        refused = self._refused.get(topic)
+        now = time.monotonic()
+        if refused is not None and now < refused[1]:
+            # Every shard with a cell of the column asks: the broker is asked once a while. (A fresh traceback:
+            # raising one instance again would add to the one it has.)
+            raise refused[0].with_traceback(None)
+        if refused is not None:
+            self._refused[topic] = (refused[0], now + RECHECK_SECONDS)  # the shards asking meanwhile get it too
+        try:
             await self.publisher.prepare_topic(topic, self.config.partitions, self.config.replication_factor)
-            self._topics.add(topic)
+        except TopicPartitionsError as exc:
+            exc.logged = True
+            if refused is None or str(refused[0]) != str(exc):
+                logger.error("%s The topic is checked again every %gs.", exc, RECHECK_SECONDS)
+            self._refused[topic] = (exc, time.monotonic() + RECHECK_SECONDS)
+            raise
+        if refused is not None:
+            del self._refused[topic]
+            logger.info("topic %s has %d partitions now: its column is published", topic, self.config.partitions)
+        self._topics.add(topic)
 
     def destination(self, column: str) -> str:
         return self.config.topic(column)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 
 import logstore
 from cellstream.cli.main import main
+from tests.harness.app_thread import app_in_thread
 
 APP = '''
 from indexer import App
@@ -79,6 +81,57 @@ def test_run_drain_then_triage_from_the_command_line(sqlite_url: str, tmp_path: 
     assert [json.loads(line)["after"] for line in out.splitlines()] == ["resolved"]
     code, out, _ = run(capsys, "dlq", "--app", spec, "list", "--status", "open")
     assert code == 0 and "no dead letters match" in out
+
+
+def test_a_running_apps_open_dead_letters_follow_triage_done_from_the_command_line(
+        sqlite_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """While an app runs, ``cellstream dlq discard`` and ``replay`` (another process, here main()) close its
+    entries: its ``cellstream_app_dlq_open`` falls within its recount interval, and so does the count its stall
+    threshold compares, so new failures are dead-lettered instead of stopping the app."""
+    from cellstream.cli.apps import load_app
+
+    with logstore.open(sqlite_url, shards=8) as store:
+        store.put_cells([(uuid.uuid4(), "BASE", 1, {"bad": i < 3}) for i in range(6)])
+    module = tmp_path / "liveapp.py"
+    module.write_text(APP.format(url=sqlite_url, fixed=False))
+    spec = f"{module}:app"
+    app = load_app(spec)
+    app.config = app.config.model_copy(update={"stall_threshold": 3, "dlq_recount_interval": 0.2})
+
+    def open_gauge() -> float | None:
+        return app.metrics.registry.get_sample_value("cellstream_app_dlq_open", {"app": "cli", "handler": "charge"})
+
+    def wait_for_gauge(value: float) -> None:
+        deadline = time.monotonic() + 15
+        while open_gauge() != value:
+            assert not live.failed, live.failed
+            assert time.monotonic() < deadline, f"cellstream_app_dlq_open is {open_gauge()}, not {value}"
+            time.sleep(0.05)
+
+    try:
+        with app_in_thread(app, "live-app") as live:
+            wait_for_gauge(3)
+            code, out, _ = run(capsys, "dlq", "--app", spec, "list", "--json", "--status", "open")
+            ids = [json.loads(line)["id"] for line in out.splitlines()]
+            assert code == 0 and len(ids) == 3
+            code, _, _ = run(capsys, "dlq", "--app", spec, "discard", ids[0], "--reason", "test card")
+            assert code == 0
+            wait_for_gauge(2)
+            module.write_text(APP.format(url=sqlite_url, fixed=True))  # the fix, for the replay (the app runs the old)
+            code, out, _ = run(capsys, "dlq", "--app", spec, "replay", "--match", "handler=charge", "--json")
+            assert code == 0 and [json.loads(line)["after"] for line in out.splitlines()] == ["resolved"] * 2
+            wait_for_gauge(0)
+            assert app.processor.open == {"charge": 0}
+            # Three more failures fit under the threshold again: with the count left at 3 the first would stall it.
+            with logstore.open(sqlite_url) as store:
+                store.put_cells([(uuid.uuid4(), "BASE", 1, {"bad": True}) for _ in range(3)])
+            wait_for_gauge(3)
+            assert live.thread.is_alive() and not live.failed
+            assert app.metrics.registry.get_sample_value("cellstream_app_handler_stalled",
+                                                         {"app": "cli", "handler": "charge"}) == 0
+    finally:
+        app.close()
+    assert not live.thread.is_alive() and not live.failed, live.failed
 
 
 def test_run_per_shard_metrics_overrides_the_app_option(sqlite_url: str, tmp_path: Path) -> None:

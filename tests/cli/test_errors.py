@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,9 @@ import indexer.errors
 import logstore.errors
 import tailer.errors
 from cellstream.cli.exits import Exit, exit_code
-from logstore.errors import CellstreamError
+from connectors.config import load_connector
+from indexer.indexes.definitions import load_indexes
+from logstore.errors import CellstreamError, ConfigFileError
 
 PACKAGES = ("logstore", "tailer", "indexer", "connectors", "cellstream")
 
@@ -57,3 +60,19 @@ def test_one_class_per_concept() -> None:
 @pytest.mark.parametrize("module", [logstore.errors, tailer.errors, indexer.errors, connectors.errors])
 def test_a_configuration_error_from_any_package_exits_4(module: object) -> None:
     assert exit_code(module.ConfigurationError("a bad option")) == Exit.CONFIG == 4  # type: ignore[attr-defined]
+
+
+def test_a_bad_index_or_connector_file_is_the_one_config_file_error_and_exits_4(tmp_path: Path) -> None:
+    indexes = tmp_path / "indexes.yaml"
+    indexes.write_text("indexes:\n  - name: trips\n    column: BASE\n    version: 0\n    shard_field: rider\n"
+                       "    fields: [{name: rider, type: uuid, key: true}]\n")
+    connector = tmp_path / "lake.yaml"
+    connector.write_text("name: lake\ncolumns: [BASE]\nsink: {type: parquet, root: lake, max_rows: 0}\n")
+    errors = []
+    for load, path in ((load_indexes, indexes), (load_connector, connector)):
+        with pytest.raises(ConfigFileError) as error:
+            load(path)
+        errors.append(error.value)
+    assert [(e.source, e.line, e.field) for e in errors] == [
+        (str(indexes), 4, "indexes[trips].version"), (str(connector), 3, "sink.max_rows")]
+    assert all(exit_code(e) == Exit.CONFIG for e in errors)

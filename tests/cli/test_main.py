@@ -47,9 +47,11 @@ def test_put_get_row_log_shards_in_json(sqlite_url: str, capsys: pytest.CaptureF
     code, out, _ = run(capsys, "log", str(shard), "--store", sqlite_url, "--json", "--since", "2000-01-01T00:00:00Z")
     assert len(out.splitlines()) == 2
     code, out, _ = run(capsys, "shards", "--store", sqlite_url, "--json")
-    assert json.loads(out) == [{"shard": shard, "node": "node0", "cells": 2}]
-    code, out, _ = run(capsys, "shards", "--store", sqlite_url, "--all")
-    assert "8 shards, 2 cells" in out and "node node0: 2 cells" in out
+    assert json.loads(out) == {"shards": 8, "cells": 2, "nodes": [{"node": "node0", "shards": 8, "cells": 2}]}
+    code, out, _ = run(capsys, "shards", "--store", sqlite_url, "--json", "--per-shard")
+    assert json.loads(out)["per_shard"] == [{"shard": shard, "node": "node0", "cells": 2}]
+    code, out, _ = run(capsys, "shards", "--store", sqlite_url, "--json", "--all")
+    assert len(json.loads(out)["per_shard"]) == 8
 
 
 def test_human_output_and_env_store(sqlite_url: str, capsys: pytest.CaptureFixture[str],

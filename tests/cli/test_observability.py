@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 
 import logstore
 from cellstream import __version__
-from cellstream.cli import logs
+from cellstream.cli import logsetup
 from indexer.runtime.metrics import AppMetrics
 from tailer.metrics import TailerMetrics
 
@@ -72,7 +72,7 @@ def test_log_lines_as_text_begin_with_time_and_level(sqlite_url: str) -> None:
 def test_the_start_up_line_masks_the_store_password(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "cellstream")
     args = argparse.Namespace(store="mysql://app:hunter2@db.example:3306/cells", name="t", run=print)
-    logs.starting("tail", args, kafka_security={"sasl.password": "**********"})
+    logsetup.starting("tail", args, kafka_security={"sasl.password": "**********"})
     line = caplog.records[-1].getMessage()
     assert "hunter2" not in line and "db.example" in line and "run" not in json.loads(line.split(": ", 1)[1])
 
@@ -89,7 +89,7 @@ def test_json_formatter_keeps_the_traceback() -> None:
         raise ValueError("boom")
     except ValueError:
         record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed %s", ("here",), sys.exc_info())
-    doc = json.loads(logs.JsonFormatter().format(record))
+    doc = json.loads(logsetup.JsonFormatter().format(record))
     assert doc["message"] == "failed here" and doc["level"] == "ERROR" and "ValueError: boom" in doc["exception"]
 
 

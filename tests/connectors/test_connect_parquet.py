@@ -22,7 +22,7 @@ import logstore
 from cellstream.cli.main import main
 from connectors.config import load_connector
 from connectors.runtime import connector_app
-from indexer.runtime.deadletters import DeadLetterStore
+from indexer.runtime.dlq_store import DeadLetterStore
 from tests.harness import REPO
 
 SHARDS = 8

@@ -14,7 +14,7 @@ import logstore
 from cellstream.cli.apps import open_dlq_app
 from cellstream.console import Console, ConsoleConfig
 from indexer import App
-from indexer.runtime.dlq import DeadLetterQueue
+from indexer.runtime.dlq_triage import DeadLetterQueue
 
 APP = '''
 from pathlib import Path

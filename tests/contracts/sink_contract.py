@@ -17,7 +17,7 @@ import pytest
 from logstore import Cell
 from tailer.errors import PublishError
 from tailer.interfaces import Sink
-from tailer.messages import coordinates, deadletter_record
+from tailer.messages import deadletter_record
 
 SHARD = 3
 
@@ -28,7 +28,7 @@ def cells(first: int, n: int, column: str = "BASE", shard: int = SHARD) -> list[
 
 
 def record_of(cell: Cell) -> dict[str, Any]:
-    return deadletter_record(coordinates(cell), topic="BASE", error=ValueError("cannot be decoded"),
+    return deadletter_record(cell.coordinates(), topic="BASE", error=ValueError("cannot be decoded"),
                              stage="decode", tailer="contract", worker="w1")
 
 
@@ -61,20 +61,20 @@ class SinkContract:
         assert self.received(sink) == [("cell", i) for i in range(1, 6)] + [("deadletter", 6)] + [
             ("cell", i) for i in range(7, 11)]
 
-    def test_a_group_of_several_shards_runs_keeps_each_shards_order_with_what_follows(self, sink: Sink) -> None:
+    def test_a_delivery_batch_of_several_shards_runs_keeps_each_shards_order_after_it(self, sink: Sink) -> None:
         other = cells(100, 3, shard=SHARD + 1)  # another shard (another partition): not in received()
 
         async def run() -> None:
             await sink.start()
             try:
                 await sink.prepare("BASE")
-                group = await sink.deliver_group([
+                delivered = await sink.deliver_batch([
                     (SHARD + 1, "BASE", [sink.accept(c) for c in other]),
                     (SHARD, "BASE", [sink.accept(c) for c in cells(1, 3)]),
                     (SHARD, "BASE", [sink.accept(c) for c in cells(4, 2)]),
                 ])
-                assert [sum(count for _f, count in run) for run in group] == [3, 3, 2]  # each run's items covered
-                futures = [*(f for run in group for f, _ in run),
+                assert [sum(count for _f, count in run) for run in delivered] == [3, 3, 2]  # each run's items covered
+                futures = [*(f for run in delivered for f, _ in run),
                            *(f for f, _ in await sink.deliver(SHARD, "BASE", [sink.accept(c) for c in cells(6, 3)]))]
                 await asyncio.wait_for(asyncio.gather(*futures), 30)
                 await sink.before_commit()

@@ -278,7 +278,8 @@ class PrivateKafka(_JavaServer):
     """A single-node KRaft Kafka (broker + controller) on free ports; log dir kept across restarts.
 
     With ``security``, two more listeners: ``sasl_ssl_bootstrap`` and ``ssl_bootstrap`` (see SecuredListeners);
-    the plain listener stays for the broker's own use and for readiness checks.
+    the plain listener stays for the broker's own use and for readiness checks. ``properties`` override the
+    broker's settings (for example ``{"auto.create.topics.enable": "true"}``, off by default here).
     """
 
     name = "kafka"
@@ -286,8 +287,9 @@ class PrivateKafka(_JavaServer):
     start_timeout = KAFKA_START_TIMEOUT
 
     def __init__(self, workdir: Path, port: int | None = None, controller_port: int | None = None,
-                 security: SecuredListeners | None = None) -> None:
+                 security: SecuredListeners | None = None, properties: dict[str, str] | None = None) -> None:
         super().__init__(workdir)
+        self.properties = dict(properties or {})
         self.port = port or free_port()
         self.controller_port = controller_port or free_port()
         while self.controller_port == self.port:
@@ -363,6 +365,7 @@ class PrivateKafka(_JavaServer):
             "group.initial.rebalance.delay.ms=0\n"
             "num.network.threads=2\n"
             "num.io.threads=2\n"
+            + "".join(f"{name}={value}\n" for name, value in self.properties.items())  # the last one counts
         )
         if (data / "meta.properties").exists():
             return

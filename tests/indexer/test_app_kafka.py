@@ -28,7 +28,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 import logstore
 from indexer import App, ConfigurationError, HandlerStalledError, SourceUnavailableError
 from logstore.retry import RetryPolicy
-from tailer.messages import coordinates, encode_deadletter
+from tailer.messages import encode_deadletter
 from tests.harness.app_worker import kill_mid_handler_then_drain
 from tests.harness.kafka_support import kcat_read, publish
 from tests.harness.shared_servers import KAFKA
@@ -88,7 +88,7 @@ def test_poison_cells_are_dead_lettered_with_their_kafka_position_mirrored_and_p
     produce(f"{topic_prefix}.BASE", 1, b"not-a-uuid", b"\xff not json")
     # A cell the tailer gave up on (its dead-letter record): each BASE handler dead-letters it.
     lost = store.put_cell(uuid.uuid4(), "BASE", 1, {"n": -1})
-    record = encode_deadletter(coordinates(lost), topic=f"{topic_prefix}.BASE", error=ValueError("body too large"),
+    record = encode_deadletter(lost.coordinates(), topic=f"{topic_prefix}.BASE", error=ValueError("body too large"),
                                stage="encode", tailer="tl", worker="w1")
     produce(f"{topic_prefix}-deadletter", lost.shard % P, record.key, record.value)
     # A garbled record there: whose cell it was is unknown, so every handler gets an entry.

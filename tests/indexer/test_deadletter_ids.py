@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import logstore
-from indexer.runtime.deadletters import _NAMESPACE, DeadLetterStore
+from indexer.runtime.dlq_store import _NAMESPACE, DeadLetterStore
 from logstore.cell import shard_of
 
 

@@ -21,7 +21,7 @@ NOW = dt.datetime.now(dt.UTC)
 
 
 def futures(sent: list[list[tuple[asyncio.Future[Any], int]]]) -> list[asyncio.Future[Any]]:
-    """The distinct futures of a group's deliveries."""
+    """The distinct futures of a delivery batch's runs."""
     return list(dict.fromkeys(future for run in sent for future, _count in run))
 
 
@@ -49,28 +49,28 @@ class Held:
                 await asyncio.sleep(0.005)
 
 
-def test_a_shards_later_cells_wait_for_the_group_holding_its_earlier_ones(store: logstore.Store) -> None:
+def test_a_shards_later_cells_wait_for_the_delivery_batch_holding_its_earlier_ones(store: logstore.Store) -> None:
     async def run() -> list[int]:
         held = Held(store)
         sink = HandlerSink(held.app.processor, batch_size=3, max_workers=4)
         await sink.start()
-        # A group of shards 1 and 2 that fills a batch and whose first cell's handler waits.
-        group = futures(await sink.deliver_group([(1, "BASE", [cell(1, 1, hold=True), cell(1, 2)]),
+        # A delivery batch of shards 1 and 2 that fills a handler batch and whose first cell's handler waits.
+        delivered = futures(await sink.deliver_batch([(1, "BASE", [cell(1, 1, hold=True), cell(1, 2)]),
                                                   (2, "BASE", [cell(2, 3)])]))
-        later = [f for f, _ in await sink.deliver(1, "BASE", [cell(1, 4)])]  # shard 1 again: waits for the group
+        later = [f for f, _ in await sink.deliver(1, "BASE", [cell(1, 4)])]  # shard 1 again: waits for the batch
         other = [f for f, _ in await sink.deliver(3, "BASE", [cell(3, 5)])]  # another shard: does not
         await held.until(5)
         await asyncio.sleep(0.05)
         before_release = list(held.handled)
         held.release.set()
-        await asyncio.wait_for(asyncio.gather(*group, *later, *other), 10)
+        await asyncio.wait_for(asyncio.gather(*delivered, *later, *other), 10)
         await sink.stop()
         held.app.close()
         return before_release
 
     before_release = asyncio.run(run())
     assert 1 in before_release and 5 in before_release
-    assert 4 not in before_release  # not handled while the group of its shard was under way
+    assert 4 not in before_release  # not handled while the delivery batch of its shard was under way
 
 
 def test_giving_up_a_shard_gives_up_the_deliveries_waiting_behind_it(store: logstore.Store) -> None:
@@ -78,20 +78,21 @@ def test_giving_up_a_shard_gives_up_the_deliveries_waiting_behind_it(store: logs
         held = Held(store)
         sink = HandlerSink(held.app.processor, batch_size=1, max_workers=4)
         await sink.start()
-        # A batch whose handler did not wait: a group is one unit then (handlers that wait get it by shard).
+        # A handler batch whose handler did not wait: a delivery batch is one job then (handlers that wait get
+        # a job per shard).
         await asyncio.gather(*(f for f, _ in await sink.deliver(4, "BASE", [cell(4, 0)])))
         first = [f for f, _ in await sink.deliver(1, "BASE", [cell(1, 1, hold=True)])]
         await held.until(1)  # under way: it finishes whatever is abandoned
-        group = futures(await sink.deliver_group([(1, "BASE", [cell(1, 2)]), (2, "BASE", [cell(2, 3)])]))
-        assert len(group) == 1  # one unit: one future for both shards
-        behind = [f for f, _ in await sink.deliver(1, "BASE", [cell(1, 4)])]  # waits for the group
+        delivered = futures(await sink.deliver_batch([(1, "BASE", [cell(1, 2)]), (2, "BASE", [cell(2, 3)])]))
+        assert len(delivered) == 1  # one job: one future for both shards
+        behind = [f for f, _ in await sink.deliver(1, "BASE", [cell(1, 4)])]  # waits for the batch
         apart = [f for f, _ in await sink.deliver(3, "BASE", [cell(3, 5)])]
-        sink.abandon([2])  # the group holds shard 2: it goes, and shard 1's cell behind it with it
+        sink.abandon([2])  # the batch holds shard 2: it goes, and shard 1's cell behind it with it
         held.release.set()
         await asyncio.wait_for(asyncio.gather(*first, *apart), 10)
         await asyncio.sleep(0.05)
         states = ["cancelled" if f.cancelled() else "done" if f.done() else "pending"
-                  for f in (*first, *group, *behind, *apart)]
+                  for f in (*first, *delivered, *behind, *apart)]
         await sink.stop()
         held.app.close()
         return held.handled, states
@@ -104,11 +105,11 @@ def test_giving_up_a_shard_gives_up_the_deliveries_waiting_behind_it(store: logs
 class CountingSink(HandlerSink):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.groups = self.singles = 0
+        self.batches = self.singles = 0
 
-    async def deliver_group(self, runs: Any) -> Any:
-        self.groups += 1
-        return await super().deliver_group(runs)
+    async def deliver_batch(self, runs: Any) -> Any:
+        self.batches += 1
+        return await super().deliver_batch(runs)
 
     async def deliver(self, shard: int, column: str, items: Any) -> Any:
         self.singles += 1
@@ -136,7 +137,7 @@ def test_the_worker_hands_a_read_of_many_shards_over_as_one_delivery(sqlite_url:
         app.close()
     # 1,000 cells in 256 shards, read a page's worth of shards at a time: a few deliveries, not one a shard
     # (the column's first page goes alone, to make the column ready; a read may end with one shard).
-    assert sink.singles <= 3 and 2 <= sink.groups <= 10
+    assert sink.singles <= 3 and 2 <= sink.batches <= 10
     by_shard: dict[int, list[int]] = {}
     for got in seen:
         by_shard.setdefault(got.shard, []).append(got.added_id)
@@ -144,8 +145,8 @@ def test_the_worker_hands_a_read_of_many_shards_over_as_one_delivery(sqlite_url:
 
 
 def split_into(store: logstore.Store, cell_seconds: float | None) -> int:
-    """The batches a group of ten one-cell shards is handled in by a synchronous handler, when its cells were
-    measured to take ``cell_seconds`` each (None: not measured yet)."""
+    """The handler batches a delivery batch of ten one-cell shards is handled in by a synchronous handler, when
+    its cells were measured to take ``cell_seconds`` each (None: not measured yet)."""
     app = App("split", store=store, concurrency=8)
     app.trigger("BASE")(lambda got: None)
     processor = app.processor
@@ -164,8 +165,8 @@ def split_into(store: logstore.Store, cell_seconds: float | None) -> int:
         sink._waited = True  # as after the first batch of a handler that runs in the pool
         await sink.start()
         processor.cell_seconds = cell_seconds
-        group = futures(await sink.deliver_group([(shard, "BASE", [cell(shard, shard)]) for shard in range(10)]))
-        await asyncio.wait_for(asyncio.gather(*group), 10)
+        delivered = futures(await sink.deliver_batch([(shard, "BASE", [cell(shard, shard)]) for shard in range(10)]))
+        await asyncio.wait_for(asyncio.gather(*delivered), 10)
         await sink.stop()
 
     asyncio.run(run())

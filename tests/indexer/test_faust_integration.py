@@ -15,7 +15,7 @@ import pytest
 
 import logstore
 from indexer.faust import DeadLetters, register_codec
-from indexer.runtime.deadletters import DeadLetterStore
+from indexer.runtime.dlq_store import DeadLetterStore
 from tests.harness.kafka_support import kcat_read, publish
 from tests.harness.shared_servers import KAFKA
 

@@ -12,8 +12,9 @@ import pytest
 
 import indexer.indexes.definitions
 from indexer import NonRetriableError
-from indexer.errors import DefinitionError, EntryFieldError
+from indexer.errors import EntryFieldError
 from indexer.indexes.definitions import load_indexes
+from logstore.errors import ConfigFileError
 from tests.harness.index_support import SEED_YAML
 
 SEED = SEED_YAML.lstrip("\n") + "      - {name: status, type: str}\n      - {name: extras, type: json}\n"
@@ -55,7 +56,7 @@ def test_the_module_example_runs() -> None:
 )
 def test_a_bad_definition_names_its_line_and_field(change: tuple[str, str], line: int | None, field: str,
                                                    words: str) -> None:
-    with pytest.raises(DefinitionError) as error:
+    with pytest.raises(ConfigFileError) as error:
         load_indexes(SEED.replace(*change))
     assert words in str(error.value)
     assert error.value.field == field
@@ -66,22 +67,22 @@ def test_a_bad_definition_names_its_line_and_field(change: tuple[str, str], line
 
 def test_a_shard_field_of_a_type_without_a_stable_hash_is_refused() -> None:
     text = SEED.replace("shard_field: driver_partner_uuid", "shard_field: fare")
-    with pytest.raises(DefinitionError, match="has type float; it must be uuid, str or int") as error:
+    with pytest.raises(ConfigFileError, match="has type float; it must be uuid, str or int") as error:
         load_indexes(text)
     assert error.value.line == 5
 
 
 def test_two_indexes_with_one_name_and_a_file_that_is_not_a_mapping_are_refused(tmp_path: Path) -> None:
     twice = SEED + SEED.split("\n", 1)[1]
-    with pytest.raises(DefinitionError, match="driver_partner_index version 1 defined more than once"):
+    with pytest.raises(ConfigFileError, match="driver_partner_index version 1 defined more than once"):
         load_indexes(twice)
     v2 = SEED.split("\n", 1)[1].replace("version: 1", "version: 2").replace("column: BASE", "column: OTHER")
-    with pytest.raises(DefinitionError, match="versions of driver_partner_index read different columns"):
+    with pytest.raises(ConfigFileError, match="versions of driver_partner_index read different columns"):
         load_indexes(SEED + v2)
     assert [i.version for i in load_indexes(SEED + v2.replace("column: OTHER", "column: BASE"))] == [1, 2]
-    with pytest.raises(DefinitionError, match="must be a mapping"):
+    with pytest.raises(ConfigFileError, match="must be a mapping"):
         load_indexes("- just\n- a list\n")
-    with pytest.raises(DefinitionError, match="cannot read it"):
+    with pytest.raises(ConfigFileError, match="cannot read it"):
         load_indexes(tmp_path / "missing.yaml")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import datetime as dt
 import os
 import struct
 import time
@@ -12,7 +13,7 @@ import zlib
 import msgpack
 import pytest
 
-from logstore.cell import compress, decode_body, pack_body, same_json, shard_of
+from logstore.cell import Cell, PackedCell, compress, decode_body, pack_body, same_json, shard_of
 from logstore.errors import CorruptCellError
 
 
@@ -88,3 +89,16 @@ def test_random_bodies_round_trip() -> None:
     for _ in range(300):
         body = {f"f{i}": value(0) for i in range(rng.randrange(6))}
         assert same_json(decode_body(compress(pack_body(body, 1 << 20), 1)), body)
+
+
+def test_a_cell_packed_or_not_names_itself_by_the_same_coordinates() -> None:
+    row_key = uuid.UUID("123e4567-e89b-12d3-a456-426614174000")
+    created = dt.datetime(2026, 11, 25, 14, 30, 5, 250_000, tzinfo=dt.UTC)
+    cell = Cell(row_key, "BASE", 7, {"fare": 12.5}, 42, 2653, created)
+    packed = PackedCell(row_key, "BASE", 7, msgpack.packb({"fare": 12.5}), 42, 2653, created)
+
+    assert cell.coordinates() == packed.coordinates() == {
+        "row_key": "123e4567-e89b-12d3-a456-426614174000", "column": "BASE", "ref_key": 7, "added_id": 42,
+        "shard": 2653, "created_at": "2026-11-25T14:30:05.250000+00:00"}
+    assert cell.to_json() == {**cell.coordinates(), "body": {"fare": 12.5}}
+    assert list(cell.to_json()) == ["row_key", "column", "ref_key", "added_id", "shard", "created_at", "body"]

@@ -16,6 +16,7 @@ from pymysql.constants import SERVER_STATUS
 
 import logstore
 from logstore.backends.mysql.recorder import TOUCH_MARGIN
+from logstore.backends.mysql.target import MySQLTarget
 from logstore.config import parse_node_url
 from tests.contracts.logstore_contract import (
     OLD_OFFSETS,
@@ -30,7 +31,7 @@ from tests.harness.stores import keys_in_shard, two_nodes
 
 def _connect(url: str) -> pymysql.connections.Connection:
     t = parse_node_url(url)
-    assert isinstance(t, logstore.config.MySQLTarget)
+    assert isinstance(t, MySQLTarget)
     return pymysql.connect(host=t.host, port=t.port, user=t.user, password=t.password, database=t.database,
                            autocommit=True)
 
@@ -122,9 +123,10 @@ def test_cluster_file_spreads_shards_over_two_databases(mysql_database_factory: 
 def test_bad_cluster_files_name_the_problem(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "cluster.toml"
     path.write_text(text)
-    with pytest.raises(logstore.ConfigurationError, match=message):
+    with pytest.raises(logstore.ConfigFileError, match=message) as raised:
         logstore.open(path)
-    with pytest.raises(logstore.ConfigurationError, match="cannot read cluster file"):
+    assert raised.value.source == f"cluster file {path}"
+    with pytest.raises(logstore.ConfigFileError, match=r"missing\.toml: cannot read it"):
         logstore.open(tmp_path / "missing.toml")
 
 
@@ -231,7 +233,7 @@ def test_killed_connection_is_retried_transparently(mysql_database: str) -> None
 
 def test_unreachable_server_is_retriable_and_bad_password_is_configuration(mysql_database: str) -> None:
     t = parse_node_url(mysql_database)
-    assert isinstance(t, logstore.config.MySQLTarget)
+    assert isinstance(t, MySQLTarget)
     started = time.monotonic()
     with pytest.raises(logstore.StorageUnavailableError) as info:
         logstore.open(f"mysql://{t.user}:{t.password}@127.0.0.1:1/{t.database}",

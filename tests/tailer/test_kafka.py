@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
@@ -306,3 +307,65 @@ def test_a_partition_batch_leaves_at_once_whatever_the_producer_linger(topic_pre
             return time.monotonic() - started
 
     assert asyncio.run(scenario()) < 2.5  # one round trip to the local broker; lingering takes 5 s
+
+
+def test_a_topic_with_another_partition_count_is_refused_once_with_its_fix_and_published_once_fixed(
+    store: logstore.Store, zk_chroot: str, topic_prefix: str, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A column's topic created before the tailer with another partition count (what a broker with
+    auto.create.topics.enable does when a consumer names it first): every shard with a cell of the column is
+    refused, again and again, but the sink logs the refusal once for the column, with the commands that fix
+    the topic, and asks the broker again only every RECHECK_SECONDS; once fixed, the column is published."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
+
+    from tailer.publishers import topics
+
+    monkeypatch.setattr(topics, "RECHECK_SECONDS", 1.0)
+    caplog.set_level(logging.INFO, logger="tailer.publishers.topics")
+    caplog.set_level(logging.INFO, logger="tailer.worker")
+    topic = f"{topic_prefix}.BASE"
+
+    async def admin(change: Callable[[AIOKafkaAdminClient], Any]) -> None:
+        client = AIOKafkaAdminClient(bootstrap_servers=KAFKA)
+        await client.start()
+        try:
+            await change(client)
+        finally:
+            await client.close()
+    asyncio.run(admin(lambda a: a.create_topics([NewTopic(topic, 3, 1)])))
+    checks: list[str] = []
+    prepare_topic = KafkaPublisher.prepare_topic
+
+    async def counted(self: KafkaPublisher, name: str, partitions: int, replication_factor: int) -> None:
+        checks.append(name)
+        await prepare_topic(self, name, partitions, replication_factor)
+    monkeypatch.setattr(KafkaPublisher, "prepare_topic", counted)
+    cells = put(store, 200)  # in every shard
+    t = tailer(store, zk_chroot, topic_prefix, name="partitions")
+
+    def failures() -> float:
+        found = t.metrics.registry.get_sample_value("cellstream_tailer_delivery_failures_total",
+                                                    {"tailer": "partitions"})
+        return found or 0.0
+
+    async def scenario() -> None:
+        started = time.monotonic()
+        async with t:
+            await until(lambda: failures() >= 3 * SHARDS, what="the shards' attempts")
+            elapsed = time.monotonic() - started
+            refusals = [r for r in caplog.records if r.name == "tailer.publishers.topics"]
+            assert [r.levelno for r in refusals] == [logging.ERROR]
+            retries = [r for r in caplog.records if r.name == "tailer.worker" and r.levelno >= logging.WARNING]
+            assert retries == []  # not a line per shard and attempt: the refusal above says it for the topic
+            message = refusals[0].getMessage()
+            assert f"topic {topic} has 3 partitions but the tailer maps shards onto {P} (shard mod {P})" in message
+            assert f"kafka-topics.sh --bootstrap-server {KAFKA} --alter --topic {topic} --partitions {P}" in message
+            assert "auto.create.topics.enable" in message
+            assert checks.count(topic) <= 2 + elapsed / topics.RECHECK_SECONDS  # not once an attempt
+            await admin(lambda a: a.create_partitions({topic: NewPartitions(P)}))
+            await delivered(topic, {(c.shard, c.added_id) for c in cells})
+    asyncio.run(scenario())
+    assert_shard_order(kcat_read(KAFKA, topic), P)
+    assert [r.getMessage() for r in caplog.records if r.name == "tailer.publishers.topics"][1:] == [
+        f"topic {topic} has {P} partitions now: its column is published"]

@@ -119,7 +119,7 @@ def test_nothing_later_of_a_shard_goes_out_after_a_failed_delivery_until_the_fai
 
     def gated(locations: Mapping[int, int], limit: int = 1000, *,
               columns: Sequence[str] | None = None, packed: bool = False) -> Any:
-        page = limit > 1  # not the lag measurement's look at the oldest unacknowledged cells
+        page = limit > 1  # not the lag measurement's read of the oldest unacknowledged cells
         if page and B in locations:  # B fails only once A's first page is in flight on the old producer
             assert publisher.a_sent.wait(10)
         later = page and locations.get(A, 0) > 0  # A's pages after its first

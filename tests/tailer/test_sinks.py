@@ -11,8 +11,8 @@ import pytest
 
 import logstore
 from indexer import App
-from indexer.runtime.deadletters import DeadLetterStore
 from indexer.runtime.direct import HandlerSink
+from indexer.runtime.dlq_store import DeadLetterStore
 from tailer.config import KafkaOptions, TailerConfig
 from tailer.interfaces import Sink
 from tailer.publishers.directory import DirectoryPublisher, read_topic

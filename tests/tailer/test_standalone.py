@@ -425,9 +425,9 @@ def test_cellstream_tail_tunes_its_process_for_streaming(
 def test_the_worker_decodes_its_pages_on_its_loop_not_in_the_read_threads(
     store: logstore.Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value_format: str
 ) -> None:
-    """Reads hand the loop undecoded pages (Store.read_pages): a read thread beside the busy loop waited for
-    the GIL back after each body's zlib call, 30 µs a cell against 1.8 alone. Pages of busy shards and those
-    a look brings of idle shards alike; cells written after the first ones were published come by a look."""
+    """Reads hand the loop undecoded pages (Store.read_pages), so that a read thread beside the busy loop does
+    not wait for the GIL back after each body's zlib call. Pages of busy shards and those a count poll brings
+    of idle shards alike; cells written after the first ones were published come by a count poll."""
     from logstore.backends.sqlite import recorder
 
     decoded_in: list[threading.Thread] = []

@@ -1,2 +1,2 @@
-"""The MySQL/MariaDB backend: recorder, connection pool, driver-error boundary, buffered writes,
-index tables and shard moves (needs ``cellstream[mysql]``)."""
+"""The MySQL/MariaDB backend: its URL (``target.py``, TLS options included), recorder, connection pool,
+driver-error boundary, buffered writes, index tables and shard moves (needs ``cellstream[mysql]``)."""

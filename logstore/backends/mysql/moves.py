@@ -1,24 +1,9 @@
 """Online shard moves between MySQL storage nodes (``cellstream shards move SHARD... --to NODE``).
 
-For each shard, while writers go on:
-
-1. the target gets the shard's row in ``cellstream_shards``, fenced (pointing at the source) while
-   it fills, so no write lands there before the switch;
-2. copy: the source's cells are copied in added_id order, **with their added_ids**, page by page,
-   and again until a pass finds few new ones (catch-up);
-3. fence: the source's shard row gets ``fence`` = the target. Setting it waits for the writes under
-   way, which hold the row's lock, and every later write finds it and writes nothing; the store
-   retries it on the new map;
-4. the last cells are copied, and the counts and highest added_id of both copies compared;
-5. switch: the target's row takes the shard's ``last_id`` and loses its fence, then the move is
-   recorded on the source (``moved_to``). Every store reads these records at open, every
-   ``map_refresh`` seconds, and at once when a write meets the fence.
-
-Because the added_ids are kept, a tailer's location in the shard stays valid on the target,
-and the target's counter goes on above them: the log neither skips nor repeats. The source
-copy stays (readable, fenced) until :func:`drop_moved` deletes it, in chunks, leaving the
-fenced row. A verification that fails lifts the fence and records nothing. A shard of a node
-holding secondary indexes is not moved: their entries would stay behind.
+A shard is copied with its added_ids while writers go on, fenced on the source, copied to the end and
+checked, then switched; a tailer's location stays valid on the target, and a failed check lifts the fence
+and records nothing. The source copy stays (fenced, readable) until :func:`drop_moved`. A shard of a node
+holding secondary indexes is not moved. The protocol step by step: docs/logstore.md, "Online shard moves".
 """
 
 from __future__ import annotations

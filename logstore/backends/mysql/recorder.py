@@ -1,28 +1,11 @@
-"""The MySQL/MariaDB backend: one database per storage node, one ``cells`` table for all its shards.
+"""The MySQL/MariaDB recorder: one database per storage node, one ``cells`` table for all its shards
+(layout 2, clustered by ``(shard, added_id)``).
 
-Layout (version 2, recorded in ``cellstream_meta``): ``cells`` is clustered by
-``PRIMARY KEY (shard, added_id)``, so a shard's log is one contiguous range of the
-table and a read of many shards is one query of several ranges; ``UNIQUE (row_key,
-column_name, ref_key)`` keeps cells immutable and ``KEY (shard, created_at)`` serves
-``location_at``. A batch costs one multi-row INSERT per node however many shards it
-touches, and the table count, hence MariaDB's table caches, does not grow with the
-shard count (layout 1, a table per shard, overflowed them at 4096 shards).
-
-No-skip guarantee: each shard has a row in ``cellstream_shards`` holding ``last_id``,
-the shard's highest added_id. A write transaction locks its shards' rows (ascending
-shard order, so writers never deadlock), allocates the next ids from ``last_id``,
-inserts and commits, and only then can another writer of those shards lock the row.
-So a shard's ids are allocated and committed in one order, and a reader paging
-``added_id > location`` never sees a higher id commit before a lower one. Because the
-counter rolls back with its transaction, a shard's ids are dense (1, 2, 3, ...): the
-head and the cell count of a shard are ``last_id``, and a page of ``limit`` cells
-after ``location`` is exactly the id range ``(location, location + limit]``.
-
-A write to one shard is one round trip (lock, allocate, insert, COMMIT in one
-multi-statement packet); a write to several shards is two (lock and read the
-counters, then insert, move the counters and COMMIT). The row also carries the
-shard-move fence (:mod:`logstore.backends.mysql.moves`): a writer that finds ``fence`` set writes
-nothing and is told where the shard went.
+A write locks its shards' rows in ``cellstream_shards`` (ascending, so writers never deadlock) and allocates
+ids from their ``last_id``, so a shard's ids commit in order and are dense: a reader paging ``added_id >
+location`` never misses a cell, and a page after ``location`` is the id range ``(location, location +
+limit]``. The row also carries the shard-move fence (:mod:`logstore.backends.mysql.moves`). Design notes:
+docs/logstore.md, "The log never skips a committed cell" and "MySQL/MariaDB".
 """
 
 from __future__ import annotations
@@ -54,9 +37,11 @@ from logstore.backends.mysql.errors import (
     retry_here,
     translate,
 )
+from logstore.backends.mysql.index_tables import MySQLIndexRecorder
 from logstore.backends.mysql.pool import Connection, Pool, ReadFallback, Statement, run_script
+from logstore.backends.mysql.target import MySQLTarget
 from logstore.cell import AnyCell, Cell, PackedCell
-from logstore.config import MySQLTarget, StoreOptions
+from logstore.config import StoreOptions
 from logstore.errors import ConfigurationError, CorruptCellError, ShardMovedError, StorageError, StoreNotFoundError
 from logstore.offsets import ConsumerOffsets, OffsetRecord, move_old_offsets
 from logstore.persistence import (
@@ -69,7 +54,6 @@ from logstore.persistence import (
     PendingRecord,
     check_meta,
     concat_counts,
-    decode_log,
     decode_pages,
     make_cell,
     make_packed_cell,
@@ -89,10 +73,10 @@ LAYOUT = 2  # the version of the table layout above; layout 1 had a table per sh
 # Added to layout 2 in place: a node created before it gets the column at its next open.
 _TOUCHED_COLUMN = "touched TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6)"
 _TOUCHED_KEY = "KEY shards_touched (touched, last_id)"
-# A row's ``touched`` is its writing statement's start; the transaction commits later. A look reads the
-# rows touched since the previous look's start less this margin, so a counter committed up to this long
+# A row's ``touched`` is its writing statement's start; the transaction commits later. A count poll reads the
+# rows touched since the previous poll's start less this margin, so a counter committed up to this long
 # after it was moved is still seen; one committed later is left to the reader's next complete count. The
-# rows read grow with the margin (100 a look at 500 writes a second), and so does the look's cost.
+# rows read grow with the margin and the write rate, and so does the poll's cost.
 TOUCH_MARGIN = 0.2
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS cellstream_meta ("
@@ -302,10 +286,6 @@ class MySQLRecorder(NodeRecorder):
         self._deferred_lock = threading.Lock()
         self._creating = False  # set by initialize(): only then may a connection create the database
         self._initializing: int | None = None  # the thread running the deferred initialization
-        from logstore.backends.mysql.index_tables import (
-            MySQLIndexRecorder,  # it uses this module's connections and scripts
-        )
-
         self.indexes = MySQLIndexRecorder(name, self._call, run_script, options.max_statement_bytes)
 
     # -- connections and errors -----------------------------------------------------
@@ -644,32 +624,16 @@ class MySQLRecorder(NodeRecorder):
             " ORDER BY column_name", (row_key.bytes,))
         return [_row_to_cell(r) for r in rows]
 
-    def get_log(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Cell]:
-        return decode_log(self._log_rows(shard, location, limit, columns), _log_row_to_cell)
-
     def _log_rows(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Any]:
         where, extra = _after(columns)
         return list(self._read(f"SELECT {LOG_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s",
                                [shard, location, *extra, limit]))
 
-    def get_logs(
-        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
-    ) -> dict[int, list[Cell] | CorruptCellError]:
-        return self._logs(locations, limit, columns, _log_row_to_cell)()
-
-    def get_packed_logs(
-        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
-    ) -> dict[int, list[PackedCell] | CorruptCellError]:
-        return self._logs(locations, limit, columns, _log_row_to_packed_cell)()
-
     def read_logs(
         self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool
     ) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
-        return self._logs(locations, limit, columns, _log_row_to_packed_cell if packed else _log_row_to_cell)
-
-    def _logs(self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None,
-              to_cell: Callable[[Any], C]) -> Callable[[], dict[int, list[C] | CorruptCellError]]:
-        """The rows of the pages, read now; the function returned decodes them."""
+        """One query for all the pages (:func:`_dense_pages`; a ``LIMIT``ed part per shard for some columns)."""
+        to_cell: Callable[[Any], AnyCell] = _log_row_to_packed_cell if packed else _log_row_to_cell
         if len(locations) < 2:  # one shard: its own page query
             rows = {shard: self._log_rows(shard, location, limit, columns) for shard, location in locations}
             return partial(decode_pages, rows, to_cell, _ADDED_ID)

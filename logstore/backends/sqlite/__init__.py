@@ -1,1 +1,1 @@
-"""The SQLite backend, the embedded default: the recorder and its index tables."""
+"""The SQLite backend, the embedded default: its URL (``target.py``), the recorder and its index tables."""

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from logstore.backends.sqlite.index_tables import SQLiteIndexRecorder
+from logstore.backends.sqlite.target import SQLiteTarget
 from logstore.cell import AnyCell, Cell, PackedCell
-from logstore.config import SQLiteTarget, StoreOptions
+from logstore.config import StoreOptions
 from logstore.errors import ConfigurationError, CorruptCellError, LogstoreError, StorageError, StorageUnavailableError
 from logstore.offsets import ConsumerOffsets, OffsetRecord, move_old_offsets
 from logstore.persistence import (
@@ -37,7 +38,6 @@ from logstore.persistence import (
     PendingCell,
     check_meta,
     concat_counts,
-    decode_log,
     decode_pages,
     make_cell,
     make_packed_cell,
@@ -53,7 +53,6 @@ _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _BUSY_TIMEOUT = 30  # seconds a writer waits for another's lock
 _SQLITE_NEEDED = (3, 35)
 _T = TypeVar("_T")
-_C = TypeVar("_C", bound=AnyCell)
 _Row = tuple[int, int, bytes, str, int, bytes, int]
 
 _SCHEMA = (
@@ -222,9 +221,8 @@ class SQLiteRecorder(NodeRecorder):
     """A node's cells and offsets in ``logstore.db``; its index tables in ``indexes.db`` beside it, so
     index writers never wait behind cell writers for SQLite's one write lock (and the reverse)."""
 
-    # Reads run in this process: four at once took twice the CPU of one after another (50,000 cells of
-    # 4096 shards on two cores, 0.65 s against 0.32 s): the threads queue for the GIL between each
-    # sqlite3 step and the Python decoding of its rows.
+    # Reads run in this process: several at once queue for the GIL between each sqlite3 step and the
+    # decoding of its rows, costing more CPU than one after another (docs/logstore.md, "Read concurrency").
     parallel_reads = 1
 
     def __init__(self, name: str, target: SQLiteTarget, options: StoreOptions) -> None:
@@ -328,44 +326,27 @@ class SQLiteRecorder(NodeRecorder):
             rows = self._conn().execute(_SELECT_ROW, (row_key.bytes,)).fetchall()
         return [_row_to_cell(r) for r in rows]
 
-    def get_log(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Cell]:
-        sql, args = _SELECT_LOG, (shard, location, limit)
-        if columns:
-            marks = ", ".join("?" * len(columns))
-            sql = sql.replace("ORDER BY", f"AND column_name IN ({marks}) ORDER BY")
-            args = (shard, location, *columns, limit)  # type: ignore[assignment]
-        with self._errors("read log"):
-            rows = self._conn().execute(sql, args).fetchall()
-        return decode_log(rows, _row_to_cell)
-
-    def get_logs(
-        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
-    ) -> dict[int, list[Cell] | CorruptCellError]:
-        """One statement per 500 shards: each statement releases and retakes the GIL, and a reader thread
-        retaking it behind a busy event loop waits a switch interval, so a query per shard cost a
-        4096-shard reader far more than the reading did."""
-        return self._logs(locations, limit, columns, _row_to_cell)()
-
-    def get_packed_logs(
-        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None
-    ) -> dict[int, list[PackedCell] | CorruptCellError]:
-        return self._logs(locations, limit, columns, _row_to_packed_cell)()
-
     def read_logs(
         self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool
     ) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
-        return self._logs(locations, limit, columns, _row_to_packed_cell if packed else _row_to_cell)
-
-    def _logs(self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None,
-              to_cell: Callable[[_Row], _C]) -> Callable[[], dict[int, list[_C] | CorruptCellError]]:
-        """The rows of the pages, read now; the function returned decodes them."""
+        """One statement per 500 shards (one for a single shard): each statement lets go of the GIL and
+        retakes it, which a reader thread beside a busy event loop waits for."""
+        to_cell: Callable[[_Row], AnyCell] = _row_to_packed_cell if packed else _row_to_cell
+        if len(locations) == 1:
+            [(shard, location)] = locations
+            sql, args = _SELECT_LOG, [shard, location, *(columns or ()), limit]
+            if columns:
+                sql = sql.replace("ORDER BY", f"AND column_name IN ({', '.join('?' * len(columns))}) ORDER BY")
+            with self._errors("read log"):
+                rows = self._conn().execute(sql, args).fetchall()
+            return partial(decode_pages, {shard: rows}, to_cell, _ADDED_ID)
         by_shard: dict[int, list[_Row]] = {s: [] for s, _ in locations}
         for group in _chunks(locations):
             sql = _pages_sql(len(group), columns)
-            args: list[int | str] = [a for pair in group for a in pair]
-            args += [*(columns or ()), *(columns or ()), limit - 1]
+            params: list[int | str] = [a for pair in group for a in pair]
+            params += [*(columns or ()), *(columns or ()), limit - 1]
             with self._errors("read log"):
-                for row in self._conn().execute(sql, args).fetchall():
+                for row in self._conn().execute(sql, params).fetchall():
                     by_shard[row[1]].append(row)
         return partial(decode_pages, by_shard, to_cell, _ADDED_ID)
 

@@ -3,8 +3,9 @@
 
 Commands log warnings and errors; the long-running ones (``tail``, ``run``, ``serve``, ``connect run``) log INFO
 too, and begin with one line naming the version and their settings, secrets masked (:func:`starting`). ``-v``
-logs INFO for every command. When the program running :func:`~cellstream.cli.main.main` has configured logging
-itself (a test, an embedding app), its configuration is left alone.
+logs INFO for every command. The worker processes of ``run --workers N`` log as their parent does, each line
+naming its worker (:func:`configure_worker`). When the program running :func:`~cellstream.cli.main.main` has
+configured logging itself (a test, an embedding app), its configuration is left alone.
 
 The JSON formatter is a few lines over the standard library's ``logging.Formatter``: python-json-logger would be
 a dependency for them.
@@ -27,12 +28,20 @@ logger = logging.getLogger("cellstream")
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record: ``{"time", "level", "logger", "message", "exception"?}``."""
+    """One JSON object per record: ``{"time", "level", "logger", "worker"?, "message", "exception"?}``; the
+    worker (``worker-0``, ...) in a worker process of ``cellstream run --workers N``."""
+
+    def __init__(self, worker: str | None = None) -> None:
+        super().__init__()
+        self.worker = worker
 
     def format(self, record: logging.LogRecord) -> str:
         doc: dict[str, Any] = {
             "time": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+            "level": record.levelname, "logger": record.name}
+        if self.worker is not None:
+            doc["worker"] = self.worker
+        doc["message"] = record.getMessage()
         if record.exc_info:
             doc["exception"] = self.formatException(record.exc_info)
         return json.dumps(doc, ensure_ascii=False, default=str)
@@ -42,16 +51,25 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
     """The handler :func:`configure` installs (told apart from a program's own)."""
 
 
-def configure(log_format: str, verbose: bool) -> None:
+def configure(log_format: str, verbose: bool, *, worker: str | None = None) -> None:
+    """Log to stderr as ``log_format`` (text or json), INFO too when ``verbose``, else warnings and errors;
+    ``worker`` names the process in every line. Nothing changes when the program configured logging itself."""
     root = logging.getLogger()
     if any(not isinstance(h, _Handler) for h in root.handlers):
         return  # the program running main() logs as it chose
     for handler in list(root.handlers):
         root.removeHandler(handler)
     handler = _Handler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT))
+    text = TEXT if worker is None else TEXT.replace(" %(name)s", f" {worker} %(name)s")
+    handler.setFormatter(JsonFormatter(worker) if log_format == "json" else logging.Formatter(text))
     root.addHandler(handler)
     root.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def configure_worker(log_format: str, worker: str) -> None:
+    """A worker process of ``cellstream run --workers N`` (spawned: it inherits no logging) logs as its
+    parent, a long-running command, does: ``log_format``, INFO, each line naming ``worker``."""
+    configure(log_format, True, worker=worker)
 
 
 def starting(command: str, args: argparse.Namespace, **settings: Any) -> None:

@@ -1,4 +1,5 @@
-"""Dead-letter triage: list, stats, show, replay and discard (``app.dlq`` and ``cellstream dlq``).
+"""Dead-letter triage: list, stats, show, replay and discard an app's entries (``app.dlq``, ``cellstream dlq``,
+the console), with filters; the entries are kept by :mod:`indexer.runtime.dlq_store`.
 
 Replay runs the app's current handler on the entry's cell through the normal path
 (the same retries). The entry is marked ``replayed`` before the handler runs and
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple, Protocol
 from pydantic import AwareDatetime, BaseModel, ConfigDict, ValidationError
 
 from indexer.errors import EntryStateError, HandlerMissingError, InvalidFilterError
-from indexer.runtime.deadletters import OPEN_STATES, DeadLetter, DeadLetterStore, Status
+from indexer.runtime.dlq_store import OPEN_STATES, DeadLetter, DeadLetterStore, Status
 from indexer.runtime.handlers import Processor
 from indexer.runtime.policy import Outcome, describe
 from logstore import Cell, CellConflictError, LogstoreError

@@ -1,16 +1,11 @@
-"""A worker node as a storage node: :func:`logstore.open("http://host:port", token=...)` gives a
-:class:`~logstore.store.Store` whose one recorder speaks the worker node's HTTP API.
+"""The client of a worker node: a recorder holding every shard, over the worker node's HTTP API.
 
-The store validates and routes as it does locally (bad input never leaves the
-process), and the worker node's answers come back as the same cells and the same
-:class:`~logstore.errors.LogstoreError` s, so an app switches between a local store
-and a worker node by URL. Secondary indexes are not served over HTTP: the index
-side raises ConfigurationError.
-
-Connections are kept alive, one per thread (stdlib ``http.client``). A request on a
-kept-alive connection the server has closed meanwhile is sent once more on a new
-one; every request is safe to repeat (puts are idempotent). A worker node that
-cannot be reached, or answers 503, is a retriable StorageUnavailableError.
+The store validates and routes as it does locally (bad input never leaves the process), and the worker
+node's answers come back as the same cells and :class:`~logstore.errors.LogstoreError` s, so an app switches
+between a local store and a worker node by URL. Secondary indexes are not served over HTTP: the index side
+raises ConfigurationError. Connections are kept alive, one per thread (stdlib ``http.client``); a request on a
+kept-alive connection the server closed meanwhile is sent once more on a new one (every request is safe to
+repeat). A node that cannot be reached, or answers 503, is a retriable StorageUnavailableError.
 """
 
 from __future__ import annotations
@@ -19,29 +14,34 @@ import datetime as dt
 import http.client
 import json
 import logging
+import os
 import ssl
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
-from logstore.cell import Cell
-from logstore.config import HttpTarget, StoreOptions
+from logstore.backends.http.target import HttpTarget
+from logstore.cell import AnyCell, Cell
+from logstore.config import StoreOptions
 from logstore.errors import ConfigurationError, CorruptCellError, StorageUnavailableError
 from logstore.index_tables.persistence import IndexRecorder
 from logstore.node.wire import cell_from_json, dumps, error_from_json, loads
 from logstore.offsets import OffsetRecord
-from logstore.persistence import ChangedCounts, NodeMeta, NodeRecorder, PendingCell, check_meta
+from logstore.persistence import ChangedCounts, NodeMeta, NodeRecorder, PendingCell, check_meta, repack
 from logstore.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
 
 class HttpRecorder(NodeRecorder):
-    """The worker node at ``target`` holding every shard (see the module docstring)."""
+    """The worker node at ``target`` holding every shard (see the module docstring). ``token`` is the Bearer
+    token of its requests; None: the CELLSTREAM_TOKEN environment variable's, if set."""
 
     def __init__(self, name: str, target: HttpTarget, options: StoreOptions, token: str | None = None) -> None:
+        if token is None:
+            token = os.environ.get("CELLSTREAM_TOKEN") or None
         self.name = name
         self.target = target
         parts = urlsplit(target.url)
@@ -150,25 +150,25 @@ class HttpRecorder(NodeRecorder):
         return [cell_from_json(doc) for doc in self._request("GET", f"/v1/rows/{row_key}")["cells"].values()]
 
     # -- logs -----------------------------------------------------------------------
-    def get_log(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Cell]:
-        query = {"after": location, "limit": limit, **({"columns": ",".join(columns)} if columns else {})}
-        page = self._request("GET", f"/v1/shards/{shard}/log?{urlencode(query)}")
-        return [cell_from_json(doc) for doc in page["cells"]]
-
-    def get_logs(self, locations: Sequence[tuple[int, int]], limit: int,
-                 columns: Sequence[str] | None) -> dict[int, list[Cell] | CorruptCellError]:
+    def read_logs(self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None,
+                  packed: bool) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
+        """One request for every shard's page (``POST /v1/logs``), decoded as it arrives; packed pages are the
+        decoded bodies packed again (the node sends JSON)."""
         answer = self._request("POST", "/v1/logs", {"locations": {str(s): at for s, at in locations}, "limit": limit,
                                                     "columns": list(columns) if columns else None})
-        out: dict[int, list[Cell] | CorruptCellError] = {}
+        out: dict[int, Sequence[AnyCell] | CorruptCellError] = {}
         for shard, page in answer["pages"].items():
             if "error" in page:
                 error = error_from_json(500, page)
                 if not isinstance(error, CorruptCellError):
                     raise error
+                if packed:
+                    error.cells_before = [repack(c) for c in error.cells_before]
                 out[int(shard)] = error
             else:
-                out[int(shard)] = [cell_from_json(doc) for doc in page["cells"]]
-        return out
+                cells = [cell_from_json(doc) for doc in page["cells"]]
+                out[int(shard)] = [repack(c) for c in cells] if packed else cells
+        return lambda: out
 
     def first_at(self, shard: int, when: dt.datetime) -> int | None:
         # The node answers Store.location_at whole (first - 1, or its head), which the calling
@@ -195,7 +195,7 @@ class HttpRecorder(NodeRecorder):
             if answer is not None:
                 return ChangedCounts(dict(zip(answer["shards"], answer["cells"], strict=True)), answer["mark"],
                                      bool(answer["complete"]))
-            logger.warning("worker node %s has no /v1/counts (an older version): every look counts every shard",
+            logger.warning("worker node %s has no /v1/counts (an older version): every count poll counts every shard",
                            self.target.url)
             self._counts_route = False
         counts = {int(s["shard"]): int(s["cells"]) for s in self._request("GET", "/v1/shards")["shards"]}
