@@ -33,9 +33,10 @@ lint: $(VENV)/.test
 	@command -v promtool >/dev/null || { echo "lint: promtool is missing: run scripts/install.sh (Debian prometheus)"; exit 1; }
 	cd docker/monitoring && promtool check rules alerts.yml && promtool test rules alerts.test.yml
 
-## docs: build the docs site (mkdocs-material) into .site/; a broken link or anchor fails it
+## docs: build the docs site (mkdocs-material) into .site/; a broken link or anchor fails it (not --quiet:
+## with it, mkdocs does not count the warnings that --strict fails on)
 docs: $(VENV)/.test
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d .site
+	set -o pipefail; NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d .site 2>&1 | { grep -v '^INFO' || true; }
 
 ## unit: the tests that need no server (none started) nor browser: SQLite, the CLI, the worker node, the standalone tailer
 unit: $(VENV)/.test

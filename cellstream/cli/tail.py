@@ -60,7 +60,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--replication-factor", type=int, default=1)
     p.add_argument("--format", choices=["json", "msgpack"], default="json", help="message value format")
     p.add_argument("--poll", type=float, default=0.005,
-                   help="seconds between looks at the shards while cells arrive (idle: up to 0.05 s)")
+                   help="seconds between count polls of the shards while cells arrive (idle: up to 0.05 s)")
     p.add_argument("--session-timeout", type=float, default=10.0, help="ZooKeeper session timeout (s)")
     p.add_argument("--max-request-size", type=int, default=1_000_000, help="larger messages are dead-lettered")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")

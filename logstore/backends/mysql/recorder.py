@@ -69,7 +69,7 @@ Weighed = tuple[Statement, int]  # a statement and its size on the wire, known b
 
 LAYOUT = 2  # the version of the table layout above; layout 1 had a table per shard
 # When each shard's row last changed (by the server's clock, whatever writes it), indexed with the counter: a
-# reader's look at 4096 shards reads the rows changed lately instead of every row (``changed_counts``).
+# reader's count poll at 4096 shards reads the rows changed lately instead of every row (``changed_counts``).
 # Added to layout 2 in place: a node created before it gets the column at its next open.
 _TOUCHED_COLUMN = "touched TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6)"
 _TOUCHED_KEY = "KEY shards_touched (touched, last_id)"
