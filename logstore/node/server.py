@@ -1,27 +1,13 @@
 """The worker node: the logstore API over HTTP (aiohttp), in front of the storage nodes.
 
-Stateless: it holds a :class:`~logstore.store.Store` on the cluster file and runs its
-blocking calls in a bounded thread pool, so one slow storage node ties up threads,
-never the event loop. JSON in and out (:mod:`logstore.node.wire`); every route, its
-models and its answer are in :mod:`logstore.node.routes`, from which the server
-validates and :mod:`logstore.node.openapi` writes ``/openapi.json``.
-
-- ``/healthz``: the process answers. ``/readyz``: every storage node answers (503
-  naming the ones that do not). Both are open; everything else needs
-  ``Authorization: Bearer <token>`` when a token is configured. Writing cellstream's
-  own ``_`` columns (``/v1/system/cells``: dead letters, the index catalog) needs the
-  separate admin token, which every other route takes too; a node without one refuses it.
-- Without a token the node refuses to bind anything but a loopback address.
-- A request body over ``max_body_bytes`` gets 413; any bad input a 400 naming the
-  field; an unknown path 404; a storage node that is down 503 (retriable). Errors are
-  always a JSON document, never a traceback (the HTTP parser's too:
-  :mod:`logstore.node.connections`, which also holds the header deadline and the
-  connection cap); an unexpected failure is logged here and answered with a 500 that says only that.
-- TLS when ``tls_cert`` and ``tls_key`` are given (``https://``).
-- ``/metrics``: requests by route and status, their latency, cells written, buffered cells, connections,
-  whether each storage node answers (checked at each scrape).
-- When the store buffers writes (a cluster whose nodes can hold each other's writes while a
-  primary is down), the node runs the replayer every ``replay_interval`` seconds.
+Stateless: it holds a :class:`~logstore.store.Store` and runs its blocking calls in a bounded thread pool,
+so one slow storage node ties up threads, never the event loop. Every route, its models and its answer are
+in :mod:`logstore.node.routes` (the server validates from them, :mod:`logstore.node.openapi` writes
+``/openapi.json``); JSON in and out (:mod:`logstore.node.wire`). Every route but ``/healthz`` and
+``/readyz`` needs the token when one is configured, ``_`` columns the admin token; without a token the node
+binds to loopback only. Bad input is a 400 naming the field, a storage node that is down a 503 (retriable),
+an unexpected failure a 500 that says only that: always a JSON document, never a traceback. The routes,
+auth, limits and metrics in full: docs/worker-node.md.
 """
 
 from __future__ import annotations
