@@ -67,8 +67,16 @@ def _when(value: dt.datetime | None) -> str:
 
 
 def _local_path(target: str | None) -> str:
-    """Where to go after the login: a path of this console, never another site (an open redirect)."""
-    if not target or not target.startswith("/") or target.startswith(("//", "/\\")):
+    """Where to go after the login: a path of this console, never another site (an open redirect).
+
+    Checked as a URL parser reads it, not on the raw string: parsers drop tabs and line breaks, and browsers
+    read a backslash as a slash, so ``/<TAB>/evil.example`` passed a check of its first characters and
+    became ``//evil.example``. A target with a control character, white space or a backslash is refused.
+    """
+    if not target or any(c <= " " or c in "\\\x7f" for c in target):
+        return "/"
+    parts = urllib.parse.urlsplit(target)
+    if parts.scheme or parts.netloc or not parts.path.startswith("/") or parts.path.startswith("//"):
         return "/"
     return target
 
