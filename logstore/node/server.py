@@ -285,6 +285,8 @@ class WorkerNode:
                 response.headers["Retry-After"] = "1"
         except _BadInput as exc:
             response = _json(wire.bad_request(exc.field, exc.problem), 400)
+        except _NotJSON as exc:
+            response = _json(wire.error("UnsupportedMediaType", str(exc)), 415)
         except _SlowBody as exc:
             response = _json(wire.error("RequestTimeout", str(exc)), 408)
             response.force_close()
@@ -488,6 +490,10 @@ def _validated(adapter: TypeAdapter[Any], doc: Any, where: str, shards: int, kno
 
 
 async def _json_body(request: web.Request, timeout: float) -> Any:
+    # A browser sends text/plain or a form cross-site without asking first (no CORS preflight): only a body
+    # labelled JSON is read, so no web page can write to a node on this machine.
+    if request.content_type != "application/json":
+        raise _NotJSON(request.content_type)
     try:
         raw = await asyncio.wait_for(request.read(), timeout)  # over client_max_size: 413
     except TimeoutError:
@@ -498,6 +504,11 @@ async def _json_body(request: web.Request, timeout: float) -> Any:
         return wire.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise _BadInput("body", f"not JSON: {exc}") from None
+
+
+class _NotJSON(Exception):
+    def __init__(self, content_type: str) -> None:
+        super().__init__(f"a request body must be sent as application/json, not {content_type}")
 
 
 class _SlowBody(Exception):

@@ -276,3 +276,18 @@ def test_cellstream_serve_refuses_with_one_line(sqlite_url: str, args: list[str]
 def test_a_refusal_quotes_what_was_sent(node: NodeThread, path: str, problem: str) -> None:
     status, doc, _ = call(node.url, "GET", path)
     assert status == 400 and doc["error"]["problem"].startswith(problem), doc
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_body_not_labelled_json_is_refused_so_no_web_page_writes_to_a_loopback_node(
+    node: NodeThread, content_type: str | None
+) -> None:
+    """A cross-site POST from any web page the user visits reaches a node on 127.0.0.1 without a CORS
+    preflight only as text/plain, a form or multipart: with no token on loopback, it had written cells."""
+    body = json.dumps({"cells": [{"row_key": ROW, "column": "BASE", "ref_key": 1, "body": {"x": 1}}]}).encode()
+    headers = {"Origin": "https://evil.example"} | ({"Content-Type": content_type} if content_type else {})
+    status, doc, _ = call(node.url, "POST", "/v1/cells", body, headers)
+    assert status == 415 and doc["error"]["type"] == "UnsupportedMediaType", doc
+    with logstore.open(node.url) as store:
+        assert store.get_row(ROW) == {}
