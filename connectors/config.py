@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from logstore import InvalidCellError
 from logstore.cell import check_column
 from logstore.configfile import load_yaml
+from logstore.net import mask_userinfo
 from tailer.security import PLAINTEXT, KafkaSecurity, load_kafka_config
 
 _NAME = r"^[a-z_][a-z0-9_]{0,62}$"  # a PostgreSQL identifier cellstream creates
@@ -89,8 +90,8 @@ class PostgresSinkConfig(BaseModel):
             return url  # without the postgres extra the sink is refused when it is built, naming the extra
         try:
             params = conninfo_to_dict(url.get_secret_value())
-        except Exception as exc:  # psycopg.ProgrammingError; its message names the parameter, not the password
-            raise ValueError(str(exc).strip().splitlines()[0]) from None
+        except Exception as exc:  # psycopg.ProgrammingError, which quotes what it could not parse
+            raise ValueError(mask_userinfo(str(exc).strip().splitlines()[0])) from None
         modes = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
         if params.get("sslmode", "prefer") not in modes:
             raise ValueError(f"sslmode {params['sslmode']!r} must be one of {', '.join(modes)}")

@@ -128,3 +128,14 @@ def test_an_unknown_url_parameter_or_sslmode_is_refused_when_the_file_is_read(tm
                            ("sslmode=strict", "sslmode 'strict' must be one of disable, allow, prefer")):
         with pytest.raises(ConfigurationError, match=problem):
             load_connector(config_file(tmp_path, f"postgresql://u:p@127.0.0.1:5432/w?{query}"))
+
+
+@pytest.mark.parametrize("url", ["postgresql://loader:hunter2-secret@[::1/warehouse",
+                                 "loader:hunter2-secret@127.0.0.1/warehouse",
+                                 "postgresql://loader:hunter2-secret@127.0.0.1/w%zz"])
+def test_a_malformed_url_is_refused_without_its_password(tmp_path: Path, url: str) -> None:
+    """libpq quotes the part of a URL it cannot parse, password and all: the refusal must not."""
+    with pytest.raises(ConfigurationError) as refused:
+        load_connector(config_file(tmp_path, url))
+    message = str(refused.value)
+    assert "hunter2" not in message and "url" in message, message

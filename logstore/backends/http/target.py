@@ -10,6 +10,7 @@ from urllib.parse import parse_qsl, urlsplit
 from pydantic import BaseModel, ConfigDict, Field
 
 from logstore.errors import InvalidArgumentError
+from logstore.net import mask_userinfo
 from logstore.tls import client_context
 
 
@@ -37,9 +38,10 @@ def parse_url(url: str) -> HttpTarget:
         parts = urlsplit(url)
         parts.port  # noqa: B018  # raises on a bad port
     except ValueError:
-        raise InvalidArgumentError(f"worker node URL {url!r} cannot be parsed: http://host:port") from None
+        raise InvalidArgumentError(
+            f"worker node URL {mask_userinfo(url)!r} cannot be parsed: http://host:port") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.fragment or parts.username:
-        raise InvalidArgumentError(f"worker node URL {url!r}: expected http://host:port (a token goes "
+        raise InvalidArgumentError(f"worker node URL {mask_userinfo(url)!r}: expected http://host:port (a token goes "
                                    "in the token argument, not the URL)")
     params = dict(parse_qsl(parts.query, keep_blank_values=True))
     unknown = sorted(set(params) - {"ssl_ca"})
