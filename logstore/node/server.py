@@ -314,9 +314,7 @@ class WorkerNode:
         access = route.access if route is not None else "token"
         if token is None or access == "open":
             return await handler(request)
-        given = request.headers.get("Authorization", "")
-        scheme, _, value = given.partition(" ")
-        presented = value.strip().encode() if scheme.lower() == "bearer" else b""
+        presented = _bearer(request)
         is_admin = admin is not None and hmac.compare_digest(presented, admin.get_secret_value().encode())
         if not is_admin and not hmac.compare_digest(presented, token.get_secret_value().encode()):
             raise web.HTTPUnauthorized(reason="a valid Authorization: Bearer token is required",
@@ -335,7 +333,18 @@ class WorkerNode:
     async def readyz(self, got: Got) -> web.Response:
         nodes = await self._check_nodes()
         ready = all(v == "ok" for v in nodes.values())
+        if not self._holds_a_token(got.request):  # an open route: what a storage node answered names its host
+            nodes = {node: "ok" if answer == "ok" else "unavailable" for node, answer in nodes.items()}
         return _json({"ready": ready, "nodes": nodes}, 200 if ready else 503)
+
+    def _holds_a_token(self, request: web.Request) -> bool:
+        """Whether the request carries this node's token or admin token (always, for a node without a token)."""
+        token, admin = self.config.token, self.config.admin_token
+        if token is None:
+            return True
+        presented = _bearer(request)
+        return hmac.compare_digest(presented, token.get_secret_value().encode()) or (
+            admin is not None and hmac.compare_digest(presented, admin.get_secret_value().encode()))
 
     async def _check_nodes(self) -> dict[str, str]:
         """Ask every storage node for one shard's head: ``{node: "ok" or the error}``, also in the metrics."""
@@ -487,6 +496,12 @@ def _validated(adapter: TypeAdapter[Any], doc: Any, where: str, shards: int, kno
         elif first["type"] == "extra_forbidden" and where == "query":
             problem = f"unknown query parameter (this route takes: {known or 'none'})"
         raise _BadInput(field, problem) from None
+
+
+def _bearer(request: web.Request) -> bytes:
+    """The Bearer token a request presents (empty without one)."""
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    return value.strip().encode() if scheme.lower() == "bearer" else b""
 
 
 async def _json_body(request: web.Request, timeout: float) -> Any:

@@ -168,43 +168,51 @@ def test_secondary_indexes_are_not_served_over_http(node: NodeThread) -> None:
         store.indexes  # noqa: B018
 
 
-def test_a_lost_storage_node_is_503_retriable_and_not_ready(mysql_database: str) -> None:
+@pytest.mark.parametrize("token", [None, TOKEN])
+def test_a_lost_storage_node_is_503_retriable_and_not_ready(mysql_database: str, token: str | None) -> None:
+    """/readyz says which storage node does not answer; what it answered (its host, the driver's error) only
+    to a token holder, since the route is open to anyone who reaches the node."""
     parts = urlsplit(mysql_database)
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
     with TcpProxy(parts.hostname or "", parts.port or 3306) as proxy:
         behind = mysql_database.replace(f":{parts.port}/", f":{proxy.port}/")
         quick = RetryPolicy(initial=0.05, maximum=0.2, deadline=1.0)
         with logstore.open(behind, shards=SHARDS, retry=quick, connect_timeout=1.0, read_timeout=2.0) as store:
-            node = NodeThread(store).start()
+            node = NodeThread(store, token=token).start()
             try:
-                with logstore.open(node.url) as client:
+                with logstore.open(node.url, token=token) as client:
                     client.put_cell(ROW, "BASE", 1, {"before": True})
                     proxy.cut()
                     with pytest.raises(logstore.StorageUnavailableError) as caught:
                         client.put_cell(ROW, "BASE", 2, {"during": True})
                     assert caught.value.retriable
-                    status, doc, response = call(node.url, "GET", f"/v1/rows/{ROW}/BASE")
+                    status, doc, response = call(node.url, "GET", f"/v1/rows/{ROW}/BASE", headers=auth)
                     assert status == 503 and doc["error"]["retriable"] is True
                     assert response.getheader("Retry-After") == "1"
-                    status, doc, _ = call(node.url, "GET", "/readyz")
+                    status, doc, _ = call(node.url, "GET", "/readyz", headers=auth)
                     assert status == 503 and doc["ready"] is False and doc["nodes"]["node0"] != "ok"
+                    assert "MySQL" in doc["nodes"]["node0"]  # what the storage node answered, in full
+                    if token is not None:
+                        status, doc, _ = call(node.url, "GET", "/readyz")
+                        assert status == 503 and doc == {"ready": False, "nodes": {"node0": "unavailable"}}
                     # What the "worker node not ready" alert reads, at each scrape.
-                    assert 'cellstream_worker_storage_node_up{node="node0"} 0.0' in metrics_of(node.url)
+                    assert 'cellstream_worker_storage_node_up{node="node0"} 0.0' in metrics_of(node.url, auth)
                     proxy.restore()
                     deadline = time.monotonic() + 30
                     while call(node.url, "GET", "/readyz")[0] != 200:
                         assert time.monotonic() < deadline, "the node never became ready again"
                         time.sleep(0.2)
                     assert client.put_cell(ROW, "BASE", 2, {"during": True}).ref_key == 2
-                    assert 'cellstream_worker_storage_node_up{node="node0"} 1.0' in metrics_of(node.url)
+                    assert 'cellstream_worker_storage_node_up{node="node0"} 1.0' in metrics_of(node.url, auth)
             finally:
                 node.stop()
 
 
-def metrics_of(url: str) -> str:
+def metrics_of(url: str, headers: dict[str, str] | None = None) -> str:
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=10)
     try:
-        conn.request("GET", "/metrics")
+        conn.request("GET", "/metrics", headers=headers or {})
         return conn.getresponse().read().decode()
     finally:
         conn.close()
