@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _drop_stdout()
         return Exit.BROKEN_PIPE
     except (CellstreamError, OSError, UnicodeDecodeError) as exc:
-        return fail(_token_hint(exc))
+        return fail(exc)
     except KeyboardInterrupt:
         return Exit.INTERRUPTED
 
@@ -71,16 +71,3 @@ def _drop_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError, io.UnsupportedOperation):
         pass  # stdout is no file (a test's capture): nothing will flush into a closed pipe
-
-
-def _token_hint(exc: BaseException) -> BaseException:
-    """A worker node's refusal (HTTP 401 or 403), saying where the command takes its token from; never the
-    token itself."""
-    from logstore.errors import ConfigurationError
-
-    # The client's error for a 401 or 403 (logstore/node/wire.py) says which node refused, not why it may have.
-    if not isinstance(exc, ConfigurationError) or not str(exc).startswith("worker node refused the request"):
-        return exc
-    told = "it is set, and the node refused it" if os.environ.get("CELLSTREAM_TOKEN") else "it is not set"
-    return ConfigurationError(f"{exc} (cellstream sends the worker node the token in the CELLSTREAM_TOKEN "
-                              f"environment variable: {told})")

@@ -19,6 +19,7 @@ from typing import Any
 
 from logstore.cell import Cell
 from logstore.errors import (
+    AuthenticationError,
     CellConflictError,
     ConfigurationError,
     CorruptCellError,
@@ -155,7 +156,7 @@ def error_from_json(status: int, doc: Any) -> LogstoreError:
     if status == 503 or error.get("retriable"):
         return StorageUnavailableError(f"worker node: {message}")
     if status in (401, 403):
-        return ConfigurationError(f"worker node refused the request: {message}")
+        return AuthenticationError(f"worker node refused the request: {message}")
     if kind == "ConfigurationError":
         return ConfigurationError(f"worker node: {message}")
     return StorageError(f"worker node answered HTTP {status}: {message}")

@@ -25,7 +25,7 @@ from urllib.parse import quote, urlencode, urlsplit
 from logstore.backends.http.target import HttpTarget
 from logstore.cell import AnyCell, Cell
 from logstore.config import StoreOptions
-from logstore.errors import ConfigurationError, CorruptCellError, StorageUnavailableError
+from logstore.errors import AuthenticationError, ConfigurationError, CorruptCellError, StorageUnavailableError
 from logstore.index_tables.persistence import IndexRecorder
 from logstore.node.wire import cell_from_json, dumps, error_from_json, loads
 from logstore.offsets import OffsetRecord
@@ -40,8 +40,11 @@ class HttpRecorder(NodeRecorder):
     token of its requests; None: the CELLSTREAM_TOKEN environment variable's, if set."""
 
     def __init__(self, name: str, target: HttpTarget, options: StoreOptions, token: str | None = None) -> None:
+        # Where the token came from, for a refusal's message (never the token itself).
+        self._token_source = "the token argument" if token is not None else None
         if token is None:
             token = os.environ.get("CELLSTREAM_TOKEN") or None
+            self._token_source = "the CELLSTREAM_TOKEN environment variable" if token else None
         self.name = name
         self.target = target
         parts = urlsplit(target.url)
@@ -119,7 +122,12 @@ class HttpRecorder(NodeRecorder):
         if unknown_route_ok and response.status == 404 and isinstance(doc, dict) and \
                 doc.get("error", {}).get("type") == "HTTPError":  # aiohttp's: no such route
             return None
-        raise error_from_json(response.status, doc)
+        error = error_from_json(response.status, doc)
+        if isinstance(error, AuthenticationError):
+            told = (f"the token sent came from {self._token_source}" if self._token_source else
+                    "no token was sent: set the CELLSTREAM_TOKEN environment variable, or give logstore.open one")
+            raise AuthenticationError(f"{error} ({told})")
+        raise error
 
     # -- instance -------------------------------------------------------------------
     def read_meta(self, retry: RetryPolicy | None = None) -> NodeMeta | None:
