@@ -19,6 +19,7 @@ loaded from a file elsewhere, the app is warned about (:func:`warn_relative_stor
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as dt
 import getpass
 import importlib
@@ -29,6 +30,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -206,14 +208,6 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     return _run_workers(args, app.name)
 
 
-class _Terminated(BaseException):
-    """SIGTERM reached a worker process before its app took the signal over (while it loads or starts)."""
-
-
-def _terminated(signum: int, frame: Any) -> None:
-    raise _Terminated
-
-
 def _worker(spec: str, metrics_port: int | None, per_shard_metrics: bool, kafka_config: str | None,
             zookeeper_auth_file: str | None, log_format: str) -> None:
     """One process of ``run --workers N`` (spawned: it starts with nothing of its parent's but these
@@ -221,7 +215,10 @@ def _worker(spec: str, metrics_port: int | None, per_shard_metrics: bool, kafka_
     from logstore.errors import CellstreamError
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards SIGTERM; Ctrl-C goes to the parent
-    signal.signal(signal.SIGTERM, _terminated)  # until app.run handles it: a stop during start-up is a stop too
+    # A SIGTERM while the app loads is noted, not raised: raised, it could land anywhere (in asyncio's set-up,
+    # leaving a loop half made); the event loop takes the signal over once it runs.
+    terminated = threading.Event()
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: terminated.set())
     logsetup.configure_worker(log_format, multiprocessing.current_process().name)
     name = spec
     try:
@@ -229,9 +226,9 @@ def _worker(spec: str, metrics_port: int | None, per_shard_metrics: bool, kafka_
         name = app.name
         tune_for_streaming()
         logger.info("app %s: worker process %d running", name, os.getpid())
-        app.run(metrics_port=metrics_port)
-    except _Terminated:
-        pass
+        if metrics_port is not None:
+            app.metrics.serve(metrics_port)
+        asyncio.run(_until_terminated(app, terminated))
     except (CellstreamError, OSError, UnicodeDecodeError) as exc:  # as main() reports them: one line
         logger.error("%s", exc)
         sys.exit(exit_code(exc))
@@ -239,6 +236,15 @@ def _worker(spec: str, metrics_port: int | None, per_shard_metrics: bool, kafka_
         logger.exception("worker process %d failed", os.getpid())
         sys.exit(Exit.FAILED)
     logger.info("app %s: worker process %d stopped", name, os.getpid())
+
+
+async def _until_terminated(app: App, terminated: threading.Event) -> None:
+    """Serve ``app`` until SIGTERM, including one that came before the loop handled the signal."""
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    if terminated.is_set():  # checked after the loop took the signal over: none is missed in between
+        stop.set()
+    await app.run_async(stop)
 
 
 def _run_workers(args: argparse.Namespace, name: str) -> int:

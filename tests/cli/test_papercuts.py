@@ -5,6 +5,7 @@ what to do."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -112,6 +113,24 @@ def test_run_workers_log_json_lines_with_time_level_logger_and_worker_and_say_th
                and d["logger"] == "cellstream.cli.apps"]
     assert {w for w, _ in stopped} == {"worker-0", "worker-1", None}, stopped
     assert any(m == "app cli stopped: 2 workers, 0 failed" for w, m in stopped if w is None)
+
+
+def test_a_worker_told_to_stop_while_it_started_stops_once_it_serves(sqlite_url: str, tmp_path: Path) -> None:
+    """A SIGTERM that reaches a worker process of ``run --workers N`` before its event loop handles the signal
+    is noted and kept: the worker stops as soon as it serves, cleanly, instead of running on or dying half
+    made."""
+    from cellstream.cli.apps import _until_terminated, load_app
+
+    logstore.open(sqlite_url, shards=8).close()
+    module = tmp_path / "earlyapp.py"
+    module.write_text(APP.format(url=sqlite_url, fixed=True))
+    app = load_app(f"{module}:app")
+    terminated = threading.Event()
+    terminated.set()
+    try:
+        asyncio.run(asyncio.wait_for(_until_terminated(app, terminated), 30))  # TimeoutError: it ran on
+    finally:
+        app.close()
 
 
 def test_run_logs_a_stopped_line_on_sigterm(sqlite_url: str, tmp_path: Path) -> None:
