@@ -4,21 +4,46 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint docs unit bench bench-run services-up services-down clean
+.PHONY: demo test lint docs unit audit lock bench bench-run services-up services-down clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "cellstream needs Python >= 3.11"'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# The locks: every package the venv gets, pinned with its hashes (Python 3.11, Linux x86_64), so a fresh
+# clone installs what was reviewed and audited; cellstream itself goes on top, without its dependencies.
+LOCK := requirements/test.lock
+DEMO_LOCK := requirements/demo.lock
+
 # The demo shows every section: the lake needs the parquet extra, the worker node the server extra.
-$(VENV)/.base: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[parquet,server]'
+$(VENV)/.base: pyproject.toml $(DEMO_LOCK) | $(BIN)/python
+	$(BIN)/pip install -q --require-hashes -r $(DEMO_LOCK)
+	$(BIN)/pip install -q --no-deps -e .
 	@touch $@
 
-$(VENV)/.test: pyproject.toml $(VENV)/.base
-	$(BIN)/pip install -q -e '.[test]'
+$(VENV)/.test: pyproject.toml $(LOCK) $(VENV)/.base
+	$(BIN)/pip install -q --require-hashes -r $(LOCK)
+	$(BIN)/pip install -q --no-deps -e .
 	@touch $@
+
+## lock: pin pyproject's dependencies again (after editing them), keeping the pins that still fit;
+## `make lock LOCK_FLAGS=--upgrade` (or `--upgrade-package NAME`) moves them to newer releases
+# uv rather than pip-compile: it resolves for the target (Python 3.11, Linux x86_64) whatever interpreter
+# runs it, where pip-compile resolves for its own, and in seconds. Pinned, so relocking is repeatable. The
+# demo's lock is constrained by the test lock, so a package both hold has one version.
+UV_VERSION := 0.13.9
+LOCK_FLAGS ?=
+UV_COMPILE = $(BIN)/uv pip compile -q pyproject.toml --generate-hashes --python-version 3.11 \
+	--python-platform x86_64-unknown-linux-gnu --custom-compile-command 'make lock' $(LOCK_FLAGS)
+lock: | $(BIN)/python
+	$(BIN)/pip install -q 'uv==$(UV_VERSION)'
+	$(UV_COMPILE) --extra test -o $(LOCK)
+	$(UV_COMPILE) --extra parquet --extra server -c $(LOCK) -o $(DEMO_LOCK)
+
+## audit: fail when a locked version has a known advisory (PyPI's data; needs https://pypi.org)
+audit: $(VENV)/.test
+	$(BIN)/python scripts/audit_lock.py $(LOCK) $(DEMO_LOCK)
 
 ## demo: the whole pipeline on the embedded default (SQLite), no server
 demo: $(VENV)/.base
@@ -46,7 +71,7 @@ unit: $(VENV)/.test
 ## stops, at its end, the ones it started: tests/harness/servers.py)
 test: $(VENV)/.test
 	scripts/install.sh
-	$(MAKE) --no-print-directory lint docs
+	$(MAKE) --no-print-directory lint docs audit
 	$(BIN)/pytest
 
 ## bench: the benchmarks against the real services (figures go in docs/benchmarks.md)
