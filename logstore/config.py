@@ -12,22 +12,33 @@ A target given to :func:`logstore.open` is a store URL, resolved by its scheme t
       replicas = ["mysql://cellstream:secret@db-a2:3306/cells"]   # optional
       [[nodes]]
       name = "b"
-      url = "mysql://cellstream:secret@db-b:3306/cells"
+      url = "mysql://cellstream@db-b:3306/cells"
+      password_file = "db-b.password"                          # or password_env = "DB_B_PASSWORD"
       shards = "2048-4095"
 """
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from logstore.configfile import read_text
 from logstore.errors import ConfigFileError, InvalidArgumentError
-from logstore.registry import NodeTarget, backend_of, prefixes
+from logstore.registry import NodeTarget, backend_of, prefixes, url_password, with_password
 from logstore.registry import parse_node_url as parse_node_url  # resolved by the backends' table
 from logstore.retry import RetryPolicy
 
@@ -66,6 +77,11 @@ class NodeConfig(BaseModel):
     shards: str = Field(description='inclusive range "first-last"')
     replicas: list[str] = Field(default_factory=list, repr=False,
                                 description="mysql:// URLs of the primary's replicas: reads fall back to them")
+    password_file: Path | None = Field(None, description="file holding the password of url and of the replicas "
+                                       "given without one (relative: to the cluster file's folder)")
+    password_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                     description="environment variable holding that password, instead")
+    _password: str | None = PrivateAttr(None)
 
     @field_validator("replicas")
     @classmethod
@@ -90,9 +106,43 @@ class NodeConfig(BaseModel):
             raise ValueError(f"a replica of a {backend.prefix} storage node is a {backend.prefix} URL")
         return self
 
+    @model_validator(mode="after")
+    def _read_password(self, info: ValidationInfo) -> NodeConfig:
+        if self.password_file is None and self.password_env is None:
+            return self
+        if self.password_file is not None and self.password_env is not None:
+            raise ValueError("password_file and password_env: give one of them")
+        backend = backend_of(self.url)
+        if not backend.password:
+            raise ValueError(f"only a {prefixes(lambda b: b.password)} storage node takes a password")
+        if url_password(self.url) is not None:
+            raise ValueError("url holds a password, and password_file or password_env gives one: give it in one place")
+        if self.password_file is not None:
+            folder = (info.context or {}).get("folder")
+            path = folder / self.password_file if isinstance(folder, Path) else self.password_file
+            try:
+                password = path.read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"password_file {path} cannot be read "
+                                 f"({getattr(exc, 'strerror', None) or type(exc).__name__})") from None
+            where = f"password_file {path}"
+        else:
+            password = os.environ.get(str(self.password_env), "")
+            where = f"environment variable {self.password_env}"
+        if not password:
+            raise ValueError(f"{where} is empty or unset")
+        self._password = password
+        return self
+
+    def _with_password(self, url: str) -> str:
+        """``url`` with the node's password (password_file, password_env) when it holds none of its own."""
+        if self._password is None or url_password(url) is not None:
+            return url
+        return with_password(url, self._password)
+
     @property
     def replica_targets(self) -> list[NodeTarget]:
-        return [parse_node_url(url) for url in self.replicas]
+        return [parse_node_url(self._with_password(url)) for url in self.replicas]
 
     @field_validator("url")
     @classmethod
@@ -127,7 +177,7 @@ class NodeConfig(BaseModel):
 
     @property
     def target(self) -> NodeTarget:
-        return parse_node_url(self.url)
+        return parse_node_url(self._with_password(self.url))
 
 
 class ClusterConfig(BaseModel):
@@ -177,7 +227,7 @@ def load_cluster_file(path: Path) -> ClusterConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(source, None, "", f"is not valid TOML: {exc}") from None
     try:
-        return ClusterConfig.model_validate(data)
+        return ClusterConfig.model_validate(data, context={"folder": path.parent})
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(top level)"

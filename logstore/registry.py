@@ -13,6 +13,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
+from urllib.parse import quote, urlsplit
 
 from logstore.errors import InvalidArgumentError
 
@@ -37,6 +38,7 @@ class Backend:
     storage_node: bool = True  #: may be a node of a cluster file (False: opened by its URL only)
     replicas: bool = False  #: takes ``replicas=`` (the cluster file's replica URLs, parsed)
     token: bool = False  #: takes ``token=`` (logstore.open's token argument)
+    password: bool = False  #: its URL's user part holds a password (given apart by :func:`with_password`)
 
     def parse(self, url: str) -> NodeTarget:
         """The target model of ``url``; InvalidArgumentError when it does not parse."""
@@ -52,7 +54,8 @@ BACKENDS: dict[str, Backend] = {
     "sqlite": Backend("a SQLite store", "sqlite:///", "logstore.backends.sqlite.target:parse_url",
                       "logstore.backends.sqlite.recorder:SQLiteRecorder"),
     "mysql": Backend("a MySQL/MariaDB store", "mysql://", "logstore.backends.mysql.target:parse_url",
-                     "logstore.backends.mysql.recorder:MySQLRecorder", extra="mysql", replicas=True),
+                     "logstore.backends.mysql.recorder:MySQLRecorder", extra="mysql", replicas=True,
+                     password=True),
     "http": _WORKER_NODE,
     "https": replace(_WORKER_NODE, prefix="https://"),
 }
@@ -88,3 +91,40 @@ def prefixes(which: Callable[[Backend], bool]) -> str:
 def parse_node_url(url: str) -> NodeTarget:
     """The target model of a store URL, by its backend; InvalidArgumentError when it does not parse."""
     return backend_of(url).parse(url)
+
+
+def url_password(url: str) -> str | None:
+    """The password in ``url``'s user part as written there (percent-encoded), None when it holds none or the URL
+    does not parse."""
+    try:
+        userinfo, at, _ = urlsplit(url).netloc.rpartition("@")
+    except ValueError:
+        return None
+    _, colon, password = userinfo.partition(":")
+    return password if at and colon else None
+
+
+def with_password(url: str, password: str) -> str:
+    """``url`` with ``password`` in its user part: a password kept apart from the URL (in a file or the
+    environment, where other users of the machine cannot read it as they can a command line).
+
+    Args:
+        url: a store URL whose backend takes a password (``mysql://user@host/db``), holding none.
+        password: the password, as is (it is percent-encoded here).
+
+    Returns:
+        The URL with the password, for :func:`logstore.open` or a cluster file's node.
+
+    Raises:
+        InvalidArgumentError: the URL does not parse, its backend takes no password, or it holds one already.
+    """
+    backend = backend_of(url)
+    target = backend.parse(url)
+    if not backend.password:
+        raise InvalidArgumentError(f"{backend.what} takes no password (only a {prefixes(lambda b: b.password)} "
+                                   "URL does)")
+    if url_password(url) is not None:
+        raise InvalidArgumentError(f"{target.redacted()} holds a password already: give it in one place")
+    parts = urlsplit(url)
+    user, _, host = parts.netloc.rpartition("@")
+    return parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}").geturl()

@@ -13,11 +13,12 @@ import contextlib
 import datetime as dt
 import gc
 import json
+import logging
 import math
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from logstore import Cell
     from tailer.security import KafkaSecurity
 
+
+logger = logging.getLogger(__name__)
 
 # The garbage collector's thresholds for a process that streams cells (cellstream tail, cellstream run): each cell
 # leaves a few container objects behind, and the default (700, 10, 10) collects far too often for that
@@ -71,6 +74,10 @@ def common_options(parser: argparse.ArgumentParser | None = None) -> argparse.Ar
     common.add_argument("--store", default=os.environ.get("CELLSTREAM_STORE") if top else argparse.SUPPRESS,
                         help="sqlite:///dir, mysql://user:pw@host:port/db, a cluster file or a worker node's "
                         "http://host:port (env CELLSTREAM_STORE; a worker node's token: env CELLSTREAM_TOKEN)")
+    common.add_argument("--store-password-file", type=Path, metavar="FILE",
+                        default=None if top else argparse.SUPPRESS,
+                        help="file holding the password of a mysql:// --store given without one, kept off the "
+                             "command line where other users see it (env CELLSTREAM_STORE_PASSWORD)")
     common.add_argument("--json", action="store_true", default=False if top else argparse.SUPPRESS,
                         help="print JSON (JSON lines for streams)")
     common.add_argument("-v", "--verbose", action="store_true", default=False if top else argparse.SUPPRESS,
@@ -210,6 +217,65 @@ def read_token(file: Path | None, option: str, variable: str) -> str | None:
             raise UsageError(f"{option} {file} is empty")
         return str(token)
     return os.environ.get(variable) or None
+
+
+def strong_token(file: Path | None, option: str, variable: str) -> str | None:
+    """:func:`read_token`, refused in one line naming where it came from when it is too weak to be a token."""
+    from logstore.node.guard import check_token
+
+    token = read_token(file, option, variable)
+    if token is not None:
+        where = f"{option} {file}" if file is not None else variable
+        try:
+            check_token(token, f"the token in {where}")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return token
+
+
+def store_with_password(store: str | None, file: Path | None, argv: Sequence[str]) -> str | None:
+    """``--store`` (or CELLSTREAM_STORE) with its password filled in, and a warning when it is on the command line.
+
+    The password of a ``mysql://`` URL given without one comes from ``--store-password-file`` (``file``), else
+    from CELLSTREAM_STORE_PASSWORD. A URL whose password is in ``argv`` (the process's own command line, which
+    every user of the machine can read with ``ps``) still works, with a warning that names these ways instead.
+
+    Args:
+        store: the store as given: a URL, a cluster file's path, or None.
+        file: ``--store-password-file``.
+        argv: the process's command line (``sys.argv``).
+
+    Returns:
+        The store, its URL holding the password when one was given apart.
+
+    Raises:
+        UsageError: ``--store-password-file`` cannot be read or is empty, or is given with a store that takes
+            no password from it (not a URL, not ``mysql://``, or one that holds a password already).
+    """
+    from logstore.errors import InvalidArgumentError
+    from logstore.registry import BACKENDS, is_url, url_password, with_password
+
+    url = store if store is not None and is_url(store) else None
+    written = url_password(url) if url is not None else None
+    if url is not None and written and any(url in arg for arg in argv[1:]):
+        logger.warning("the --store URL holds a password, which every user of this machine can read on the command "
+                       "line (ps); give it in a file (--store-password-file FILE) or the environment "
+                       "(CELLSTREAM_STORE_PASSWORD), or the whole URL in CELLSTREAM_STORE")
+    password = read_token(file, "--store-password-file", "CELLSTREAM_STORE_PASSWORD")
+    if password is None or store is None:
+        return store
+    if file is None:
+        # The environment's password goes to a URL that needs one, and is no error beside another store.
+        backend = BACKENDS.get(store.partition(":")[0]) if url is not None else None
+        return store if backend is None or not backend.password or written is not None else with_password(
+            store, password)
+    if url is None:
+        raise UsageError(f"--store-password-file is for a mysql:// --store URL; {store} is a cluster file, whose "
+                         "nodes name their own (password_file or password_env)")
+    try:
+        return with_password(url, password)
+    except InvalidArgumentError as exc:
+        raise UsageError(f"--store-password-file {file}: {exc}") from None
 
 
 def option_problem(exc: ValidationError) -> str:

@@ -9,6 +9,11 @@ configured logging itself (a test, an embedding app), its configuration is left 
 
 The JSON formatter is a few lines over the standard library's ``logging.Formatter``: python-json-logger would be
 a dependency for them.
+
+Data cannot forge a log record. A text record is one line at column 0; its message shows its control characters
+escaped (``\\n``, ``\\x1b``, tabs kept), and every line of its traceback is indented, so a newline inside an
+exception message (one quoting cell data, say) cannot start a line that reads as a record
+(:class:`TextFormatter`). A JSON record is one line by JSON's escaping.
 """
 
 from __future__ import annotations
@@ -25,6 +30,43 @@ from logstore.build_info import version
 TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 FORMATS = ("text", "json")
 logger = logging.getLogger("cellstream")
+
+# The characters that could end a text record's line or rewrite it on a terminal, as escapes: C0 but tab, DEL, C1,
+# and the line and paragraph separators (str.splitlines breaks at those too).
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c != 0x09}
+_CONTROLS.update({0x0A: "\\n", 0x0D: "\\r", 0x2028: "\\u2028", 0x2029: "\\u2029"})
+# JSON escapes C0 itself; the rest of those, left raw by ensure_ascii=False, are written as JSON escapes.
+_JSON_CONTROLS = {c: f"\\u{c:04x}" for c in (0x7F, *range(0x80, 0xA0), 0x2028, 0x2029)}
+# Every line of a record after its first begins with this: a line at column 0 always starts a record.
+CONTINUATION = "  "
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with its control characters (but tab) and line separators written as escapes: one line."""
+    return text.translate(_CONTROLS)
+
+
+class TextFormatter(logging.Formatter):
+    """``logging.Formatter`` whose records data cannot forge: the first line (the message) with its control
+    characters escaped, the traceback and stack after it each line indented by :data:`CONTINUATION` and escaped.
+
+    A traceback's own line breaks are its structure and stay (a multi-line exception message, as pydantic's, stays
+    readable), but none of its lines starts at column 0, where a record starts: readers that group the lines of a
+    record that way (``less``, ``grep -A``, log shippers' multi-line rules) cannot be shown a forged one.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.message = record.getMessage()
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        text = escape_controls(self.formatMessage(record))
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        # exc_text may be another formatter's, cached on the record: escaped here, never in the cache.
+        for block in (record.exc_text, record.stack_info and self.formatStack(record.stack_info)):
+            if block:
+                text += "".join(f"\n{CONTINUATION}{escape_controls(line)}" for line in block.split("\n"))
+        return text
 
 
 class JsonFormatter(logging.Formatter):
@@ -44,7 +86,7 @@ class JsonFormatter(logging.Formatter):
         doc["message"] = record.getMessage()
         if record.exc_info:
             doc["exception"] = self.formatException(record.exc_info)
-        return json.dumps(doc, ensure_ascii=False, default=str)
+        return json.dumps(doc, ensure_ascii=False, default=str).translate(_JSON_CONTROLS)
 
 
 class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -61,7 +103,7 @@ def configure(log_format: str, verbose: bool, *, worker: str | None = None) -> N
         root.removeHandler(handler)
     handler = _Handler(sys.stderr)
     text = TEXT if worker is None else TEXT.replace(" %(name)s", f" {worker} %(name)s")
-    handler.setFormatter(JsonFormatter(worker) if log_format == "json" else logging.Formatter(text))
+    handler.setFormatter(JsonFormatter(worker) if log_format == "json" else TextFormatter(text))
     root.addHandler(handler)
     root.setLevel(logging.INFO if verbose else logging.WARNING)
 

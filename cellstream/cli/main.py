@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from cellstream import __version__
 from cellstream.cli import apps, cells, connect, console, demo, indexes, logsetup, serve, tail
-from cellstream.cli.common import Output, Parser, common_options
+from cellstream.cli.common import Output, Parser, common_options, store_with_password
 from cellstream.cli.exits import Exit, fail
 from cellstream.errors import UsageError
 from logstore.errors import CellstreamError
@@ -42,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logsetup.configure(args.log_format, args.verbose)
         out = Output(args.json, sys.stdout)
+        # Every command's store, the demo's too: a password kept off the command line filled in.
+        args.store = store_with_password(args.store, getattr(args, "store_password_file", None), sys.argv)
         if getattr(args, "limit", None) is not None and args.limit < 1:
             raise UsageError("--limit must be at least 1")
         if not getattr(args, "with_store", True):

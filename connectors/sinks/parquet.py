@@ -29,6 +29,7 @@ from connectors.config import ParquetSinkConfig
 from connectors.errors import ConfigurationError, ConversionError, SinkUnavailableError
 from connectors.sinks.base import CELL_COLUMNS, Position, Sink, flatten, json_text, utc_date
 from logstore import Cell
+from logstore.files import create_private_file, private_dir, private_opener
 
 logger = logging.getLogger(__name__)
 Kind = Literal["bool", "int", "float", "string", "json"]
@@ -62,7 +63,7 @@ class ParquetSink(Sink):
         self.config = config
         self.root = config.root
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            private_dir(self.root)  # one that exists, made by its user, keeps its mode
         except OSError as exc:
             raise ConfigurationError(f"parquet sink: cannot create {self.root}: {exc.strerror}") from None
         self._clock = clock
@@ -172,9 +173,10 @@ class ParquetSink(Sink):
             fields.append(pa.field(name, _ARROW[kind]))
         table = pa.Table.from_arrays(arrays, schema=pa.schema(fields))
         directory = self.root / column / f"date={date}"
-        directory.mkdir(parents=True, exist_ok=True)
+        private_dir(directory)
         final = directory / f"p{partition:05d}-{buffer.first:020d}-{buffer.last:020d}.parquet"
         temporary = directory / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
+        create_private_file(temporary)  # Arrow writes into it, keeping its mode
         pq.write_table(table, temporary, compression=self.config.compression)
         with open(temporary, "rb") as handle:
             os.fsync(handle.fileno())
@@ -220,6 +222,7 @@ class ParquetSink(Sink):
         assert found is not None
         final = path.with_name(f"p{found.group(1)}-{found.group(2)}-{last:020d}.parquet")
         temporary = path.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
+        create_private_file(temporary)
         pq.write_table(kept, temporary, compression=self.config.compression)
         with open(temporary, "rb") as handle:
             os.fsync(handle.fileno())
@@ -231,9 +234,10 @@ class ParquetSink(Sink):
 
     def _save_schema(self, column: str) -> None:
         path = self.root / column / _SCHEMA_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         temporary = path.with_name(f".{_SCHEMA_FILE}.{uuid.uuid4().hex[:8]}.tmp")
-        temporary.write_text(json.dumps(self._schemas[column], sort_keys=True, indent=1))
+        with open(temporary, "w", opener=private_opener) as fh:
+            fh.write(json.dumps(self._schemas[column], sort_keys=True, indent=1))
         os.replace(temporary, path)
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from logstore.files import private_dir, private_opener
 from tailer.errors import ConfigurationError
 from tailer.interfaces import Claim, Coordinator, Offset
 
@@ -31,8 +32,9 @@ class LocalCoordinator(Coordinator):
     def start(self, on_change: Callable[[], None]) -> None:
         if self._lock_file is not None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(self.path.with_name(self.path.name + ".lock"), "wb")  # noqa: SIM115 - held until stop()
+        private_dir(self.path.parent)
+        lock = open(self.path.with_name(self.path.name + ".lock"), "wb",  # noqa: SIM115 - held until stop()
+                    opener=private_opener)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -69,7 +71,8 @@ class LocalCoordinator(Coordinator):
                                          "last_error": offset.last_error, "version": version}
             out[shard] = Claim(shard, claim.location, version, claim.token, offset.deadlettered)  # not _replace: slower
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as fh:
+        tmp.unlink(missing_ok=True)  # one a crash left keeps its mode, and the offsets would take it
+        with open(tmp, "w", opener=private_opener) as fh:
             # dumps, not dump: dump encodes in Python, chunk by chunk, several times slower at many shards.
             fh.write(json.dumps({"shards": self._offsets}, separators=(",", ":")))
             fh.flush()

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
+from logstore.files import private_dir, private_opener
 from tailer.errors import PublishError, TopicPartitionsError
 from tailer.interfaces import Publisher
 from tailer.messages import Message
@@ -53,7 +54,7 @@ class DirectoryPublisher(Publisher):
         if self._running:
             return
         self._running = True
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)
         # The files a write touched are fsynced side by side: ext4 commits its journal once for fsyncs that
         # wait together, and with many shards a write holds cells of every partition.
         self._syncs = ThreadPoolExecutor(max_workers=16, thread_name_prefix="topic-fsync")
@@ -91,8 +92,9 @@ class DirectoryPublisher(Publisher):
                                            f"creates it again; or run the tailer with --partitions {found} if every "
                                            f"topic of its prefix has {found}.")
             return
-        folder.mkdir(parents=True, exist_ok=True)
-        marker.write_text(str(partitions))
+        private_dir(folder)
+        with open(marker, "w", opener=private_opener) as fh:
+            fh.write(str(partitions))
 
     def refuses(self, message: Message) -> PublishError | None:
         size = len(message.value) + len(message.key)
@@ -226,7 +228,7 @@ class DirectoryPublisher(Publisher):
         if where not in self._files:
             path = self.root / where[0] / f"partition-{where[1]}.jsonl"
             self._next[where] = sum(1 for _ in open(path)) if path.exists() else 0  # noqa: SIM115
-            self._files[where] = open(path, "a")  # noqa: SIM115 - kept open until stop()
+            self._files[where] = open(path, "a", opener=private_opener)  # noqa: SIM115 - kept open until stop()
         return self._files[where]
 
 

@@ -10,6 +10,7 @@ index tables live in ``indexes.db`` beside it, with their own write lock.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import operator
@@ -28,6 +29,7 @@ from logstore.backends.sqlite.target import SQLiteTarget
 from logstore.cell import AnyCell, Cell, PackedCell
 from logstore.config import StoreOptions
 from logstore.errors import ConfigurationError, CorruptCellError, LogstoreError, StorageError, StorageUnavailableError
+from logstore.files import create_private_file, private_dir
 from logstore.offsets import ConsumerOffsets, OffsetRecord, move_old_offsets
 from logstore.persistence import (
     FORMAT_VERSION,
@@ -161,6 +163,10 @@ class _Database:
     def conn(self) -> sqlite3.Connection:
         holder: _ThreadConnection | None = getattr(self._local, "holder", None)
         if holder is None:
+            # Connecting creates a missing file with the umask's mode, and its -wal and -shm take the database
+            # file's: made 0600 first, all three are the owner's alone. Where it cannot be made, connect says why.
+            with contextlib.suppress(OSError):
+                create_private_file(self.path)
             conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT)
             try:
                 conn.execute("PRAGMA journal_mode=WAL")
@@ -257,7 +263,7 @@ class SQLiteRecorder(NodeRecorder):
 
     def initialize(self, meta: NodeMeta, retry: RetryPolicy | None = None) -> None:
         try:
-            self._directory.mkdir(parents=True, exist_ok=True)
+            private_dir(self._directory)
         except OSError as exc:
             raise ConfigurationError(f"cannot create store directory {self._directory}: {exc.strerror}") from None
         with self._write() as conn:
