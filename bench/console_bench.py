@@ -46,7 +46,7 @@ from indexer import App, DLQFilter
 from indexer.runtime.dlq_store import DLQ_COLUMN, DeadLetter, Event
 from logstore.cell import shard_of_bytes
 
-TOKEN = "bench-token"
+TOKEN = "bench-token-0123456789"
 HANDLERS = ("bill_rider", "notify_rider", "index_trip", "sync_ledger")
 ERRORS = [("CardDeclined", "card of {r} declined"), ("ProviderTimeout", "provider timed out charging {r}"),
           ("KeyError", "'fare' missing in trip of {r}"), ("ValueError", "no address for {r}")]

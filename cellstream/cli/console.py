@@ -1,15 +1,17 @@
 """``cellstream console``: the dead-letter console in the browser (:mod:`cellstream.console`).
 
   cellstream console --app MODULE:APP [--app CONNECTOR.yaml ...] [--store URL] [--bind HOST:PORT]
-                     [--token-file FILE] [--tls-cert PEM --tls-key PEM] [--page-size N]
+                     [--token-file FILE] [--tls-cert PEM --tls-key PEM] [--page-size N] [--allow-host NAME ...]
+                     [--max-connections N] [--max-connections-per-client N] [--header-timeout S] [--body-timeout S]
 
 Each ``--app`` is an app (``MODULE:APP``) or a connector's YAML file (then ``--store`` is needed, and an
 app given with ``--store`` must use that store). The token people log in with comes from ``--token-file``
 or CELLSTREAM_CONSOLE_TOKEN, never from the command line; without one the console listens on loopback
-only and asks only for a name. The first line printed is the console's URL (with ``--json``:
-``{"url", "token_required", "apps"}``); it runs until SIGTERM or SIGINT, and a replay under way stops
-after the entry it is on. Exit codes: 0 stopped by a signal, 2 a bad option, 4 an app, connector or
-store that cannot be loaded, or an address it cannot listen on, 5 the store unavailable.
+only and asks only for a name. A token has at least 16 characters; wrong ones are rate-limited per client
+address. ``--allow-host`` and the connection limits as for ``cellstream serve``. The first line printed is
+the console's URL (with ``--json``: ``{"url", "token_required", "apps"}``); it runs until SIGTERM or SIGINT,
+and a replay under way stops after the entry it is on. Exit codes: 0 stopped by a signal, 2 a bad option,
+4 an app, connector or store that cannot be loaded, or an address it cannot listen on, 5 the store unavailable.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cellstream.cli import logsetup
-from cellstream.cli.common import Output, option_problem, parse_bind, read_token, stop_signals
+from cellstream.cli.common import Output, option_problem, parse_bind, stop_signals, strong_token
 from cellstream.cli.exits import Exit
 from cellstream.errors import UsageError
 
@@ -38,6 +40,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate (chain): serve HTTPS")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     p.add_argument("--page-size", type=int, default=50, help="entries per page of the list")
+    p.add_argument("--max-connections", type=int, default=1024, help="connections at once; more get 503")
+    p.add_argument("--max-connections-per-client", type=int, default=64,
+                   help="connections at once from one client address; more get 503")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds for a request's head and a TLS handshake; slower clients get 408")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds for a request's body (a form)")
+    p.add_argument("--allow-host", action="append", default=None, metavar="NAME",
+                   help="a Host name the console answers besides IP addresses and localhost (repeatable; '*': "
+                        "any; default: any with a token, none without)")
     p.set_defaults(run=run, with_store=False)
 
 
@@ -54,10 +65,14 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if not args.app:
         raise UsageError("console needs at least one --app MODULE:APP (or a connector's YAML file with --store)")
     host, port = parse_bind(args.bind)
-    token = read_token(args.token_file, "--token-file", "CELLSTREAM_CONSOLE_TOKEN")
+    token = strong_token(args.token_file, "--token-file", "CELLSTREAM_CONSOLE_TOKEN")
     try:
         config = ConsoleConfig(host=host, port=port, token=SecretStr(token) if token else None,
-                               tls_cert=args.tls_cert, tls_key=args.tls_key, page_size=args.page_size)
+                               tls_cert=args.tls_cert, tls_key=args.tls_key, page_size=args.page_size,
+                               max_connections=args.max_connections,
+                               max_connections_per_client=args.max_connections_per_client,
+                               header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                               allowed_hosts=tuple(args.allow_host) if args.allow_host is not None else None)
     except ValidationError as exc:
         raise UsageError(option_problem(exc)) from None
     queues, stores = {}, []

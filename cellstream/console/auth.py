@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from cellstream.errors import LoginError
+from cellstream.errors import LoginError, LoginThrottled
+from logstore.node.guard import AuthLimits, AuthThrottle
 
 COOKIE = "cellstream_console"
 MAX_SESSIONS = 10_000
@@ -54,21 +55,31 @@ def check_name(name: str) -> str:
 
 
 class Sessions:
-    """The logged-in sessions; ``token`` None: the console listens on loopback and asks only for a name."""
+    """The logged-in sessions; ``token`` None: the console listens on loopback and asks only for a name.
+    Wrong tokens, at the login and as a scraper's Bearer header, are limited per client address and in all
+    (:class:`~logstore.node.guard.AuthThrottle`)."""
 
-    def __init__(self, token: str | None, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, token: str | None, ttl: float, clock: Callable[[], float] = time.monotonic,
+                 limits: AuthLimits | None = None) -> None:
         self._token = token.encode() if token is not None else None
         self.ttl = ttl
         self._clock = clock
         self._sessions: dict[str, Session] = {}
+        self.throttle = AuthThrottle(limits, clock)
 
     @property
     def token_required(self) -> bool:
         return self._token is not None
 
-    def login(self, name: str, token: str) -> Session:
+    def login(self, name: str, token: str, client: str = "") -> Session:
+        """A new session for ``name``, if ``token`` is the console's.
+
+        Raises:
+            LoginThrottled: ``client`` (or every client) gave too many wrong tokens lately.
+            LoginError: no name, or a wrong token.
+        """
         actor = check_name(name)
-        if self._token is not None and not hmac.compare_digest(token.encode(), self._token):
+        if self._token is not None and not self._token_ok(token.encode(), client):
             raise LoginError("wrong token")
         self._expire()
         if len(self._sessions) >= MAX_SESSIONS:
@@ -93,12 +104,27 @@ class Sessions:
     def logout(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
 
-    def bearer_ok(self, header: str | None) -> bool:
-        """An ``Authorization: Bearer`` header with the token (for /metrics scrapers); True without a token."""
+    def bearer_ok(self, header: str | None, client: str = "") -> bool:
+        """An ``Authorization: Bearer`` header with the token (for /metrics scrapers); True without a token.
+
+        Raises:
+            LoginThrottled: as :meth:`login`.
+        """
         if self._token is None:
             return True
         scheme, _, value = (header or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self._token)
+        return scheme.lower() == "bearer" and self._token_ok(value.strip().encode(), client)
+
+    def _token_ok(self, presented: bytes, client: str) -> bool:
+        assert self._token is not None
+        wait = self.throttle.wait(client)
+        if wait > 0:
+            raise LoginThrottled(wait)
+        if hmac.compare_digest(presented, self._token):
+            self.throttle.succeeded(client)
+            return True
+        self.throttle.failed(client)
+        return False
 
     @staticmethod
     def csrf_ok(session: Session, value: str | None) -> bool:

@@ -4,6 +4,9 @@ Every page but the login page, the static files and ``/healthz`` needs a session
 login needs the session's CSRF token, and any POST whose ``Origin`` is not the console's own is refused.
 Pages are rendered on the server from Jinja2 templates (autoescaped); the only static files are the
 console's own stylesheet and its license. ``/metrics`` answers a session or the token as a Bearer header.
+Connections have the worker node's limits (:mod:`logstore.node.connections`: a header deadline, an idle
+timeout, a cap in all and per client address, answered in plain text), and a body (a form, at most
+``FORM_MAX_BYTES``) must arrive within ``body_timeout``.
 """
 
 from __future__ import annotations
@@ -25,17 +28,22 @@ from cellstream.console import views
 from cellstream.console.auth import COOKIE, SESSION, Sessions
 from cellstream.console.catalog import EntryCatalog
 from cellstream.console.jobs import JobRunner
+from cellstream.errors import LoginThrottled
 from indexer.runtime.dlq_store import STATUSES
 from indexer.runtime.dlq_triage import DeadLetterQueue
 from logstore.build_info import register_build_info
 from logstore.errors import ConfigurationError, InvalidArgumentError
 from logstore.net import is_loopback
+from logstore.node.connections import ErrorStyle, Limits, protocol_factory, text_document, track_requests
+from logstore.node.guard import AuthLimits, HostAllowList, check_token, cross_site, retry_after
 from logstore.tls import server_context
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = ("/login", "/static/", "/healthz")
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+FORM_MAX_BYTES = 64 << 10  # the console's forms: a login, a filter, a reason; a larger body is answered 413
+TEXT_ERRORS = ErrorStyle("console", "text/plain", text_document)
 
 
 class ConsoleConfig(BaseModel):
@@ -50,9 +58,21 @@ class ConsoleConfig(BaseModel):
     page_size: int = Field(50, ge=1, le=1000, description="entries per page of the list")
     tls_cert: Path | None = Field(None, description="PEM certificate (chain) to serve HTTPS with")
     tls_key: Path | None = Field(None, description="its PEM private key")
+    allowed_hosts: tuple[str, ...] | None = Field(
+        None, description="Host names the console answers besides IP addresses and localhost ('*': any); "
+                          "default: any with a token, none without")
+    auth_limits: AuthLimits = Field(default_factory=AuthLimits, description="wrong tokens taken")
+    header_timeout: float = Field(10.0, gt=0, description="seconds for a request's head (and a TLS handshake)")
+    body_timeout: float = Field(30.0, gt=0, description="seconds for a request's body (a form)")
+    idle_timeout: float = Field(60.0, gt=0, description="seconds a kept-alive connection may idle")
+    max_connections: int = Field(1024, ge=1, description="connections at once; more are answered 503")
+    max_connections_per_client: int = Field(64, ge=1, description="connections at once from one client address "
+                                                                   "(an IPv6 /64); more are answered 503")
 
     @model_validator(mode="after")
     def _consistent(self) -> ConsoleConfig:
+        if self.token is not None:
+            check_token(self.token.get_secret_value(), "the console token")
         if self.token is None and not is_loopback(self.host):
             raise ValueError(f"--bind {self.host}: without a token the console listens only on loopback "
                              "(set CELLSTREAM_CONSOLE_TOKEN or --token-file)")
@@ -74,8 +94,14 @@ class ConsoleMetrics:
         self.job_entries = Counter("cellstream_console_job_entries_total",
                                    "entries worked through by console jobs, by kind and the entry's state after",
                                    ["kind", "after"], registry=registry)
-        self.logins = Counter("cellstream_console_logins_total", "console logins, by result", ["result"],
+        self.logins = Counter("cellstream_console_logins_total", "console logins, by result: ok, refused (a wrong "
+                              "token or no name), throttled (too many wrong tokens, at the login or /metrics)",
+                              ["result"],
                               registry=registry)
+        self.refused = Counter("cellstream_console_connection_errors_total",
+                               "requests answered before reaching a route, by status and reason: unparsable (400), "
+                               "a head too slow (408), over the connection limit or the limit per client (503)",
+                               ["status", "reason"], registry=registry)
 
 
 class Console:
@@ -90,7 +116,9 @@ class Console:
         self.queues = dict(queues)
         self.store_label = store_label  # shown in the header; already redacted by the caller
         self.catalog = EntryCatalog({name: q.deadletters for name, q in self.queues.items()})
-        self.sessions = Sessions(config.token.get_secret_value() if config.token else None, config.session_ttl)
+        self.sessions = Sessions(config.token.get_secret_value() if config.token else None, config.session_ttl,
+                                 limits=config.auth_limits)
+        self._hosts = HostAllowList(config.host, config.allowed_hosts, authenticated=config.token is not None)
         self.metrics = ConsoleMetrics(registry or CollectorRegistry())
         if registry is None:
             register_build_info(self.metrics.registry, "console")
@@ -98,7 +126,7 @@ class Console:
         self._views = views.Views(self)
         self._refresh_lock = asyncio.Lock()
         self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._server: asyncio.Server | None = None
         self._state = "new"
 
     # -- lifecycle ----------------------------------------------------------------
@@ -109,10 +137,18 @@ class Console:
         await self.refresh()  # the first read of every DLQ shard, before the first page asks
         self._runner = web.AppRunner(self.application(), access_log=None, handle_signals=False)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.config.host, self.config.port,
-                                 ssl_context=self.config.tls_context())
+        assert self._runner.server is not None
+        # The worker node's connections: header deadline, idle timeout, connection caps (in all and per client).
+        config = self.config
+        limits = Limits(config.header_timeout, config.idle_timeout, config.max_connections,
+                        linger=min(2.0, config.body_timeout),
+                        max_connections_per_client=config.max_connections_per_client)
+        factory = protocol_factory(self._runner.server, limits, self._connection_error, errors=TEXT_ERRORS)
+        tls = config.tls_context()
         try:
-            await self._site.start()
+            self._server = await asyncio.get_running_loop().create_server(
+                factory, config.host, config.port, ssl=tls, reuse_address=True,
+                ssl_handshake_timeout=config.header_timeout if tls else None)
         except OSError as exc:
             await self._runner.cleanup()
             where = f"{self.config.host}:{self.config.port}"
@@ -127,8 +163,13 @@ class Console:
             return
         self._state = "stopped"
         await self.jobs.stop()
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()  # no new connections; the runner's cleanup closes the open ones
         if self._runner is not None:
             await self._runner.cleanup()
+        if server is not None:
+            await server.wait_closed()
 
     async def __aenter__(self) -> Console:
         await self.start()
@@ -139,8 +180,8 @@ class Console:
 
     @property
     def url(self) -> str:
-        assert self._site is not None and self._runner is not None, "not started"
-        host, port = self._runner.addresses[0][:2]
+        assert self._server is not None, "not started"
+        host, port = self._server.sockets[0].getsockname()[:2]
         scheme = "https" if self.config.tls_cert else "http"
         shown = f"[{host}]" if ":" in host else host
         return f"{scheme}://{shown}:{port}"
@@ -151,12 +192,16 @@ class Console:
         async with self._refresh_lock:
             await asyncio.to_thread(self.catalog.refresh)
 
+    def _connection_error(self, status: int, reason: str) -> None:
+        self.metrics.refused.labels(str(status), reason).inc()
+
     def _job_progress(self, kind: str, after: str) -> None:
         self.metrics.job_entries.labels(kind, after).inc()
 
     # -- the application ----------------------------------------------------------
     def application(self) -> web.Application:
-        app = web.Application(middlewares=[self._headers, self._authenticate], client_max_size=1 << 20)
+        app = web.Application(middlewares=[track_requests, self._headers, self._read_body, self._authenticate],
+                              client_max_size=FORM_MAX_BYTES)
         self._views.routes(app)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
@@ -194,6 +239,20 @@ class Console:
                      (time.perf_counter() - started) * 1000)
         return response
 
+    @web.middleware
+    async def _read_body(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # Every body is a form read whole by the checks or the page: read here, within the deadline, so that a
+        # client trickling one holds its connection body_timeout at most (over FORM_MAX_BYTES: 413).
+        if request.body_exists:
+            try:
+                await asyncio.wait_for(request.read(), self.config.body_timeout)
+            except TimeoutError:
+                response = web.Response(status=408, text=f"the request's body did not arrive within "
+                                                         f"{self.config.body_timeout:g} s")
+                response.force_close()  # the rest of the body may still come: not worth reading
+                return response
+        return await handler(request)
+
     @staticmethod
     def _secure(headers: MutableMapping[str, str]) -> None:
         # No script runs anywhere in the console; a framed or sniffed page is an attack, never a use.
@@ -206,11 +265,15 @@ class Console:
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
-        if request.method == "POST" and not self._same_origin(request):
+        if not self._hosts.allows(request.host):
+            # After DNS rebinding a page of another site reaches a loopback console under that site's name.
+            raise web.HTTPForbidden(text=f"this console does not answer for Host {request.host[:100]!r} "
+                                         "(cellstream console --allow-host NAME)")
+        if request.method not in ("GET", "HEAD") and not self._same_origin(request):
             raise web.HTTPForbidden(text="cross-origin form posts are refused")
         if path.startswith(OPEN_PATHS):
             return await handler(request)
-        if path == "/metrics" and self.sessions.bearer_ok(request.headers.get("Authorization")):
+        if path == "/metrics" and self._scraper(request):
             return await handler(request)  # a scraper: the token as a Bearer header (or none is configured)
         session = self.sessions.get(request.cookies.get(COOKIE))
         if session is None:
@@ -227,8 +290,19 @@ class Console:
         request[SESSION] = session
         return await handler(request)
 
+    def _scraper(self, request: web.Request) -> bool:
+        header = request.headers.get("Authorization")
+        if header is None:
+            return self.sessions.bearer_ok(None)
+        try:
+            return self.sessions.bearer_ok(header, request.remote or "")
+        except LoginThrottled as exc:
+            self.metrics.logins.labels("throttled").inc()
+            raise web.HTTPTooManyRequests(text=str(exc), headers={"Retry-After": retry_after(exc.wait)}) from None
+
     @staticmethod
     def _same_origin(request: web.Request) -> bool:
-        origin = request.headers.get("Origin")
-        # Browsers send Origin on every POST; a client that sends none is not a browser tricked by a page.
-        return origin is None or origin == f"{request.scheme}://{request.host}"
+        # Browsers send Origin and Sec-Fetch-Site with every POST; a client that sends neither is not a browser
+        # tricked by a page.
+        return cross_site(request.headers.get("Origin"), request.headers.get("Sec-Fetch-Site"),
+                          f"{request.scheme}://{request.host}") is None

@@ -21,10 +21,11 @@ from aiohttp import web
 from cellstream import __version__
 from cellstream.console.auth import COOKIE, SESSION, session_of
 from cellstream.console.catalog import Query, timeline
-from cellstream.errors import LoginError
+from cellstream.errors import LoginError, LoginThrottled
 from indexer.errors import EntryNotFoundError, InvalidFilterError
 from indexer.runtime.dlq_store import OPEN_STATES, STATUSES
 from indexer.runtime.dlq_triage import DLQFilter
+from logstore.node.guard import retry_after
 
 if TYPE_CHECKING:
     from cellstream.console.jobs import Kind
@@ -268,7 +269,12 @@ class Views:
         name, token = str(form.get("name", "")), str(form.get("token", ""))
         target = _local_path(str(form.get("next", "/")))
         try:
-            session = self.console.sessions.login(name, token)
+            session = self.console.sessions.login(name, token, request.remote or "")
+        except LoginThrottled as exc:
+            self.console.metrics.logins.labels("throttled").inc()
+            page = self.render(request, "login.html", 429, next=target, error=str(exc), name=name)
+            page.headers["Retry-After"] = retry_after(exc.wait)
+            return page
         except LoginError as exc:
             self.console.metrics.logins.labels("refused").inc()
             await asyncio.sleep(_FAILED_LOGIN_DELAY)

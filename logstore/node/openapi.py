@@ -33,9 +33,11 @@ _ERROR = {
     }},
 }
 _MEANINGS = {400: "bad input: the error names the field", 401: "missing or wrong Bearer token",
-             403: "the token does not allow this (the admin token does)", 404: "not found",
+             403: "the token does not allow this (the admin token does), or a request from a web page or for a "
+                  "Host the node does not answer", 404: "not found",
              409: "a different cell exists at these coordinates", 413: "request body too large",
              415: "the request body is not labelled application/json",
+             429: "too many wrong tokens from this client or from all: retry after Retry-After seconds",
              503: "a storage node is unavailable, or the node is at its connection limit (retriable)"}
 
 
@@ -48,7 +50,7 @@ def _responses(route: Route) -> dict[str, Any]:
     if route.path == "/readyz":
         out["503"] = {"description": "a storage node does not answer", **_content(route.ok)}
         return out
-    statuses = (400, *route.errors, 503) if route.access == "open" else (400, 401, *route.errors, 503)
+    statuses = (400, 403, *route.errors, 503) if route.access == "open" else (400, 401, 403, 429, *route.errors, 503)
     if route.body_model is not None:  # a body is read only when labelled JSON
         statuses = (*statuses, 415)
     for status in sorted(set(statuses)):

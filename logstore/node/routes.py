@@ -104,11 +104,11 @@ ROUTES: list[Route] = [
     Route("GET", "/v1/offsets/{consumer}", "read_offsets", "a consumer's committed positions", _OFFSETS,
           path_model="Consumer"),
     Route("POST", "/v1/offsets/{consumer}/claim", "claim_offsets",
-          "take over a consumer's positions (the previous holder's commits are refused from then on)", _OFFSETS,
-          (413,), path_model="Consumer", body_model="ClaimOffsets"),
+          "take over a consumer's positions (the previous holder's commits are refused from then on); needs the "
+          "admin token", _OFFSETS, (403, 413), path_model="Consumer", body_model="ClaimOffsets", access="admin"),
     Route("POST", "/v1/offsets/{consumer}/commit", "commit_offsets",
-          "store positions while holding them; answers the shards no longer held", {
+          "store positions while holding them; answers the shards no longer held; needs the admin token", {
               "type": "object", "required": ["fenced"],
               "properties": {"fenced": {"type": "array", "items": {"type": "integer"}}}},
-          (413,), path_model="Consumer", body_model="CommitOffsets"),
+          (403, 413), path_model="Consumer", body_model="CommitOffsets", access="admin"),
 ]

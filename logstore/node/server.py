@@ -36,6 +36,7 @@ from logstore.errors import ConfigurationError, InvalidArgumentError, LogstoreEr
 from logstore.net import is_loopback
 from logstore.node import openapi, wire
 from logstore.node.connections import Connection, Limits, protocol_factory
+from logstore.node.guard import AuthLimits, AuthThrottle, HostAllowList, check_token, cross_site, retry_after
 from logstore.node.models import models
 from logstore.node.routes import ROUTES, Route
 from logstore.store import Store
@@ -63,11 +64,20 @@ class ServerConfig(BaseModel):
     body_timeout: float = Field(30.0, gt=0, description="seconds for a request's body")
     idle_timeout: float = Field(60.0, gt=0, description="seconds a kept-alive connection may idle")
     max_connections: int = Field(1024, ge=1, description="connections at once; more are answered 503")
+    max_connections_per_client: int = Field(
+        64, ge=1, description="connections at once from one client address (an IPv6 /64); more are answered 503")
     tls_cert: Path | None = Field(None, description="PEM certificate (chain) to serve HTTPS with")
     tls_key: Path | None = Field(None, description="its PEM private key")
+    allowed_hosts: tuple[str, ...] | None = Field(
+        None, description="Host names the node answers besides IP addresses and localhost ('*': any); default: "
+                          "any with a token, none without")
+    auth_limits: AuthLimits = Field(default_factory=AuthLimits, description="failed token attempts taken")
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerConfig:
+        for name, value in (("the token", self.token), ("the admin token", self.admin_token)):
+            if value is not None:
+                check_token(value.get_secret_value(), name)
         if self.admin_token is not None and self.token is None:
             raise ValueError("an admin token needs a token: without one every route is open anyway")
         if self.admin_token is not None and self.token is not None and \
@@ -99,9 +109,14 @@ class _Metrics:
         self.storage_up = Gauge("cellstream_worker_storage_node_up",
                                 "1 when the storage node answered the node's last check (each /readyz and each "
                                 "scrape of /metrics)", ["node"], registry=registry)
+        self.guarded = Counter("cellstream_worker_requests_refused_total",
+                               "requests refused before their route: a Host not allowed (host), sent by another "
+                               "site's page (origin), a wrong or missing token (token), too many wrong tokens "
+                               "from the client or from all (throttled)", ["reason"], registry=registry)
         self.refused = Counter("cellstream_worker_connection_errors_total",
                                "requests answered before reaching a route: unparsable (400), too slow (408), "
-                               "over the connection limit (503)", ["status"], registry=registry)
+                               "over the connection limit or the client's share of it (503); the reason says which",
+                               ["status", "reason"], registry=registry)
 
 
 def _json(doc: Any, status: int = 200) -> web.Response:
@@ -119,6 +134,9 @@ class WorkerNode:
             raise ConfigurationError(f"no token configured: the worker node binds only to loopback, "
                                      f"not {self.config.host} (set a token to listen there)")
         self._tls = self.config.tls_context()
+        self._hosts = HostAllowList(self.config.host, self.config.allowed_hosts,
+                                    authenticated=self.config.token is not None)
+        self._throttle = AuthThrottle(self.config.auth_limits)
         self.metrics = _Metrics(registry or CollectorRegistry())
         if registry is None:
             register_build_info(self.metrics.registry, "worker-node")
@@ -141,7 +159,8 @@ class WorkerNode:
 
     # -- lifecycle ------------------------------------------------------------------
     def application(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors, self._auth])
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[self._errors, self._guard, self._auth])
         for route in ROUTES:
             app.router.add_route(route.method, route.path, self._endpoint(route))
         return app
@@ -178,7 +197,8 @@ class WorkerNode:
         await runner.setup()
         assert runner.server is not None
         limits = Limits(self.config.header_timeout, self.config.idle_timeout, self.config.max_connections,
-                        linger=min(2.0, self.config.body_timeout))
+                        linger=min(2.0, self.config.body_timeout),
+                        max_connections_per_client=self.config.max_connections_per_client)
         factory = protocol_factory(runner.server, limits, self._connection_error)
         loop = asyncio.get_running_loop()
         try:
@@ -205,8 +225,8 @@ class WorkerNode:
         runner = self._runner
         return float(len(runner.server.connections)) if runner is not None and runner.server is not None else 0.0
 
-    def _connection_error(self, status: int) -> None:
-        self.metrics.refused.labels(str(status)).inc()
+    def _connection_error(self, status: int, reason: str) -> None:
+        self.metrics.refused.labels(str(status), reason).inc()
 
     async def _warm(self) -> None:
         """Open the pool's connections now, not on the first requests (a MySQL connect takes far longer than
@@ -290,6 +310,9 @@ class WorkerNode:
         except _SlowBody as exc:
             response = _json(wire.error("RequestTimeout", str(exc)), 408)
             response.force_close()
+        except _Throttled as exc:
+            response = _json(wire.error("TooManyFailedTokens", str(exc)), 429)
+            response.headers["Retry-After"] = retry_after(exc.wait)
         except web.HTTPException as exc:
             response = _json(wire.error("HTTPError", exc.reason), exc.status)
             for name in ("WWW-Authenticate", "Allow"):
@@ -307,6 +330,21 @@ class WorkerNode:
         return response
 
     @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Requests not meant for this node (another Host: DNS rebinding) or sent by a web page: refused."""
+        host = request.headers.get("Host")
+        if not self._hosts.allows(host):
+            self.metrics.guarded.labels("host").inc()
+            raise web.HTTPForbidden(reason=f"this worker node does not answer for Host {str(host)[:100]!r} "
+                                           "(cellstream serve --allow-host NAME)")
+        why = cross_site(request.headers.get("Origin"), request.headers.get("Sec-Fetch-Site"),
+                         f"{request.scheme}://{request.host}")
+        if why is not None:
+            self.metrics.guarded.labels("origin").inc()
+            raise web.HTTPForbidden(reason=f"the worker node takes no requests from web pages: this one was {why}")
+        return await handler(request)
+
+    @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         token, admin = self.config.token, self.config.admin_token
         resource = request.match_info.route.resource
@@ -314,17 +352,36 @@ class WorkerNode:
         access = route.access if route is not None else "token"
         if token is None or access == "open":
             return await handler(request)
-        presented = _bearer(request)
-        is_admin = admin is not None and hmac.compare_digest(presented, admin.get_secret_value().encode())
-        if not is_admin and not hmac.compare_digest(presented, token.get_secret_value().encode()):
+        held = self._token_held(request)
+        if held is None:
             raise web.HTTPUnauthorized(reason="a valid Authorization: Bearer token is required",
                                        headers={"WWW-Authenticate": 'Bearer realm="cellstream"'})
-        if access == "admin" and not is_admin:
-            reason = ("writing cellstream's own _ columns needs the admin token" if admin is not None else
-                      "this node takes no writes of cellstream's own _ columns: it has no admin token "
-                      "(cellstream serve --admin-token-file)")
-            raise web.HTTPForbidden(reason=reason)
+        if access == "admin" and held != "admin":
+            raise web.HTTPForbidden(reason=_admin_only(route, admin is not None))
         return await handler(request)
+
+    def _token_held(self, request: web.Request) -> str | None:
+        """Which token the request presents (``"token"`` or ``"admin"``), None for none or a wrong one.
+
+        Raises:
+            _Throttled: the client, or every client, made too many wrong attempts: not compared at all.
+        """
+        token, admin = self.config.token, self.config.admin_token
+        assert token is not None
+        client = request.remote or ""
+        wait = self._throttle.wait(client)
+        if wait > 0:
+            self.metrics.guarded.labels("throttled").inc()
+            raise _Throttled(wait)
+        presented = _bearer(request)
+        held = ("admin" if admin is not None and hmac.compare_digest(presented, admin.get_secret_value().encode())
+                else "token" if hmac.compare_digest(presented, token.get_secret_value().encode()) else None)
+        if held is None:
+            self._throttle.failed(client)
+            self.metrics.guarded.labels("token").inc()
+        else:
+            self._throttle.succeeded(client)
+        return held
 
     # -- service --------------------------------------------------------------------
     async def healthz(self, got: Got) -> web.Response:
@@ -338,13 +395,16 @@ class WorkerNode:
         return _json({"ready": ready, "nodes": nodes}, 200 if ready else 503)
 
     def _holds_a_token(self, request: web.Request) -> bool:
-        """Whether the request carries this node's token or admin token (always, for a node without a token)."""
-        token, admin = self.config.token, self.config.admin_token
-        if token is None:
+        """Whether the request carries this node's token or admin token (always, for a node without a token).
+        A guess here counts as one on any route: the detail it unlocks would otherwise tell a right guess."""
+        if self.config.token is None:
             return True
-        presented = _bearer(request)
-        return hmac.compare_digest(presented, token.get_secret_value().encode()) or (
-            admin is not None and hmac.compare_digest(presented, admin.get_secret_value().encode()))
+        if not _bearer(request):
+            return False
+        try:
+            return self._token_held(request) is not None
+        except _Throttled:
+            return False
 
     async def _check_nodes(self) -> dict[str, str]:
         """Ask every storage node for one shard's head: ``{node: "ok" or the error}``, also in the metrics."""
@@ -519,6 +579,21 @@ async def _json_body(request: web.Request, timeout: float) -> Any:
         return wire.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise _BadInput("body", f"not JSON: {exc}") from None
+
+
+class _Throttled(Exception):
+    def __init__(self, wait: float) -> None:
+        self.wait = wait
+        super().__init__(f"too many wrong tokens from this client or from all: not checked; retry in {wait:.0f} s "
+                         "with the right token")
+
+
+def _admin_only(route: Route | None, node_has_admin: bool) -> str:
+    what = ("claiming or committing a consumer's positions" if route is not None and "/offsets/" in route.path
+            else "writing cellstream's own _ columns")
+    if node_has_admin:
+        return f"{what} needs the admin token"
+    return f"this node takes no {what}: it has no admin token (cellstream serve --admin-token-file)"
 
 
 class _NotJSON(Exception):

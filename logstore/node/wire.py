@@ -155,7 +155,7 @@ def error_from_json(status: int, doc: Any) -> LogstoreError:
         return corrupt
     if status == 503 or error.get("retriable"):
         return StorageUnavailableError(f"worker node: {message}")
-    if status in (401, 403):
+    if status in (401, 403, 429):
         return AuthenticationError(f"worker node refused the request: {message}")
     if kind == "ConfigurationError":
         return ConfigurationError(f"worker node: {message}")

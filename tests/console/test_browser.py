@@ -25,7 +25,7 @@ from tests.console.support import TriageApp, serving, triage_app
 pytestmark = pytest.mark.browser
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ARTIFACTS = Path(os.environ.get("CELLSTREAM_ARTIFACTS", ".artifacts")) / "console"
-TOKEN = "console-test-token-5f1c"
+TOKEN = "console-test-token-5f1c-0123"
 
 
 @pytest.fixture

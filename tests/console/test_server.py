@@ -25,7 +25,7 @@ from cellstream.console import Console, ConsoleConfig
 from tests.console.support import TriageApp, serving, triage_app, write_trips
 from tests.harness.tls import make_pki
 
-TOKEN = "console-token-9d2e"
+TOKEN = "console-token-9d2e-0123456789"
 
 
 @pytest.fixture

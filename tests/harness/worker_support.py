@@ -4,10 +4,13 @@ synchronous clients (logstore.open("http://..."), schemathesis) can call it from
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import logstore
 from logstore.node.server import ServerConfig, WorkerNode
@@ -44,3 +47,19 @@ def worker_node(backing_url: str, shards: int, **config: Any) -> Iterator[NodeTh
             yield node
         finally:
             node.stop()
+
+
+def call(url: str, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+         source: str | None = None) -> tuple[int, Any, http.client.HTTPResponse]:
+    """One request to the node at ``url``: its status, its JSON answer (None when empty), the response.
+    ``source``: the client's address (any of 127.0.0.0/8 is this machine on Linux)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=30,
+                                      source_address=(source, 0) if source else None)
+    try:
+        conn.request(method, path, body, headers or {})
+        response = conn.getresponse()
+        raw = response.read()
+        return response.status, json.loads(raw) if raw else None, response
+    finally:
+        conn.close()

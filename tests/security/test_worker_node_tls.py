@@ -19,7 +19,7 @@ from tests.harness.tls import PKI, make_pki
 from tests.harness.worker_support import worker_node
 
 SHARDS = 8
-TOKEN = "tls-token"
+TOKEN = "tls-token-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
