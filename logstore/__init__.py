@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from logstore.config import DEFAULT_SHARDS, ClusterConfig, StoreOptions
     from logstore.offsets import OffsetRecord
     from logstore.opening import open  # noqa: A004  # logstore.open, as the API names it
-    from logstore.persistence import ChangedCounts, UndecodedPages
+    from logstore.persistence import ChangedCounts, TruncatedPage, UndecodedPages
     from logstore.store import ShardInfo, Store
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "Store",
     "StoreNotFoundError",
     "StoreOptions",
+    "TruncatedPage",
     "UndecodedPages",
     "open",
 ]
@@ -75,6 +76,7 @@ _LAZY = {
     "OffsetRecord": "logstore.offsets",
     "open": "logstore.opening",
     "ChangedCounts": "logstore.persistence",
+    "TruncatedPage": "logstore.persistence",
     "UndecodedPages": "logstore.persistence",
     "ShardInfo": "logstore.store",
     "Store": "logstore.store",

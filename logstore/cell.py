@@ -2,7 +2,9 @@
 
 Stored body format (version 1): one format-version byte ``0x01`` followed by the
 zlib stream of the body's MessagePack form. Bodies are validated as JSON values
-before packing, so what comes back is what a JSON round trip would give.
+before packing, so what comes back is what a JSON round trip would give. Reading
+trusts none of it: a body is inflated within a byte cap, and one that decodes to
+what JSON cannot hold is a CorruptCellError of its cell alone (:func:`decode_body`).
 
 Shard of a row: the first 8 bytes of ``BLAKE2b(row_key.bytes, digest_size=8)`` read
 as a big-endian unsigned integer, modulo the shard count. BLAKE2b mixes all 16
@@ -21,6 +23,7 @@ import zlib
 from typing import Any, NamedTuple
 
 import msgpack
+import orjson
 
 from logstore.errors import CorruptCellError, InvalidCellError
 
@@ -31,6 +34,13 @@ COLUMN_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 MAX_DEPTH = 64
 _INT_MIN = -(1 << 63)
 _INT_MAX = (1 << 64) - 1
+#: The default limit on a body's MessagePack form (StoreOptions.max_body_bytes), and the least a reader inflates.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# Deflate writes at most this many bytes out per byte in (zlib's FAQ: 1032:1), so a stream of n bytes cannot
+# inflate past n * _MOST_INFLATED: one under the cap that way is inflated whole, in one call.
+_MOST_INFLATED = 1032
+# Bytes as _nonfinite_possible looks at them: 1 a float's marker, 2 the first byte of a NaN or an infinity.
+_FLOAT_HEADS = bytes(1 if b in (0xCA, 0xCB) else 2 if b in (0x7F, 0xFF) else 0 for b in range(256))
 
 
 class Cell(NamedTuple):
@@ -71,9 +81,8 @@ class PackedCell(NamedTuple):
 
     @property
     def body(self) -> dict[str, Any]:
-        """The body, decoded on each access."""
-        body: dict[str, Any] = msgpack.unpackb(self.packed, raw=False, strict_map_key=True)
-        return body
+        """The body, decoded on each access. Raises CorruptCellError for a map that is not a JSON object."""
+        return unpack_map(self.packed)
 
     def coordinates(self) -> dict[str, Any]:
         """The cell without its body, as :meth:`Cell.coordinates` gives it (the body is not decoded)."""
@@ -218,32 +227,113 @@ def compress(packed: bytes, level: int) -> bytes:
     return _V1_PREFIX + zlib.compress(packed, level)
 
 
-def decode_body(blob: bytes) -> dict[str, Any]:
-    if not blob or blob[0] != FORMAT_V1:
-        version = blob[0] if blob else None
-        raise CorruptCellError(f"unknown cell body format version {version!r}")
+def decode_body(blob: bytes, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> dict[str, Any]:
+    """A stored body, decoded (:func:`unpack_map` of it inflated).
+
+    Args:
+        blob: the stored bytes (format version 1).
+        max_bytes: the most bytes its MessagePack form may inflate to; a body is never written over the
+            store's ``max_body_bytes``, so more is damage, and inflating stops there.
+
+    Returns:
+        The body: a dict of JSON values only.
+
+    Raises:
+        CorruptCellError: an unknown format, a stream that does not inflate within ``max_bytes``, or
+            MessagePack that is not a map of JSON values (bin, ext or timestamp types, a key not a string,
+            NaN or an infinity, nesting past 254 levels).
+    """
+    return unpack_map(inflate_body(blob, max_bytes))
+
+
+def unpack_map(packed: bytes) -> dict[str, Any]:
+    """A body's MessagePack form, decoded: a dict of JSON values only.
+
+    What JSON has no type for, MessagePack refuses itself: bin of any length but 0, every ext type
+    (timestamps included), keys other than strings and bin. What is left (an empty bin as a value or a key,
+    NaN or an infinity, deep nesting) orjson finds at a fraction of a walk's cost: it refuses bytes and what
+    nests past 254 levels, and writes NaN and the infinities as ``null``; so only a body with a ``null`` in it
+    that may hold such a float is walked (:func:`_nonfinite_possible`).
+
+    Raises:
+        CorruptCellError: it is not a map of JSON values.
+    """
     try:
-        body = msgpack.unpackb(zlib.decompress(blob[1:]), raw=False, strict_map_key=True)
-    except (zlib.error, ValueError, msgpack.UnpackException) as exc:
-        raise CorruptCellError(f"cell body cannot be decoded: {exc}") from None
+        body = msgpack.unpackb(packed, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0,
+                               ext_hook=_no_ext)
+    except (ValueError, msgpack.UnpackException) as exc:
+        text = str(exc)
+        if "max_bin_len" in text:
+            text = "it holds MessagePack bin (bytes), not a JSON type"
+        elif "max_ext_len" in text:
+            text = "it holds a MessagePack ext type (such as a timestamp), not a JSON type"
+        raise CorruptCellError(f"cell body cannot be decoded: {text}") from None
     if type(body) is not dict:
         raise CorruptCellError("cell body is not a MessagePack map")
+    try:
+        if orjson.dumps(body).find(b"null") >= 0 and _nonfinite_possible(packed):
+            _refuse(body, None)
+    except TypeError:  # orjson.JSONEncodeError is one
+        _refuse(body, "it is not JSON")
     return body
 
 
-def unpack_body(blob: bytes) -> bytes:
-    """The MessagePack of a stored body, decompressed and not decoded. zlib's checksum finds damage to the
-    stored bytes; a map that MessagePack cannot read past its first byte is not seen until it is decoded."""
-    if not blob or blob[0] != FORMAT_V1:
-        version = blob[0] if blob else None
-        raise CorruptCellError(f"unknown cell body format version {version!r}")
-    try:
-        packed = zlib.decompress(blob[1:])
-    except zlib.error as exc:
-        raise CorruptCellError(f"cell body cannot be decoded: {exc}") from None
+def unpack_body(blob: bytes, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
+    """The MessagePack of a stored body, inflated within ``max_bytes`` (as :func:`decode_body`) and not decoded.
+    zlib's checksum finds damage to the stored bytes; what the map holds is not seen until it is decoded
+    (:func:`unpack_map`): a reader that passes it on as MessagePack never makes JSON of it.
+
+    Raises:
+        CorruptCellError: an unknown format, a stream that does not inflate within ``max_bytes``, or bytes
+            that do not start a MessagePack map.
+    """
+    packed = inflate_body(blob, max_bytes)
     if not packed or not (0x80 <= packed[0] <= 0x8F or packed[0] in (0xDE, 0xDF)):  # fixmap, map 16, map 32
         raise CorruptCellError("cell body is not a MessagePack map")
     return packed
+
+
+def inflate_body(blob: bytes, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
+    """The MessagePack form of a stored body, inflated no further than ``max_bytes`` (see :func:`decode_body`).
+
+    Raises:
+        CorruptCellError: an unknown format, or a zlib stream that is damaged or inflates past ``max_bytes``.
+    """
+    if not blob or blob[0] != FORMAT_V1:
+        raise CorruptCellError(f"unknown cell body format version {blob[0] if blob else None!r}")
+    try:
+        if len(blob) * _MOST_INFLATED <= max_bytes:  # cannot inflate past the cap: one call, the cheapest way
+            return zlib.decompress(blob[1:])
+        inflater = zlib.decompressobj()
+        packed = inflater.decompress(blob[1:], max_bytes + 1)
+    except zlib.error as exc:
+        raise CorruptCellError(f"cell body cannot be decoded: {exc}") from None
+    if len(packed) > max_bytes:
+        raise CorruptCellError(f"cell body inflates past {max_bytes} bytes, more than a body is written with")
+    if not inflater.eof:
+        raise CorruptCellError("cell body cannot be decoded: incomplete or truncated stream")
+    return packed
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"MessagePack ext type {code} is not a JSON type")
+
+
+def _nonfinite_possible(packed: bytes) -> bool:
+    """Whether ``packed`` may hold NaN or an infinity: a float marker (0xca, 0xcb) followed by 0x7f or 0xff,
+    the sign and the top of an exponent of all ones (rare finite floats and other bytes match too)."""
+    return packed.translate(_FLOAT_HEADS).find(b"\x01\x02") >= 0
+
+
+def _refuse(body: dict[str, Any], problem: str | None) -> None:
+    """Raise CorruptCellError naming what in ``body`` is not JSON; without ``problem``, only if something is."""
+    try:
+        _check_value(body, 0)
+    except _BadValue as bad:
+        # The path quoted: its keys are stored data, which must not break a log line.
+        raise CorruptCellError(f"cell body is not JSON at {_field(bad.path)!r}: {bad.problem}") from None
+    if problem is not None:
+        raise CorruptCellError(f"cell body cannot be decoded: {problem}")
 
 
 def same_json(a: Any, b: Any) -> bool:

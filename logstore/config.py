@@ -36,6 +36,7 @@ from pydantic import (
     model_validator,
 )
 
+from logstore.cell import DEFAULT_MAX_BODY_BYTES
 from logstore.configfile import read_text
 from logstore.errors import ConfigFileError, InvalidArgumentError
 from logstore.registry import NodeTarget, backend_of, prefixes, url_password, with_password
@@ -51,7 +52,11 @@ class StoreOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="limit on a body's MessagePack form")
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0, description="limit on a body's MessagePack form")
+    max_read_bytes: int = Field(
+        16 * 1024 * 1024, gt=0, description="bodies (their MessagePack form) one log read brings, its pages "
+        "together: a page is cut short after the cell that spends it, and holds one cell at least "
+        "(logstore.persistence.TruncatedPage)")
     compression_level: int = Field(6, ge=0, le=9, description="zlib level of stored bodies")
     pool_size: int = Field(8, ge=1, description="MySQL connections kept per storage node")
     connect_timeout: float = Field(5.0, gt=0)
@@ -65,6 +70,12 @@ class StoreOptions(BaseModel):
     buffer_after: float | None = Field(
         2.0, gt=0, description="seconds a write waits for an unavailable primary before it is buffered on "
         "another storage node that can hold it (a MySQL node); None: never buffer")
+
+    @property
+    def inflate_limit(self) -> int:
+        """The most bytes a stored body inflates to when read: ``max_body_bytes``, and never below its default,
+        so bodies written before the limit was lowered still read; more is damage (a CorruptCellError)."""
+        return max(self.max_body_bytes, DEFAULT_MAX_BODY_BYTES)
 
 
 class NodeConfig(BaseModel):

@@ -18,12 +18,12 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import msgpack
 
-from logstore.cell import AnyCell, Cell, PackedCell, decode_body, same_json, unpack_body
+from logstore.cell import AnyCell, Cell, PackedCell, inflate_body, same_json, unpack_body, unpack_map
 from logstore.errors import CellConflictError, ConfigurationError, CorruptCellError, StorageError
 from logstore.index_tables.persistence import IndexRecorder
 from logstore.offsets import OffsetRecord
@@ -147,7 +147,8 @@ class NodeRecorder(ABC):
 
     @abstractmethod
     def read_logs(
-        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool
+        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool,
+        budget: ReadBudget,
     ) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
         """The log pages of several shards of this node, read now, and a function that decodes them (on the
         thread that calls it, see :class:`UndecodedPages`): the one read of the logs a backend implements.
@@ -158,10 +159,13 @@ class NodeRecorder(ABC):
             columns: only cells of these columns when given.
             packed: bodies left as MessagePack (:class:`~logstore.cell.PackedCell`), else decoded
                 (:class:`~logstore.cell.Cell`).
+            budget: the bytes of bodies the read may bring, which its pages draw on as they are decoded.
 
         Returns:
             The decoder, whose answer holds every shard of ``locations``: its cells with
-            ``added_id > location`` in added_id order, up to ``limit``; or, when the page meets a damaged cell,
+            ``added_id > location`` in added_id order, up to ``limit``, and cut short as a
+            :class:`TruncatedPage` after the cell that spends ``budget`` (:func:`decode_pages` does both,
+            inflating each body within the store's ``inflate_limit``); or, when the page meets a damaged cell,
             its CorruptCellError with the good cells before it in ``cells_before`` (the other pages still
             arrive). A backend that cannot read apart from decoding returns pages decoded already.
         """
@@ -267,19 +271,13 @@ def make_cell(
     ref_key: int,
     blob: bytes,
     created_at: dt.datetime,
+    max_bytes: int,
 ) -> Cell:
-    key = uuid_from_bytes(row_key)
-    # Decoded here and in make_packed_cell alike, not through a helper taking the decoder: that was a
-    # call more per cell read.
-    try:
-        body = decode_body(blob)
-    except CorruptCellError as exc:
-        raise _named(exc, shard, added_id, key, column, ref_key, created_at) from None
-    cell: Cell = _new_tuple(Cell, (key, column, ref_key, body, added_id, shard, created_at))
-    return cell
+    """A stored row as a cell, its body inflated within ``max_bytes`` (:func:`logstore.cell.decode_body`)."""
+    return make_sized_cell(shard, added_id, row_key, column, ref_key, blob, created_at, max_bytes)[0]
 
 
-def make_packed_cell(
+def make_sized_cell(
     shard: int,
     added_id: int,
     row_key: bytes,
@@ -287,15 +285,39 @@ def make_packed_cell(
     ref_key: int,
     blob: bytes,
     created_at: dt.datetime,
-) -> PackedCell:
-    """``make_cell`` with the body decompressed only (:func:`logstore.cell.unpack_body`)."""
+    max_bytes: int,
+) -> tuple[Cell, int]:
+    """:func:`make_cell`, and the size of the body's MessagePack form (what a log page's budget counts)."""
+    key = uuid_from_bytes(row_key)
+    # Decoded here and in make_sized_packed_cell alike, not through a helper taking the decoder: that was a
+    # call more per cell read.
+    try:
+        packed = inflate_body(blob, max_bytes)
+        body = unpack_map(packed)
+    except CorruptCellError as exc:
+        raise _named(exc, shard, added_id, key, column, ref_key, created_at) from None
+    cell: Cell = _new_tuple(Cell, (key, column, ref_key, body, added_id, shard, created_at))
+    return cell, len(packed)
+
+
+def make_sized_packed_cell(
+    shard: int,
+    added_id: int,
+    row_key: bytes,
+    column: str,
+    ref_key: int,
+    blob: bytes,
+    created_at: dt.datetime,
+    max_bytes: int,
+) -> tuple[PackedCell, int]:
+    """:func:`make_sized_cell` with the body inflated only (:func:`logstore.cell.unpack_body`)."""
     key = uuid_from_bytes(row_key)
     try:
-        packed = unpack_body(blob)
+        packed = unpack_body(blob, max_bytes)
     except CorruptCellError as exc:
         raise _named(exc, shard, added_id, key, column, ref_key, created_at) from None
     cell: PackedCell = _new_tuple(PackedCell, (key, column, ref_key, packed, added_id, shard, created_at))
-    return cell
+    return cell, len(packed)
 
 
 def _named(exc: CorruptCellError, shard: int, added_id: int, key: uuid.UUID, column: str, ref_key: int,
@@ -312,27 +334,58 @@ def repack(cell: Cell) -> PackedCell:
                       cell.added_id, cell.shard, cell.created_at)
 
 
-def decode_log(rows: Iterable[R], to_cell: Callable[[R], C]) -> list[C]:
-    """A page of log rows as cells; a damaged cell raises with the good cells before it."""
+class ReadBudget:
+    """The bytes of bodies (their MessagePack form) a log read may still bring: :meth:`Store.read_pages
+    <logstore.store.Store.read_pages>` makes one per read from the store's ``max_read_bytes``, and every page of
+    the read draws on it as it is decoded (:func:`decode_log`)."""
+
+    __slots__ = ("room",)
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+
+
+class TruncatedPage(list[C]):
+    """A log page cut short by its read's byte budget (:class:`ReadBudget`): the shard holds cells after its last
+    one, so its reader reads on from there. Only such a page is cut short: a plain list holding fewer cells than
+    the ``limit`` asked for reached the end of the log."""
+
+    __slots__ = ()
+
+
+def decode_log(rows: Sequence[R], to_cell: Callable[[R, int], tuple[C, int]], max_body: int,
+               budget: ReadBudget) -> list[C]:
+    """A page of log rows as cells, each body inflated within ``max_body`` bytes (``to_cell`` gives each cell
+    with its body's size); a damaged cell raises with the good cells before it. Once the read's ``budget`` is
+    spent the page ends with the cell that spent it, a :class:`TruncatedPage` when rows follow: a page holds
+    one cell at least, and a read's bodies come to at most its budget plus one body per page."""
     cells: list[C] = []
+    room = budget.room
     try:
         for row in rows:
-            cells.append(to_cell(row))
+            cell, size = to_cell(row, max_body)
+            cells.append(cell)
+            room -= size
+            if room <= 0 and len(cells) < len(rows):
+                return TruncatedPage(cells)
     except CorruptCellError as exc:
         exc.cells_before = cells
         raise
+    finally:
+        budget.room = room
     return cells
 
 
-def decode_pages(pages: Mapping[int, list[R]], to_cell: Callable[[R], C],
-                 order: Callable[[R], Any]) -> dict[int, list[C] | CorruptCellError]:
+def decode_pages(pages: Mapping[int, list[R]], to_cell: Callable[[R, int], tuple[C, int]],
+                 order: Callable[[R], Any], max_body: int, budget: ReadBudget) -> dict[int, list[C] | CorruptCellError]:
     """Each shard's page of log rows as cells in ``order`` (by added_id: the queries reading several shards at
-    once promise none), or the CorruptCellError of its first damaged cell (with the good cells before it)."""
+    once promise none), within ``max_body`` and ``budget`` (:func:`decode_log`), or the CorruptCellError of its
+    first damaged cell (with the good cells before it)."""
     out: dict[int, list[C] | CorruptCellError] = {}
     for shard, rows in pages.items():
         rows.sort(key=order)
         try:
-            out[shard] = decode_log(rows, to_cell)
+            out[shard] = decode_log(rows, to_cell, max_body, budget)
         except CorruptCellError as exc:
             out[shard] = exc
     return out

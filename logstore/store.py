@@ -42,6 +42,7 @@ from logstore.persistence import (
     NodeRecorder,
     PendingCell,
     PendingRecord,
+    ReadBudget,
     UndecodedPages,
 )
 
@@ -497,7 +498,9 @@ class Store:
 
         Returns:
             The cells, and the location to continue from: the last cell's ``added_id``, or ``location`` when
-            the page is empty.
+            the page is empty. The page holds ``limit`` cells or reaches the log's end, unless its bodies
+            reached the store's ``max_read_bytes``: it is then a :class:`~logstore.persistence.TruncatedPage`
+            (one cell at least), and cells follow it.
 
         Raises:
             InvalidArgumentError: a shard, location, limit or column that is not valid.
@@ -506,7 +509,8 @@ class Store:
             StorageError: the store is closed, or the node failed otherwise.
         """
         names = self._check_page(shard, location, limit, columns)
-        page = self._recorder(shard).read_logs([(shard, location)], limit, names, False)().get(shard, [])
+        budget = ReadBudget(self._options.max_read_bytes)
+        page = self._recorder(shard).read_logs([(shard, location)], limit, names, False, budget)().get(shard, [])
         if isinstance(page, CorruptCellError):
             raise page
         cells = cast(list[Cell], page)
@@ -532,7 +536,9 @@ class Store:
         Returns:
             The undecoded pages; their ``decode()`` gives each shard's page as :meth:`get_cells_for_shard`
             reads it or, for a page that meets a damaged cell, its CorruptCellError (``cells_before`` holds
-            the good cells before it), so one bad cell does not hide the other shards' pages.
+            the good cells before it), so one bad cell does not hide the other shards' pages. The pages share
+            the store's ``max_read_bytes`` of bodies, in the order of ``locations``: once it is spent, each
+            page after holds one cell, a :class:`~logstore.persistence.TruncatedPage` when more follow it.
 
         Raises:
             InvalidArgumentError: a shard, location, limit or column that is not valid (nothing is read).
@@ -540,7 +546,8 @@ class Store:
             StorageError: the store is closed, or a node failed otherwise.
         """
         names = self._check_reading(limit, columns)  # once, not once per shard
-        return UndecodedPages([recorder.read_logs(group, limit, names, packed)
+        budget = ReadBudget(self._options.max_read_bytes)
+        return UndecodedPages([recorder.read_logs(group, limit, names, packed, budget)
                                for recorder, group in self._locations_by_node(locations)])
 
     def get_cells_for_shards(

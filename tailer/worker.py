@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from logstore import CorruptCellError, LogstoreError, Store
+from logstore import CorruptCellError, LogstoreError, Store, TruncatedPage
 from logstore.cell import AnyCell
 from logstore.retry import RetryPolicy
 from tailer.config import TailerConfig
@@ -471,15 +471,16 @@ class Tailer:
             logger.error("shard %d: %s; dead-lettered", st.shard, problem)
             await self._send_deadletter(st, where, self.sink.destination(problem.column or "unknown"), problem,
                                         "decode")
-        elif len(cells) < st.read_limit:
+        elif len(cells) < st.read_limit and not isinstance(cells, TruncatedPage):
             st.drained = True
         return True
 
     def _plain_runs(self, st: ShardState, page: Sequence[AnyCell] | LogstoreError) -> _Runs | None:
         """A page's runs of one column as (cells, what the sink accepted), when nothing in it needs more than a
         delivery: no read error, no cell to pass over or dead-letter, no column new to the sink, no failed
-        delivery or refused cell in the shard. None sends the page alone (:meth:`_send_page`)."""
-        if (isinstance(page, LogstoreError) or not page or st.shard in self._failing
+        delivery or refused cell in the shard. None sends the page alone (:meth:`_send_page`), as it does a page
+        cut short by the read's byte budget (rare: a read of over 16 MiB), which alone tells it from the log's end."""
+        if (isinstance(page, LogstoreError | TruncatedPage) or not page or st.shard in self._failing
                 or st.acked < st.singles_until):
             return None
         runs: _Runs = []

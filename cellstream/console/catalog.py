@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from indexer.runtime.dlq_store import DLQ_COLUMN, OPEN_STATES, STATUSES, DeadLetterStore
 from indexer.runtime.dlq_triage import DLQFilter
+from logstore import TruncatedPage
 
 _PAGE = 5000
 _CACHED_QUERIES = 16
@@ -116,7 +117,7 @@ class EntryCatalog:
                         known = changed.get(key) or self._entries.get(key)
                         if known is None or cell.ref_key > known.version:
                             changed[key] = Summary.of(app, cell.ref_key, cell.body)
-                    if len(page) < _PAGE:
+                    if len(page) < _PAGE and not isinstance(page, TruncatedPage):
                         break
                 self._locations[app] = location
             if changed:

@@ -28,7 +28,7 @@ from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.definitions import IndexDefinition
 from indexer.runtime.dlq_store import DeadLetterStore
 from indexer.runtime.policy import Outcome, describe
-from logstore import Cell, CorruptCellError, Store
+from logstore import Cell, CorruptCellError, Store, TruncatedPage
 from logstore.index_tables.persistence import IndexChange, IndexPosition
 
 logger = logging.getLogger(__name__)
@@ -105,13 +105,14 @@ class _Run:
                 damaged = None
             except CorruptCellError as exc:
                 cells, damaged = exc.cells_before, exc
+            cut = isinstance(cells, TruncatedPage)  # short for the read's byte budget, not at the log's end
             cells = [c for c in cells if c.added_id <= target]
             # A damaged cell past the target is the app's: the page before it holds the rest of the column.
             inside = damaged if damaged is not None and (damaged.added_id or 0) <= target else None
             through = cells[-1].added_id if cells else location
             if inside is not None:
                 through = inside.added_id or location
-            elif damaged is not None or len(cells) < batch:
+            elif damaged is not None or (len(cells) < batch and not cut):
                 through = target  # nothing more of the column up to the target
             changes = self.prepare(cells)
             dead = inside is not None and through > location

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from indexer.errors import EntryNotFoundError, IndexerError
 from indexer.runtime.clock import SYSTEM_CLOCK, Clock
 from indexer.runtime.policy import Outcome
-from logstore import CellConflictError, InvalidCellError, Store
+from logstore import CellConflictError, InvalidCellError, Store, TruncatedPage
 from logstore.cell import shard_of, shard_of_bytes
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class DeadLetterStore:
             for cell in page:
                 if cell.body.get("app") == self.app and cell.ref_key > latest.get(str(cell.row_key), (0, {}))[0]:
                     latest[str(cell.row_key)] = (cell.ref_key, cell.body)
-            if len(page) < _PAGE:
+            if len(page) < _PAGE and not isinstance(page, TruncatedPage):
                 break
         out = [DeadLetter.model_validate({**body, "version": version}) for version, body in latest.values()]
         return sorted(out, key=lambda e: (e.first_failure, e.id))
@@ -242,7 +242,7 @@ class OpenCounts:
                 if cell.body.get("app") == app and cell.ref_key > self._latest.get(key, (0, "", False))[0]:
                     self._latest[key] = (cell.ref_key, str(cell.body.get("handler")),
                                          cell.body.get("status") in OPEN_STATES)
-            if len(page) < _PAGE:
+            if len(page) < _PAGE and not isinstance(page, TruncatedPage):
                 break
         counts: dict[str, int] = {}
         for _version, handler, is_open in self._latest.values():

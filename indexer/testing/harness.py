@@ -24,7 +24,7 @@ from indexer.runtime.dlq_triage import DeadLetterQueue, DLQFilter
 from indexer.runtime.handlers import Counts
 from indexer.runtime.hooks import Hook
 from indexer.testing.clock import FakeClock
-from logstore import Cell, Store
+from logstore import Cell, Store, TruncatedPage
 
 _PAGE = 1000
 
@@ -211,7 +211,7 @@ class AppHarness:
                 if isinstance(page, Exception):
                     raise page
                 found.extend(cell for cell in page if not cell.column.startswith("_"))
-                if len(page) == _PAGE:
+                if page and (len(page) == _PAGE or isinstance(page, TruncatedPage)):
                     following[shard] = page[-1].added_id
             locations = following
         return sorted(found, key=lambda c: (c.shard, c.added_id))

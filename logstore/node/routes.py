@@ -31,6 +31,10 @@ class Route:
 
 _CELLS = {"type": "object", "required": ["cells"], "additionalProperties": False,
           "properties": {"cells": {"type": "array", "items": ref("Cell")}}}
+_TRUNCATED = {"type": "boolean", "description": "true when the page was cut short by the answer's byte budget "
+                                                "(the store's max_read_bytes): read on after its last cell"}
+_PAGE = {"type": "object", "required": ["cells"], "additionalProperties": False,
+         "properties": {"cells": {"type": "array", "items": ref("Cell")}, "truncated": _TRUNCATED}}
 _OFFSETS = {"type": "object", "required": ["offsets"], "properties": {"offsets": {
     "type": "object", "additionalProperties": {
         "type": "object", "required": ["shard", "location", "owner", "doc"],
@@ -88,7 +92,8 @@ ROUTES: list[Route] = [
     Route("GET", "/v1/shards/{shard}/log", "log",
           "a page of the shard's log: cells after a location, in added_id order", {
               "type": "object", "required": ["cells", "next"],
-              "properties": {"cells": {"type": "array", "items": ref("Cell")}, "next": {"type": "integer"}}},
+              "properties": {"cells": {"type": "array", "items": ref("Cell")}, "next": {"type": "integer"},
+                             "truncated": _TRUNCATED}},
           path_model="Shard", query_model="LogQuery"),
     Route("GET", "/v1/shards/{shard}/count", "count", "cells after a location", {
         "type": "object", "required": ["count"], "properties": {"count": {"type": "integer"}}},
@@ -99,7 +104,7 @@ ROUTES: list[Route] = [
           path_model="Shard", query_model="LocationQuery"),
     Route("POST", "/v1/logs", "logs", "pages of many shards' logs at once (a shard that cannot be read: its error)", {
         "type": "object", "required": ["pages"], "properties": {"pages": {
-            "type": "object", "additionalProperties": {"oneOf": [_CELLS, ref("Error")]}}}},
+            "type": "object", "additionalProperties": {"oneOf": [_PAGE, ref("Error")]}}}},
           (413,), body_model="LogsQuery"),
     Route("GET", "/v1/offsets/{consumer}", "read_offsets", "a consumer's committed positions", _OFFSETS,
           path_model="Consumer"),

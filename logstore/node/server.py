@@ -39,6 +39,7 @@ from logstore.node.connections import Connection, Limits, protocol_factory
 from logstore.node.guard import AuthLimits, AuthThrottle, HostAllowList, check_token, cross_site, retry_after
 from logstore.node.models import models
 from logstore.node.routes import ROUTES, Route
+from logstore.persistence import TruncatedPage
 from logstore.store import Store
 from logstore.tls import server_context
 
@@ -483,7 +484,10 @@ class WorkerNode:
         query = got.query
         cells, next_location = await self._call(self.store.get_cells_for_shard, got.path.shard, query.after,
                                                 query.limit, columns=_columns(query.columns))
-        return _json({"cells": [c.to_json() for c in cells], "next": next_location})
+        answer: dict[str, Any] = {"cells": [c.to_json() for c in cells], "next": next_location}
+        if isinstance(cells, TruncatedPage):
+            answer["truncated"] = True
+        return _json(answer)
 
     async def count(self, got: Got) -> web.Response:
         count = await self._call(self.store.count_after, got.path.shard, got.query.after,
@@ -499,8 +503,12 @@ class WorkerNode:
         pages = await self._call(self.store.get_cells_for_shards, locations, query.limit, columns=query.columns)
         out: dict[str, Any] = {}
         for shard, page in pages.items():
-            out[str(shard)] = (wire.error_json(page) if isinstance(page, LogstoreError)
-                               else {"cells": [c.to_json() for c in page]})
+            if isinstance(page, LogstoreError):
+                out[str(shard)] = wire.error_json(page)
+            else:
+                out[str(shard)] = {"cells": [c.to_json() for c in page]}
+                if isinstance(page, TruncatedPage):  # cut short by the answer's byte budget: read on after it
+                    out[str(shard)]["truncated"] = True
         return _json({"pages": out})
 
     # -- offsets --------------------------------------------------------------------

@@ -168,3 +168,19 @@ def test_the_index_commands(store: logstore.Store, sqlite_url: str, tmp_path: Pa
     assert run("index", "query", "nope", "a=1")[0] == 1
     assert run("index", "drop", NAME, "--version", "1")[0] == 9  # the active version
     assert run("index", "activate", NAME, "--version", "7")[0] == 1
+
+
+def test_a_backfill_reads_on_after_a_page_cut_short_by_the_read_budget(sqlite_url: str, tmp_path: Path) -> None:
+    """A page cut short by StoreOptions.max_read_bytes is not the end of the column: the backfill had jumped to
+    its target after one, leaving the rest of the shard out of the index with nothing said."""
+    yaml_file = tmp_path / "v1.yaml"
+    yaml_file.write_text(SEED_YAML)
+    with logstore.open(sqlite_url, shards=SHARDS, max_read_bytes=2_000) as store:
+        store.put_cells([(uuid.uuid4(), "BASE", 1, trip(uuid.uuid4(), uuid.uuid4(), i)) for i in range(120)])
+        IndexCatalog(store).register(seed(1))
+        with App("trips", store=store, start_from="now") as app:
+            app.index(yaml_file)
+            app.drain(timeout=30)
+        done = backfill(store, NAME, 1, batch=50, workers=1)
+        assert done.shards == SHARDS and done.cells == 120
+        assert actual(store, seed(1)) == expected(store, seed(1))

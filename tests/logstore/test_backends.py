@@ -115,7 +115,7 @@ def test_every_read_of_the_logs_is_one_recorder_call_through_read_pages(sqlite_u
         return call
 
     monkeypatch.setattr(recorder, "read_logs", counted(
-        recorder.read_logs, recorder_calls, lambda locations, limit, columns, packed: (len(locations), packed)))
+        recorder.read_logs, recorder_calls, lambda locations, limit, columns, packed, budget: (len(locations), packed)))
     monkeypatch.setattr(store, "read_pages", counted(
         store.read_pages, store_calls, lambda *args, packed=False, **kwargs: packed))
     shard = cells[0].shard

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import json
 import os
 import struct
 import time
@@ -13,7 +14,7 @@ import zlib
 import msgpack
 import pytest
 
-from logstore.cell import Cell, PackedCell, compress, decode_body, pack_body, same_json, shard_of
+from logstore.cell import Cell, PackedCell, compress, decode_body, pack_body, same_json, shard_of, unpack_body
 from logstore.errors import CorruptCellError
 
 
@@ -102,3 +103,88 @@ def test_a_cell_packed_or_not_names_itself_by_the_same_coordinates() -> None:
         "shard": 2653, "created_at": "2026-11-25T14:30:05.250000+00:00"}
     assert cell.to_json() == {**cell.coordinates(), "body": {"fare": 12.5}}
     assert list(cell.to_json()) == ["row_key", "column", "ref_key", "added_id", "shard", "created_at", "body"]
+
+
+# -- reading trusts nothing stored: an inflate cap, and JSON types only ------------------------
+def _blob(packed: bytes, level: int = 9) -> bytes:
+    return b"\x01" + zlib.compress(packed, level)
+
+
+def _nested(depth: int) -> dict[str, object]:
+    body: dict[str, object] = {}
+    inner = body
+    for _ in range(depth):
+        inner["a"] = {}
+        inner = inner["a"]  # type: ignore[assignment]
+    return body
+
+
+@pytest.mark.parametrize("size", [64 * 1024, 8 * 1024 * 1024])  # inflated in one call, and by decompressobj
+def test_a_body_inflates_no_further_than_its_cap(size: int) -> None:
+    packed = msgpack.packb({"s": "a" * size})
+    cap = len(packed)
+    assert decode_body(_blob(packed), cap) == {"s": "a" * size}
+    assert unpack_body(_blob(packed), cap) == packed
+    for read in (decode_body, unpack_body):
+        with pytest.raises(CorruptCellError, match=f"inflates past {cap - 1} bytes"):
+            read(_blob(packed), cap - 1)
+
+
+def test_a_zlib_bomb_is_a_corrupt_cell_at_the_default_cap() -> None:
+    bomb = _blob(msgpack.packb({"s": "a" * (64 * 1024 * 1024)}))  # 64 MiB from about 64 KB
+    assert len(bomb) < 100_000
+    for read in (decode_body, unpack_body):
+        with pytest.raises(CorruptCellError, match="inflates past 4194304 bytes"):
+            read(bomb)
+
+
+def test_a_truncated_stream_is_refused_on_the_capped_path_too() -> None:
+    packed = msgpack.packb({"s": os.urandom(3000).hex()})
+    cut = _blob(packed)[:-10]
+    for cap in (len(packed), 1 << 30):  # capped (decompressobj) and uncapped (one call)
+        with pytest.raises(CorruptCellError, match="incomplete or truncated"):
+            decode_body(cut, len(packed) if cap == len(packed) else cap)
+
+
+# MessagePack a JSON encoder cannot write: each made a worker node's page answer 500 before it was refused here.
+NOT_JSON = {
+    "bin": msgpack.packb({"a": b"xy"}, use_bin_type=True),
+    "empty bin": msgpack.packb({"a": [1, b""]}, use_bin_type=True),
+    "bin key": msgpack.packb({"ok": 1, b"k": 1}, use_bin_type=True),
+    "empty bin key": msgpack.packb({b"": 1}, use_bin_type=True),
+    "ext": msgpack.packb({"a": msgpack.ExtType(5, b"xy")}),
+    "empty ext": b"\x81\xa1a\xc7\x00\x05",
+    "timestamp": msgpack.packb({"a": msgpack.Timestamp(1, 0)}),
+    "NaN": msgpack.packb({"a": None, "b": float("nan")}),
+    "infinity": msgpack.packb({"a": [float("-inf")]}),
+    "float 32 NaN": b"\x81\xa1a\xca\x7f\xc0\x00\x00",
+    "nested 1000 deep": msgpack.packb(_nested(1000)),
+}
+# Never written either (deeper than MAX_DEPTH, a key not a string), though json.dumps would take them.
+ALSO_REFUSED = {"nested 300 deep": msgpack.packb(_nested(300)), "integer key": b"\x81\x01\x01"}
+
+
+@pytest.mark.parametrize("packed", [*NOT_JSON.values(), *ALSO_REFUSED.values()], ids=[*NOT_JSON, *ALSO_REFUSED])
+def test_a_body_of_what_json_cannot_hold_is_a_corrupt_cell(packed: bytes) -> None:
+    if packed in NOT_JSON.values():  # a poison for the worker node's answers, not only an oddity
+        with pytest.raises((TypeError, ValueError, RecursionError)):
+            json.dumps(msgpack.unpackb(packed, raw=False, strict_map_key=False), allow_nan=False)
+    with pytest.raises(CorruptCellError, match=r"not JSON|not a JSON type|not allowed for map key"):
+        decode_body(_blob(packed))
+    with pytest.raises(CorruptCellError):
+        PackedCell(uuid.uuid4(), "BASE", 1, packed, 1, 0, dt.datetime.now(dt.UTC)).body  # noqa: B018
+
+
+def test_the_path_to_what_is_not_json_is_quoted() -> None:
+    with pytest.raises(CorruptCellError) as caught:
+        decode_body(_blob(msgpack.packb({"x\ny": [0, b""]}, use_bin_type=True)))
+    assert "\n" not in str(caught.value) and "'body.x\\ny[1]'" in str(caught.value)
+
+
+@pytest.mark.parametrize("body", [
+    {"a": None, "f": 1e308, "g": -1.7e308, "s": "null NaN \xca\x7f", "n": [None, 0.0, -0.0, 1.5, 2**64 - 1]},
+    {"deep": _nested(60), "none": None, "big": 1.7976931348623157e308},
+    {"text": "żółć ∑ 日本語 " * 40, "k" * 200: [True, False, None]},
+], ids=["nulls beside huge floats", "deep and null", "text"])
+def test_json_bodies_that_look_like_the_refused_ones_still_decode(body: dict[str, object]) -> None:
+    assert decode_body(compress(pack_body(body, 1 << 20), 6)) == body

@@ -529,3 +529,19 @@ def test_after_a_failed_write_a_partition_takes_nothing_until_the_failure_is_see
 
     asyncio.run(run())
     assert [(p, r["value"]["n"]) for p, r in read_topic(tmp_path / "topics", "t")] == [(0, 3), (1, 1)]
+
+
+def test_a_page_cut_short_by_the_read_budget_is_not_taken_for_the_end_of_the_log(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """A read's byte budget (StoreOptions.max_read_bytes) cuts pages short of page_size: the worker reads on
+    after such a page instead of marking the shard drained, which had left the rest unpublished until the
+    shard's next write."""
+    with logstore.open(sqlite_url, shards=SHARDS, max_read_bytes=8_000) as store:
+        row = uuid.uuid4()  # one row: every cell in one shard
+        store.put_cells([(row, "BASE", i, {"i": i, "pad": "x" * 2_000}) for i in range(1, 61)])
+        root = tmp_path / "topics"
+        tailer = make(store, tmp_path, partitions=1, page_size=50)
+        asyncio.run(run_until(tailer, lambda: len(topic_cells(root, "cells.BASE")) >= 60, timeout=20))
+        published = [record["value"]["ref_key"] for _, record in topic_cells(root, "cells.BASE")]
+        assert published == list(range(1, 61))

@@ -29,7 +29,16 @@ from logstore.errors import AuthenticationError, ConfigurationError, CorruptCell
 from logstore.index_tables.persistence import IndexRecorder
 from logstore.node.wire import cell_from_json, dumps, error_from_json, loads
 from logstore.offsets import OffsetRecord
-from logstore.persistence import ChangedCounts, NodeMeta, NodeRecorder, PendingCell, check_meta, repack
+from logstore.persistence import (
+    ChangedCounts,
+    NodeMeta,
+    NodeRecorder,
+    PendingCell,
+    ReadBudget,
+    TruncatedPage,
+    check_meta,
+    repack,
+)
 from logstore.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -159,9 +168,11 @@ class HttpRecorder(NodeRecorder):
 
     # -- logs -----------------------------------------------------------------------
     def read_logs(self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None,
-                  packed: bool) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
+                  packed: bool, budget: ReadBudget) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
         """One request for every shard's page (``POST /v1/logs``), decoded as it arrives; packed pages are the
-        decoded bodies packed again (the node sends JSON)."""
+        decoded bodies packed again (the node sends JSON). The node's store holds its answer to its own
+        ``max_read_bytes`` (``budget`` is this process's, which the node does not take): a page it cut short
+        says ``"truncated": true`` and comes back a TruncatedPage, so that a reader reads on after it."""
         answer = self._request("POST", "/v1/logs", {"locations": {str(s): at for s, at in locations}, "limit": limit,
                                                     "columns": list(columns) if columns else None})
         out: dict[int, Sequence[AnyCell] | CorruptCellError] = {}
@@ -175,7 +186,8 @@ class HttpRecorder(NodeRecorder):
                 out[int(shard)] = error
             else:
                 cells = [cell_from_json(doc) for doc in page["cells"]]
-                out[int(shard)] = [repack(c) for c in cells] if packed else cells
+                got: Sequence[AnyCell] = [repack(c) for c in cells] if packed else cells
+                out[int(shard)] = TruncatedPage(got) if page.get("truncated") is True and got else got
         return lambda: out
 
     def first_at(self, shard: int, when: dt.datetime) -> int | None:

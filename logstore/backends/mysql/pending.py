@@ -39,13 +39,14 @@ SCHEMA = (
 _COLS = "id, node, shard, row_key, column_name, ref_key, body, failed"
 
 
-def _record(row: tuple[Any, ...]) -> PendingRecord:
+def _record(row: tuple[Any, ...], max_bytes: int) -> PendingRecord:
     pid, node, shard, row_key, column, ref_key, blob, failed = row
-    cell = PendingCell(int(shard), uuid_from_bytes(row_key), column, int(ref_key), decode_body(blob), bytes(blob))
+    cell = PendingCell(int(shard), uuid_from_bytes(row_key), column, int(ref_key), decode_body(blob, max_bytes),
+                       bytes(blob))
     return PendingRecord(int(pid), node, cell, failed)
 
 
-def buffer(call: Call[Any], node: str, cells: Sequence[PendingCell]) -> None:
+def buffer(call: Call[Any], node: str, cells: Sequence[PendingCell], max_bytes: int) -> None:
     def run(cur: pymysql.cursors.Cursor) -> None:
         cur.execute("START TRANSACTION")
         cur.executemany(
@@ -57,7 +58,7 @@ def buffer(call: Call[Any], node: str, cells: Sequence[PendingCell]) -> None:
             cur.execute(f"SELECT {_COLS} FROM cellstream_pending WHERE node = %s AND ("
                         + " OR ".join(["(row_key = %s AND column_name = %s AND ref_key = %s)"] * len(cells)) + ")",
                         [node, *(v for c in cells for v in c.coordinates)])
-            for found in map(_record, cur.fetchall()):
+            for found in (_record(row, max_bytes) for row in cur.fetchall()):
                 mine = wanted.get(found.cell.coordinates)
                 if mine is not None and not same_json(mine.body, found.cell.body):
                     cur.execute("ROLLBACK")
@@ -66,13 +67,13 @@ def buffer(call: Call[Any], node: str, cells: Sequence[PendingCell]) -> None:
     call("buffer writes", run)
 
 
-def pending(call: Call[Any], limit: int) -> list[PendingRecord]:
+def pending(call: Call[Any], limit: int, max_bytes: int) -> list[PendingRecord]:
     def run(cur: pymysql.cursors.Cursor) -> list[PendingRecord]:
         try:
             cur.execute(f"SELECT {_COLS} FROM cellstream_pending WHERE failed IS NULL ORDER BY id LIMIT %s", (limit,))
         except pymysql.err.ProgrammingError:
             return []  # a node opened before buffering existed has no table until its next open
-        return [_record(row) for row in cur.fetchall()]
+        return [_record(row, max_bytes) for row in cur.fetchall()]
     result: list[PendingRecord] = call("read pending", run)
     return result
 

@@ -52,11 +52,13 @@ from logstore.persistence import (
     NodeRecorder,
     PendingCell,
     PendingRecord,
+    ReadBudget,
     check_meta,
     concat_counts,
     decode_pages,
     make_cell,
-    make_packed_cell,
+    make_sized_cell,
+    make_sized_packed_cell,
     split_existing,
 )
 from logstore.retry import RetryPolicy, retry_call
@@ -174,9 +176,9 @@ def _shard_of_cell(cell: PendingCell) -> int:
     return cell.shard
 
 
-def _row_to_cell(row: tuple[Any, ...]) -> Cell:
+def _row_to_cell(row: tuple[Any, ...], max_bytes: int) -> Cell:
     shard, added_id, row_key, column, ref_key, blob, created = row
-    return make_cell(shard, added_id, row_key, column, ref_key, blob, created)
+    return make_cell(shard, added_id, row_key, column, ref_key, blob, created, max_bytes)
 
 
 # Time texts parsed by _log_row, and their datetimes. A transaction's cells share their time, and a page of a
@@ -189,7 +191,8 @@ _TIMES_KEPT = 4096
 _ADDED_ID = operator.itemgetter(1)  # of a log row: its sort key within a shard's page (C, not a call of Python per row)
 
 
-def _log_row(row: tuple[int, int, bytes], make: Callable[[int, int, bytes, str, int, bytes, dt.datetime], C]) -> C:
+def _log_row(row: tuple[int, int, bytes], max_bytes: int,
+             make: Callable[[int, int, bytes, str, int, bytes, dt.datetime, int], tuple[C, int]]) -> tuple[C, int]:
     """A row of LOG_COLUMNS: the 16-byte key, the 26-character time, then "ref_key column body"
     (neither a number nor a column name holds a space)."""
     shard, added_id, packed = row
@@ -202,15 +205,15 @@ def _log_row(row: tuple[int, int, bytes], make: Callable[[int, int, bytes, str, 
             _times.clear()
         created = _times[text] = _utc_datetime(text)
     return make(shard, added_id, packed[:16], packed[ref_end + 1:column_end].decode(), int(packed[42:ref_end]),
-                packed[column_end + 1:], created)
+                packed[column_end + 1:], created, max_bytes)
 
 
-def _log_row_to_cell(row: tuple[int, int, bytes]) -> Cell:
-    return _log_row(row, make_cell)
+def _log_row_to_cell(row: tuple[int, int, bytes], max_bytes: int) -> tuple[Cell, int]:
+    return _log_row(row, max_bytes, make_sized_cell)
 
 
-def _log_row_to_packed_cell(row: tuple[int, int, bytes]) -> PackedCell:
-    return _log_row(row, make_packed_cell)
+def _log_row_to_packed_cell(row: tuple[int, int, bytes], max_bytes: int) -> tuple[PackedCell, int]:
+    return _log_row(row, max_bytes, make_sized_packed_cell)
 
 
 _MARGIN = Decimal(str(TOUCH_MARGIN))
@@ -287,6 +290,7 @@ class MySQLRecorder(NodeRecorder):
         self._creating = False  # set by initialize(): only then may a connection create the database
         self._initializing: int | None = None  # the thread running the deferred initialization
         self.indexes = MySQLIndexRecorder(name, self._call, run_script, options.max_statement_bytes)
+        self._max_body = options.inflate_limit
 
     # -- connections and errors -----------------------------------------------------
     def _raw_connect(self, database: str | None, target: MySQLTarget | None = None) -> Connection:
@@ -531,7 +535,7 @@ class MySQLRecorder(NodeRecorder):
         found: dict[Coordinates, Cell] = {}
         for packet in self._packets(statements):
             for result in run_script(cur, packet):
-                for cell in map(_row_to_cell, result.rows or ()):
+                for cell in (_row_to_cell(row, self._max_body) for row in result.rows or ()):
                     found[(cell.row_key.bytes, cell.column, cell.ref_key)] = cell
         return found
 
@@ -610,19 +614,19 @@ class MySQLRecorder(NodeRecorder):
     def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None:
         rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE row_key = %s AND column_name = %s AND ref_key = %s",
                           (row_key.bytes, column, ref_key))
-        return _row_to_cell(rows[0]) if rows else None
+        return _row_to_cell(rows[0], self._max_body) if rows else None
 
     def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None:
         rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE row_key = %s AND column_name = %s"
                           " ORDER BY ref_key DESC LIMIT 1", (row_key.bytes, column))
-        return _row_to_cell(rows[0]) if rows else None
+        return _row_to_cell(rows[0], self._max_body) if rows else None
 
     def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
         rows = self._read(
             f"SELECT {CELL_COLUMNS} FROM cells c WHERE row_key = %s AND ref_key = ("
             " SELECT MAX(ref_key) FROM cells m WHERE m.row_key = c.row_key AND m.column_name = c.column_name)"
             " ORDER BY column_name", (row_key.bytes,))
-        return [_row_to_cell(r) for r in rows]
+        return [_row_to_cell(r, self._max_body) for r in rows]
 
     def _log_rows(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Any]:
         where, extra = _after(columns)
@@ -630,13 +634,15 @@ class MySQLRecorder(NodeRecorder):
                                [shard, location, *extra, limit]))
 
     def read_logs(
-        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool
+        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool,
+        budget: ReadBudget,
     ) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
         """One query for all the pages (:func:`_dense_pages`; a ``LIMIT``ed part per shard for some columns)."""
-        to_cell: Callable[[Any], AnyCell] = _log_row_to_packed_cell if packed else _log_row_to_cell
+        to_cell: Callable[[Any, int], tuple[AnyCell, int]] = (_log_row_to_packed_cell if packed
+                                                              else _log_row_to_cell)
         if len(locations) < 2:  # one shard: its own page query
             rows = {shard: self._log_rows(shard, location, limit, columns) for shard, location in locations}
-            return partial(decode_pages, rows, to_cell, _ADDED_ID)
+            return partial(decode_pages, rows, to_cell, _ADDED_ID, self._max_body, budget)
         args: Sequence[object]
         if columns:  # the cells of some columns are not dense: each shard's page needs its own LIMIT
             where, extra = _after(columns)
@@ -648,7 +654,7 @@ class MySQLRecorder(NodeRecorder):
         by_shard: dict[int, list[tuple[Any, ...]]] = {shard: [] for shard, _ in locations}
         for row in self._read(sql, args):
             by_shard[row[0]].append(row)
-        return partial(decode_pages, by_shard, to_cell, _ADDED_ID)
+        return partial(decode_pages, by_shard, to_cell, _ADDED_ID, self._max_body, budget)
 
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         if not columns:  # dense ids: the cells after a location are the ids up to the head
@@ -784,10 +790,10 @@ class MySQLRecorder(NodeRecorder):
         return self._call(what, fn, policy=self._quick_retry)
 
     def buffer(self, node: str, cells: Sequence[PendingCell]) -> None:
-        mysql_pending.buffer(self._quick, node, cells)
+        mysql_pending.buffer(self._quick, node, cells, self._max_body)
 
     def pending(self, limit: int) -> list[PendingRecord]:
-        return mysql_pending.pending(self._quick, limit)
+        return mysql_pending.pending(self._quick, limit, self._max_body)
 
     def drop_pending(self, ids: Sequence[int]) -> None:
         mysql_pending.drop(self._quick, ids)

@@ -38,11 +38,13 @@ from logstore.persistence import (
     NodeMeta,
     NodeRecorder,
     PendingCell,
+    ReadBudget,
     check_meta,
     concat_counts,
     decode_pages,
     make_cell,
-    make_packed_cell,
+    make_sized_cell,
+    make_sized_packed_cell,
     ordered_result,
     split_existing,
 )
@@ -131,15 +133,22 @@ def _micros(when: dt.datetime) -> int:
     return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
-def _row_to_cell(row: tuple[int, int, bytes, str, int, bytes, int]) -> Cell:
+def _row_to_cell(row: _Row, max_bytes: int) -> Cell:
     added_id, shard, row_key, column, ref_key, blob, created = row
-    return make_cell(shard, added_id, row_key, column, ref_key, blob, _EPOCH + dt.timedelta(microseconds=created))
+    return make_cell(shard, added_id, row_key, column, ref_key, blob, _EPOCH + dt.timedelta(microseconds=created),
+                     max_bytes)
 
 
-def _row_to_packed_cell(row: tuple[int, int, bytes, str, int, bytes, int]) -> PackedCell:
+def _row_to_sized_cell(row: _Row, max_bytes: int) -> tuple[Cell, int]:
     added_id, shard, row_key, column, ref_key, blob, created = row
-    return make_packed_cell(shard, added_id, row_key, column, ref_key, blob,
-                            _EPOCH + dt.timedelta(microseconds=created))
+    return make_sized_cell(shard, added_id, row_key, column, ref_key, blob,
+                           _EPOCH + dt.timedelta(microseconds=created), max_bytes)
+
+
+def _row_to_sized_packed_cell(row: _Row, max_bytes: int) -> tuple[PackedCell, int]:
+    added_id, shard, row_key, column, ref_key, blob, created = row
+    return make_sized_packed_cell(shard, added_id, row_key, column, ref_key, blob,
+                                  _EPOCH + dt.timedelta(microseconds=created), max_bytes)
 
 
 def _translate(exc: sqlite3.Error, what: str) -> LogstoreError:
@@ -243,6 +252,7 @@ class SQLiteRecorder(NodeRecorder):
         self._errors = _errors
         self.indexes = SQLiteIndexRecorder(name, self._index_db.write, self._index_db.read, options.retry)
         self._directory = target.directory
+        self._max_body = options.inflate_limit
 
     # -- metadata ---------------------------------------------------------
     def read_meta(self, retry: RetryPolicy | None = None) -> NodeMeta | None:
@@ -308,7 +318,7 @@ class SQLiteRecorder(NodeRecorder):
                     fresh.append(cell)
                 else:
                     row = conn.execute(_SELECT_CELL, cell.coordinates).fetchone()
-                    existing = _row_to_cell(row)
+                    existing = _row_to_cell(row, self._max_body)
                     split_existing([cell], {cell.coordinates: existing})
                     stored[cell.coordinates] = existing
             conn.executemany(_COUNT, [(n, shard) for shard, n in counts.items()])
@@ -320,24 +330,26 @@ class SQLiteRecorder(NodeRecorder):
     def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None:
         with self._errors("read"):
             row = self._conn().execute(_SELECT_CELL, (row_key.bytes, column, ref_key)).fetchone()
-        return None if row is None else _row_to_cell(row)
+        return None if row is None else _row_to_cell(row, self._max_body)
 
     def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None:
         with self._errors("read"):
             row = self._conn().execute(_SELECT_LATEST, (row_key.bytes, column)).fetchone()
-        return None if row is None else _row_to_cell(row)
+        return None if row is None else _row_to_cell(row, self._max_body)
 
     def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
         with self._errors("read"):
             rows = self._conn().execute(_SELECT_ROW, (row_key.bytes,)).fetchall()
-        return [_row_to_cell(r) for r in rows]
+        return [_row_to_cell(r, self._max_body) for r in rows]
 
     def read_logs(
-        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool
+        self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool,
+        budget: ReadBudget,
     ) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
         """One statement per 500 shards (one for a single shard): each statement lets go of the GIL and
         retakes it, which a reader thread beside a busy event loop waits for."""
-        to_cell: Callable[[_Row], AnyCell] = _row_to_packed_cell if packed else _row_to_cell
+        to_cell: Callable[[_Row, int], tuple[AnyCell, int]] = (_row_to_sized_packed_cell if packed
+                                                               else _row_to_sized_cell)
         if len(locations) == 1:
             [(shard, location)] = locations
             sql, args = _SELECT_LOG, [shard, location, *(columns or ()), limit]
@@ -345,7 +357,7 @@ class SQLiteRecorder(NodeRecorder):
                 sql = sql.replace("ORDER BY", f"AND column_name IN ({', '.join('?' * len(columns))}) ORDER BY")
             with self._errors("read log"):
                 rows = self._conn().execute(sql, args).fetchall()
-            return partial(decode_pages, {shard: rows}, to_cell, _ADDED_ID)
+            return partial(decode_pages, {shard: rows}, to_cell, _ADDED_ID, self._max_body, budget)
         by_shard: dict[int, list[_Row]] = {s: [] for s, _ in locations}
         for group in _chunks(locations):
             sql = _pages_sql(len(group), columns)
@@ -354,7 +366,7 @@ class SQLiteRecorder(NodeRecorder):
             with self._errors("read log"):
                 for row in self._conn().execute(sql, params).fetchall():
                     by_shard[row[1]].append(row)
-        return partial(decode_pages, by_shard, to_cell, _ADDED_ID)
+        return partial(decode_pages, by_shard, to_cell, _ADDED_ID, self._max_body, budget)
 
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         sql = "SELECT COUNT(*) FROM cells WHERE shard = ? AND added_id > ?"
