@@ -117,14 +117,10 @@ class Sessions:
 
     def _token_ok(self, presented: bytes, client: str) -> bool:
         assert self._token is not None
-        wait = self.throttle.wait(client)
+        wait, held = self.throttle.attempt(client, presented, {"token": self._token})
         if wait > 0:
             raise LoginThrottled(wait)
-        if hmac.compare_digest(presented, self._token):
-            self.throttle.succeeded(client)
-            return True
-        self.throttle.failed(client)
-        return False
+        return held is not None
 
     @staticmethod
     def csrf_ok(session: Session, value: str | None) -> bool:

@@ -12,10 +12,11 @@ docs/security.md.
 from __future__ import annotations
 
 import collections
+import hmac
 import ipaddress
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 MIN_TOKEN_LENGTH = 16
@@ -143,6 +144,23 @@ class AuthThrottle:
         self._clients: collections.OrderedDict[str, _Bucket] = collections.OrderedDict()
         self._trusted: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._overall = _Bucket(self.limits.overall_burst, clock())
+
+    def attempt(self, client: str, presented: bytes, tokens: Mapping[str, bytes]) -> tuple[float, str | None]:
+        """Which of ``tokens`` (by name) ``client`` presents, counted as a success or a failure.
+
+        Returns:
+            ``(0.0, name)``, ``(0.0, None)`` for a wrong token (or none), or ``(seconds, None)`` when the client
+            must wait that long first: then nothing was compared.
+        """
+        wait = self.wait(client)
+        if wait > 0:
+            return wait, None
+        held = next((name for name, token in tokens.items() if hmac.compare_digest(presented, token)), None)
+        if held is None:
+            self.failed(client)
+        else:
+            self.succeeded(client)
+        return 0.0, held
 
     def wait(self, client: str) -> float:
         """Seconds ``client`` must wait before its next attempt is compared: 0.0 if it may try now."""

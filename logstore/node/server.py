@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import ssl
 import threading
@@ -138,6 +137,9 @@ class WorkerNode:
         self._hosts = HostAllowList(self.config.host, self.config.allowed_hosts,
                                     authenticated=self.config.token is not None)
         self._throttle = AuthThrottle(self.config.auth_limits)
+        # The admin token first: it is the one that holds every right.
+        self._tokens = {name: value.get_secret_value().encode() for name, value in
+                        (("admin", self.config.admin_token), ("token", self.config.token)) if value is not None}
         self.metrics = _Metrics(registry or CollectorRegistry())
         if registry is None:
             register_build_info(self.metrics.registry, "worker-node")
@@ -367,21 +369,12 @@ class WorkerNode:
         Raises:
             _Throttled: the client, or every client, made too many wrong attempts: not compared at all.
         """
-        token, admin = self.config.token, self.config.admin_token
-        assert token is not None
-        client = request.remote or ""
-        wait = self._throttle.wait(client)
+        wait, held = self._throttle.attempt(request.remote or "", _bearer(request), self._tokens)
         if wait > 0:
             self.metrics.guarded.labels("throttled").inc()
             raise _Throttled(wait)
-        presented = _bearer(request)
-        held = ("admin" if admin is not None and hmac.compare_digest(presented, admin.get_secret_value().encode())
-                else "token" if hmac.compare_digest(presented, token.get_secret_value().encode()) else None)
         if held is None:
-            self._throttle.failed(client)
             self.metrics.guarded.labels("token").inc()
-        else:
-            self._throttle.succeeded(client)
         return held
 
     # -- service --------------------------------------------------------------------
