@@ -18,12 +18,17 @@ from logstore.errors import (
     CorruptCellError,
     InvalidArgumentError,
     InvalidCellError,
+    JobError,
+    JobLeaseLostError,
+    JobNotFoundError,
+    JobStateError,
     LogstoreError,
     MissingExtraError,
     ShardMovedError,
     StorageError,
     StorageUnavailableError,
     StoreNotFoundError,
+    UnknownJobKindError,
 )
 from logstore.lazy import lazy_exports
 
@@ -48,6 +53,10 @@ __all__ = [
     "CorruptCellError",
     "InvalidArgumentError",
     "InvalidCellError",
+    "JobError",
+    "JobLeaseLostError",
+    "JobNotFoundError",
+    "JobStateError",
     "LogstoreError",
     "MissingExtraError",
     "OffsetRecord",
@@ -61,6 +70,7 @@ __all__ = [
     "StoreOptions",
     "TruncatedPage",
     "UndecodedPages",
+    "UnknownJobKindError",
     "open",
 ]
 

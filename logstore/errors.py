@@ -156,3 +156,26 @@ class CorruptCellError(StorageError):
         named = (f"cell ({self.row_key}, {self.column}, {self.ref_key}) at shard {self.shard} "
                  f"added_id {self.added_id}: ") if coordinates else ""
         super().__init__(named + problem)
+
+
+class JobError(LogstoreError):
+    """Root of the errors of the job machinery (:mod:`logstore.jobs`): a job's record, its state or its kind."""
+
+
+class JobNotFoundError(JobError):
+    """No job has this id in the store (``cellstream jobs list --all`` lists them)."""
+
+
+class JobStateError(JobError):
+    """The job is in a state that does not allow the change asked for (resume a job that is done, run a job
+    another live process owns...); the message names the state and what would be allowed."""
+
+
+class JobLeaseLostError(JobStateError):
+    """The runner no longer holds the job's lease (its renewal failed for longer than the lease, and another
+    runner may have taken the job over): it stopped without writing, and the job goes on elsewhere."""
+
+
+class UnknownJobKindError(ConfigurationError):
+    """The job's kind is not in the registry of this process (a job made by a newer cellstream, or a kind whose
+    package is not installed): nothing was run."""

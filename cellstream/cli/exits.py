@@ -14,7 +14,7 @@ from enum import IntEnum
 
 class Exit(IntEnum):
     OK = 0
-    NOT_FOUND = 1  # no such cell, dead letter, index or version
+    NOT_FOUND = 1  # no such cell, dead letter, index or version, job
     USAGE = 2  # bad input or usage, told in one line
     CONFLICT = 3  # the cell exists with another body
     CONFIG = 4  # a configuration problem: store, app, cluster, index or connector file; a missing extra
@@ -22,7 +22,7 @@ class Exit(IntEnum):
     FAILED = 6  # another storage, publishing or sink failure
     STALLED = 7  # a handler stalled: too many open dead letters
     MISMATCH = 8  # index verify found mismatches and did not repair them all
-    STATE = 9  # an index version in the wrong state for the command
+    STATE = 9  # an index version or a job in the wrong state for the command
     INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
     BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader went away (`cellstream log 1 | head`); nothing printed
 
@@ -37,11 +37,11 @@ def exit_code(exc: BaseException) -> Exit:
     table: tuple[tuple[tuple[type[BaseException], ...], Exit], ...] = (
         ((UsageError, logstore.InvalidArgumentError, indexer.InvalidFilterError, indexer.InvalidQueryError),
          Exit.USAGE),
-        ((indexer.EntryNotFoundError, indexer.IndexNotFoundError), Exit.NOT_FOUND),
+        ((indexer.EntryNotFoundError, indexer.IndexNotFoundError, logstore.JobNotFoundError), Exit.NOT_FOUND),
         ((logstore.CellConflictError,), Exit.CONFLICT),
         ((logstore.ConfigurationError,), Exit.CONFIG),  # ConfigFileError (an index or connector file) too
         ((indexer.HandlerStalledError,), Exit.STALLED),
-        ((indexer.IndexStateError,), Exit.STATE),
+        ((indexer.IndexStateError, logstore.JobStateError), Exit.STATE),
         # Input files (--batch, --token-file): a path that cannot be read, or text that is not UTF-8.
         ((OSError, UnicodeDecodeError), Exit.USAGE),
     )

@@ -33,6 +33,7 @@ from indexer.runtime.dlq_store import STATUSES
 from indexer.runtime.dlq_triage import DeadLetterQueue
 from logstore.build_info import register_build_info
 from logstore.errors import ConfigurationError, InvalidArgumentError
+from logstore.jobs import JobStore
 from logstore.net import is_loopback
 from logstore.node.connections import ErrorStyle, Limits, protocol_factory, text_document, track_requests
 from logstore.node.guard import AuthLimits, HostAllowList, check_token, cross_site, retry_after
@@ -105,15 +106,18 @@ class ConsoleMetrics:
 
 
 class Console:
-    """The dead-letter console of several apps (``{app name: its DeadLetterQueue}``); start/stop idempotent,
+    """The dead-letter console of several apps (``{app name: its DeadLetterQueue}``), and the job records
+    (long operations: compaction...) of ``job_store`` (default: the first app's store); start/stop idempotent,
     also an async context manager. ``url`` once started."""
 
     def __init__(self, queues: Mapping[str, DeadLetterQueue], config: ConsoleConfig, *, store_label: str = "",
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, job_store: JobStore | None = None) -> None:
         if not queues:
             raise InvalidArgumentError("the console needs at least one app or connector")
         self.config = config
         self.queues = dict(queues)
+        # The console shows and steers the records; it runs no store job (a runner does: `cellstream jobs`).
+        self.store_jobs = job_store or JobStore(next(iter(self.queues.values())).deadletters.store)
         self.store_label = store_label  # shown in the header; already redacted by the caller
         self.catalog = EntryCatalog({name: q.deadletters for name, q in self.queues.items()})
         self.sessions = Sessions(config.token.get_secret_value() if config.token else None, config.session_ttl,

@@ -1,4 +1,5 @@
-"""The console's pages: overview, list, entry, bulk preview, jobs, login. Each renders one template.
+"""The console's pages: overview, list, entry, bulk preview, jobs (the console's own, and the store's job
+records: compaction and every later long operation), login. Each renders one template.
 
 A page first reads the dead letters added since the last page (:meth:`Console.refresh`), so it shows
 what the request follows: the entries a replay just resolved, a cell dead-lettered a moment ago.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import logging
+import math
 import urllib.parse
 from collections.abc import Mapping
 from importlib.resources import files
@@ -25,12 +28,16 @@ from cellstream.errors import LoginError, LoginThrottled
 from indexer.errors import EntryNotFoundError, InvalidFilterError
 from indexer.runtime.dlq_store import OPEN_STATES, STATUSES
 from indexer.runtime.dlq_triage import DLQFilter
+from logstore.errors import CellstreamError, InvalidArgumentError, JobNotFoundError, JobStateError
+from logstore.jobs import JobRecord
+from logstore.jobs.records import ACTIVE_STATES, FINAL_STATES
 from logstore.node.guard import retry_after
 
 if TYPE_CHECKING:
     from cellstream.console.jobs import Kind
     from cellstream.console.server import Console
 
+logger = logging.getLogger(__name__)
 FILTER_FIELDS = ("app", "handler", "status", "error", "fingerprint", "text", "since", "until")
 _PREVIEW = 20
 _GROUPS = 50
@@ -103,6 +110,8 @@ class Views:
         r.add_get("/jobs", self.jobs)
         r.add_get(r"/jobs/{id:\d+}", self.job)
         r.add_post(r"/jobs/{id:\d+}/cancel", self.cancel)
+        r.add_get("/store-jobs/{id:[A-Za-z0-9-]{1,64}}", self.store_job)
+        r.add_post("/store-jobs/{id:[A-Za-z0-9-]{1,64}}/{action:pause|resume|cancel|throttle}", self.steer_store_job)
         r.add_get("/login", self.login_page)
         r.add_post("/login", self.login)
         r.add_post("/logout", self.logout)
@@ -228,7 +237,62 @@ class Views:
 
     # -- jobs ---------------------------------------------------------------------
     async def jobs(self, request: web.Request) -> web.Response:
-        return self.render(request, "jobs.html", jobs=sorted(self.console.jobs.jobs.values(), key=lambda j: -j.id))
+        """The console's replays and discards, then the store's jobs not over (``?all=1``: every one)."""
+        show_all = request.query.get("all") == "1"
+        records: list[JobRecord] = []
+        store_error = None
+        try:
+            records = await self._store_jobs()
+        except CellstreamError as exc:  # the store away: the console's own jobs are still worth showing
+            store_error = f"the store's jobs could not be read: {exc}"
+        shown = [r for r in reversed(records) if show_all or r.state not in FINAL_STATES]  # newest first
+        return self.render(request, "jobs.html", jobs=sorted(self.console.jobs.jobs.values(), key=lambda j: -j.id),
+                           store_jobs=shown, over=sum(1 for r in records if r.state in FINAL_STATES),
+                           show_all=show_all, store_error=store_error, now=dt.datetime.now(dt.UTC))
+
+    async def _store_jobs(self) -> list[JobRecord]:
+        # One read of what the jobs shard got since the last page (JobStore keeps its place), off the event loop.
+        return await asyncio.to_thread(self.console.store_jobs.jobs)
+
+    async def _store_job(self, job_id: str) -> JobRecord:
+        """The job's latest record; 404 for an id the store has no job of (looked up in the listing, so an
+        unknown id costs no read of its own and leaves nothing cached)."""
+        record = next((r for r in await self._store_jobs() if r.id == job_id), None)
+        if record is None:
+            raise web.HTTPNotFound(text=f"no job {job_id} in this store")
+        return record
+
+    async def store_job(self, request: web.Request, *, record: JobRecord | None = None, error: str | None = None,
+                        status: int = 200) -> web.Response:
+        """A store job's record: its state, owner and lease, throttle and steps, and the forms that steer it."""
+        if record is None:
+            record = await self._store_job(request.match_info["id"])
+        return self.render(request, "store_job.html", status, job=record, error=error, now=dt.datetime.now(dt.UTC),
+                           active=record.state in ACTIVE_STATES, final=record.state in FINAL_STATES)
+
+    async def steer_store_job(self, request: web.Request) -> web.StreamResponse:
+        """Pause, resume, cancel or throttle a store job, as ``cellstream jobs`` does (the record changes; the
+        job's runner acts on it after its current chunk). A state that refuses the change shows why (409)."""
+        job_id, action = request.match_info["id"], request.match_info["action"]
+        record = await self._store_job(job_id)
+        jobs = self.console.store_jobs
+        try:
+            if action == "throttle":
+                rate = _rate((await request.post()).get("rate"))
+                changed = await asyncio.to_thread(jobs.set_throttle, job_id, rate=rate)
+            else:
+                command = {"pause": jobs.pause, "resume": jobs.resume, "cancel": jobs.cancel}[action]
+                changed = await asyncio.to_thread(command, job_id)
+        except JobNotFoundError as exc:
+            raise web.HTTPNotFound(text=str(exc)) from None
+        except (JobStateError, InvalidArgumentError) as exc:
+            status = 409 if isinstance(exc, JobStateError) else 400
+            return await self.store_job(request, record=await self._store_job(job_id), error=str(exc), status=status)
+        except CellstreamError as exc:  # the store away: the write may or may not have landed
+            return await self.store_job(request, record=record, status=503,
+                                        error=f"the store did not answer ({exc}): reload to see whether it changed")
+        logger.info("store job %s: %s by %s (state %s)", job_id, action, session_of(request).actor, changed.state)
+        raise web.HTTPSeeOther(f"/store-jobs/{job_id}")
 
     async def job(self, request: web.Request) -> web.Response:
         """A job's progress, and its per-entry results a page at a time (``after=``: only the entries left in
@@ -290,6 +354,24 @@ class Views:
         response = web.HTTPSeeOther("/login")
         response.del_cookie(COOKIE, path="/")
         raise response
+
+
+def _rate(value: object) -> float | None:
+    """The throttle form's rate: units a second, or empty (or ``unlimited``) for no limit.
+
+    Raises:
+        InvalidArgumentError: not a finite number above 0.
+    """
+    text = str(value or "").strip()
+    if text in ("", "unlimited"):
+        return None
+    try:
+        rate = float(text)
+    except ValueError:
+        raise InvalidArgumentError(f"rate {text!r} is not a number (units a second; empty: unlimited)") from None
+    if not math.isfinite(rate) or rate <= 0:
+        raise InvalidArgumentError(f"rate {text!r}: give a number of units a second above 0 (empty: unlimited)")
+    return rate
 
 
 def _step_label(step: dt.timedelta) -> str:

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, Valid
 
 from logstore.build_info import register_build_info
 from logstore.errors import ConfigurationError, InvalidArgumentError, LogstoreError
+from logstore.jobs import JobRecordsCollector, JobStore
 from logstore.net import is_loopback
 from logstore.node import openapi, wire
 from logstore.node.connections import Connection, Limits, protocol_factory
@@ -143,6 +144,9 @@ class WorkerNode:
         self.metrics = _Metrics(registry or CollectorRegistry())
         if registry is None:
             register_build_info(self.metrics.registry, "worker-node")
+        # The store's jobs, as their records have them: a job whose runner died is seen here, where an
+        # operator's Prometheus already scrapes (the alerts on failed and runner-less jobs read these).
+        self.metrics.registry.register(JobRecordsCollector(JobStore(store)))
         self.metrics.connections.set_function(self._open_connections)
         self._pool: ThreadPoolExecutor | None = None
         self._runner: web.AppRunner | None = None
@@ -414,8 +418,8 @@ class WorkerNode:
 
     async def prometheus(self, got: Got) -> web.Response:
         await self._check_nodes()  # so that an alert on a storage node needs no prober of its own
-        return web.Response(body=generate_latest(self.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body = await self._call(generate_latest, self.metrics.registry)  # reads the jobs' records
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def openapi(self, got: Got) -> web.Response:
         return web.Response(body=self._openapi, content_type="application/json")

@@ -15,6 +15,7 @@ from cellstream.cli.apps import open_dlq_app
 from cellstream.console import Console, ConsoleConfig
 from indexer import App
 from indexer.runtime.dlq_triage import DeadLetterQueue
+from logstore.jobs import JobStore
 
 APP = '''
 from pathlib import Path
@@ -84,10 +85,12 @@ def triage_app(tmp_path: Path, *, name: str = "billing", bills: int = 12, notes:
 
 
 @contextmanager
-def serving(queues: Mapping[str, DeadLetterQueue], **options: object) -> Iterator[Console]:
+def serving(queues: Mapping[str, DeadLetterQueue], job_store: JobStore | None = None,
+            **options: object) -> Iterator[Console]:
     """A console on a free loopback port, its event loop in a thread of its own (so that a blocking test
-    client or browser can talk to it)."""
-    console = Console(queues, ConsoleConfig(port=0, **options), store_label="sqlite:///test")  # type: ignore[arg-type]
+    client or browser can talk to it) named ``console``."""
+    console = Console(queues, ConsoleConfig(port=0, **options), store_label="sqlite:///test",  # type: ignore[arg-type]
+                      job_store=job_store)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="console", daemon=True)
     thread.start()

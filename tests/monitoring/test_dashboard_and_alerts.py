@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import yaml
 from prometheus_client import CollectorRegistry
 
+import logstore
 from cellstream.console.server import ConsoleMetrics
 from indexer.runtime.metrics import AppMetrics
+from logstore.jobs import JobMetrics, JobStore
 from logstore.node.server import _Metrics as WorkerMetrics
 from tailer.metrics import TailerMetrics
 
@@ -20,15 +23,19 @@ SERIES = re.compile(r"\bcellstream_[a-z_]+\b")
 
 
 def exported() -> set[str]:
-    """Every series name the metrics classes of the tailer, apps, the worker node and the console expose."""
+    """Every series name the metrics classes of the tailer, apps, the worker node, the console and jobs (their
+    runners', and their records' as read from a store) expose."""
+    jobs = JobMetrics()
     registries = [TailerMetrics("t").registry, AppMetrics("a").registry, WorkerMetrics(CollectorRegistry()).registry,
-                  ConsoleMetrics(CollectorRegistry()).registry]
+                  ConsoleMetrics(CollectorRegistry()).registry, jobs.registry]
     names: set[str] = set()
-    for registry in registries:
-        for family in registry.collect():
-            suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
-                        "info": ("_info",)}.get(family.type, ("",))
-            names.update(family.name + suffix for suffix in suffixes)
+    with tempfile.TemporaryDirectory() as directory, logstore.open(f"sqlite:///{directory}/store", shards=4) as store:
+        jobs.watch(JobStore(store))
+        for registry in registries:
+            for family in registry.collect():
+                suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                            "info": ("_info",)}.get(family.type, ("",))
+                names.update(family.name + suffix for suffix in suffixes)
     return names
 
 
@@ -56,7 +63,8 @@ def test_the_alerts_cover_what_an_operator_is_woken_for() -> None:
     rules = yaml.safe_load((MONITORING / "alerts.yml").read_text())["groups"][0]["rules"]
     by_name = {r["alert"]: r for r in rules}
     for name in ("CellstreamHandlerStalled", "CellstreamTailerLagGrowing", "CellstreamDeadLettersGrowing",
-                 "CellstreamTailerLeaseLost", "CellstreamWorkerNodeNotReady"):
+                 "CellstreamTailerLeaseLost", "CellstreamWorkerNodeNotReady", "CellstreamJobFailed",
+                 "CellstreamJobWithoutRunner"):
         rule = by_name[name]
         assert rule["labels"]["severity"] in ("warning", "critical") and rule["annotations"]["summary"]
         assert rule.get("for"), f"{name} fires on one scrape"
@@ -66,7 +74,8 @@ def test_the_dashboard_has_a_section_per_component_and_every_panel_a_query() -> 
     dashboard = json.loads((MONITORING / "cellstream-dashboard.json").read_text())
     assert dashboard["uid"] == "cellstream-overview" and dashboard["schemaVersion"] >= 36
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
-    assert rows == ["Tailers", "Apps and connectors", "Secondary indexes", "Worker nodes", "Dead-letter console"]
+    assert rows == ["Tailers", "Apps and connectors", "Secondary indexes", "Worker nodes", "Dead-letter console",
+                    "Jobs"]
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for panel in dashboard["panels"]:

@@ -285,3 +285,18 @@ def test_a_body_not_labelled_json_is_refused_so_no_web_page_writes_to_a_loopback
     assert status == 415 and doc["error"]["type"] == "UnsupportedMediaType", doc
     with logstore.open(node.url) as store:
         assert store.get_row(ROW) == {}
+
+
+def test_metrics_show_the_store_jobs_a_dead_runner_left(node: NodeThread) -> None:
+    """The alerts on failed and runner-less jobs read the records through the node's /metrics: a job whose
+    runner died has nobody else to export it."""
+    from logstore.jobs import JobStore, StepRecord
+
+    jobs = JobStore(node.node.store)
+    waiting = jobs.create("compact", {}, [StepRecord(name="BASE/date=2026-11-25", total=4)], unit="files")
+    failed = jobs.create("compact", {}, [StepRecord(name="FARE/date=2026-11-25")], unit="files")
+    jobs.change(failed.id, lambda record: setattr(record, "state", "failed"))
+    text = metrics_of(node.url)
+    assert f'cellstream_job_failed{{job_id="{failed.id}",kind="compact"}} 1.0' in text
+    assert f'cellstream_job_lease_lapsed_seconds{{job_id="{waiting.id}",kind="compact"}}' in text
+    assert 'cellstream_jobs{kind="compact",state="planned"} 1.0' in text
