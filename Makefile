@@ -87,6 +87,7 @@ bench-run:
 	$(BIN)/python bench/index_bench.py
 	$(BIN)/python bench/index_bench.py --mysql
 	$(BIN)/python bench/connect_bench.py
+	$(BIN)/python bench/iceberg_bench.py
 	$(BIN)/python bench/worker_bench.py
 
 ## services-up / services-down: keep the shared servers running between test runs (the suite reuses them)

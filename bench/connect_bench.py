@@ -2,9 +2,10 @@
 
 Each sink against the raw library doing the same write of the same rows, in the same run:
 
-1. Parquet lake: ``ParquetSink.add`` for every cell, then ``flush`` (files per column, date and shard,
-   zstd) against pyarrow building the same rows (``Table.from_pylist`` of the flattened bodies with the
-   cell's columns) and writing the same files with ``pyarrow.parquet.write_table``.
+1. Parquet lake: ``ParquetSink.add`` for every cell, then ``flush`` (one file per column and date holding
+   every shard's cells, zstd, committed through the lake's commit log) against pyarrow building the same
+   rows (``Table.from_pylist`` of the flattened bodies with the cell's columns) and writing a file of the
+   same rows with ``pyarrow.parquet.write_table``.
 2. PostgreSQL: ``PostgresSink.add`` for every cell, then ``flush`` (history mode, two promoted columns:
    the COPY straight into the table that a replay would turn into staging plus an upsert) against psycopg
    COPYing the same rows straight into a table of the same shape, in one transaction. For information,
@@ -13,17 +14,20 @@ Each sink against the raw library doing the same write of the same rows, in the 
 
 Then, for information, the whole connector (``cellstream connect``'s runtime, direct mode) loading the
 same cells into the lake, against the raw paged read of the log (``Store.get_cells_for_shards``, 512
-shards a call, as a tailer reads).
+shards a call, as a tailer reads); and the lake's file count: ``--cells`` cells written in batches of
+1,000 while a connector with ``checkpoint_interval: 1`` runs, files and rows per file before and after
+compaction (``connectors.compaction``, run as a job).
 
 Rounds alternate which side goes first; each prints cells/s and the ratio (target >= 0.6). Results go to
 bench/results/connect.json. The store is a fresh SQLite directory with ``--shards`` shards (default 4096,
-the store's default; the lake files are per shard and date, so about one per shard on each side);
+the store's default);
 PostgreSQL is the shared test server (``make services-up``) (a fresh database, dropped after).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import gc
 import json
 import sys
@@ -40,31 +44,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lake_load import load_while_writing, timed, trips  # bench/: the script's folder
+
 import logstore
+from connectors.compaction import LakeCompaction, compaction_params
 from connectors.config import ConnectorConfig
 from connectors.runtime import connector_app
 from connectors.sinks.base import Position, flatten, utc_date
+from connectors.sinks.commits import read_state
 from connectors.sinks.parquet import ParquetSink, ParquetSinkConfig
 from connectors.sinks.postgres import PostgresSink, PostgresSinkConfig
+from logstore.jobs import JobRunner, KindRegistry
 from tests.harness.shared_servers import POSTGRES_SERVER as SERVER
 
 READ_GROUP, PAGE = 512, 10_000  # the raw read: shards per get_cells_for_shards call, cells per shard page
-
-
-def trips(store: logstore.Store, n: int) -> list[logstore.Cell]:
-    cells: list[logstore.Cell] = []
-    for start in range(0, n, 5000):
-        cells.extend(store.put_cells([(uuid.uuid4(), "BASE", 1, {
-            "city": f"city-{i % 50}", "fare": {"total": 10 + i % 97 * 0.5, "currency": "DKK"},
-            "driver": str(uuid.uuid4()), "pooled": i % 3 == 0, "seats": 1 + i % 4})
-            for i in range(start, min(n, start + 5000))]))
-    return sorted(cells, key=lambda c: (c.shard, c.added_id))
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 # -- 1. parquet --------------------------------------------------------------------------------
@@ -76,15 +69,15 @@ def sink_parquet(cells: list[logstore.Cell], root: Path) -> None:
 
 
 def raw_parquet(cells: list[logstore.Cell], root: Path) -> None:
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    groups: dict[str, list[dict[str, Any]]] = {}
     for cell in cells:
         row = {"row_key": str(cell.row_key), "column": cell.column, "ref_key": cell.ref_key,
                "added_id": cell.added_id, "shard": cell.shard, "created_at": cell.created_at, **flatten(cell.body)}
-        groups.setdefault((utc_date(cell.created_at), cell.shard), []).append(row)
-    for (date, shard), rows in groups.items():
+        groups.setdefault(utc_date(cell.created_at), []).append(row)
+    for date, rows in groups.items():
         directory = root / "BASE" / f"date={date}"
         directory.mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.Table.from_pylist(rows), directory / f"p{shard:05d}.parquet", compression="zstd")
+        pq.write_table(pa.Table.from_pylist(rows), directory / "part-0.parquet", compression="zstd")
 
 
 # -- 2. postgres -------------------------------------------------------------------------------
@@ -148,6 +141,26 @@ def connector(store: logstore.Store, root: Path, n: int) -> dict[str, Any]:
     return {"cells": n, "connector_cells_per_s": round(n / seconds), "raw_read_cells_per_s": round(n / read)}
 
 
+def lake_files(tmp: Path, shards: int, n: int) -> dict[str, Any]:
+    """Files and rows per file of a lake loaded while cells arrive, before and after compaction."""
+    root, config_file = tmp / "filelake", tmp / "filelake.yaml"
+    config_file.write_text(f"name: files\ncolumns: [BASE]\ncheckpoint_interval: 1\n"
+                           f"sink: {{type: parquet, root: {root}}}\n")
+    config = ConnectorConfig.model_validate({"name": "files", "columns": ["BASE"], "checkpoint_interval": 1.0,
+                                             "sink": {"type": "parquet", "root": str(root)}})
+    with logstore.open(f"sqlite:///{tmp}/filestore", shards=shards) as store:
+        load_while_writing(store, config, n)
+        before = sorted((root / "BASE").glob("date=*/*.parquet"))
+        runner = JobRunner(store, KindRegistry([LakeCompaction()]))
+        job = runner.submit("compact", compaction_params(config_file, before=dt.date(2099, 1, 1)))
+        runner.run(job.id)
+        after = sorted((root / "BASE").glob("date=*/*.parquet"))
+    commits = read_state(root).seq
+    return {"cells": n, "shards": shards, "commits": commits, "files_before": len(before),
+            "rows_per_file_before": round(n / max(len(before), 1)), "files_after": len(after),
+            "rows_per_file_after": round(n / max(len(after), 1))}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=100_000)
@@ -184,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 totals["latest sink"] += timed(sides[4][1])
                 assert count(url, f"latest{r}") == len(cells)
             whole = connector(store, Path(tmp) / "connector", len(cells))
+            sizing = lake_files(Path(tmp), args.shards, args.cells)
     finally:
         with psycopg.connect(f"{args.postgres}/postgres", autocommit=True) as admin:
             admin.execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
@@ -197,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                            "ratio": round(rate["postgres sink"] / rate["COPY"], 3), "target": ">= 0.6",
                            "latest_sink_cells_per_s": round(rate["latest sink"]),
                            "latest_ratio": round(rate["latest sink"] / rate["COPY"], 3)},
-              "connector": whole}
+              "connector": whole, "lake_files": sizing}
     for name, raw in (("parquet", "pyarrow"), ("postgres", "copy")):
         part = result[name]
         assert isinstance(part, dict)
@@ -209,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
           f"ratio to COPY {postgres['latest_ratio']} (for information)")
     print(f"connector (runtime + parquet sink): {whole['connector_cells_per_s']} cells/s; raw paged read of the "
           f"log {whole['raw_read_cells_per_s']} cells/s (for information)")
+    print(f"lake files: {sizing['cells']} cells in batches of 1,000, checkpoint every 1 s, {sizing['shards']} "
+          f"shards: {sizing['commits']} commits, {sizing['files_before']} files ({sizing['rows_per_file_before']} "
+          f"rows a file); after compaction {sizing['files_after']} ({sizing['rows_per_file_after']} rows a file)")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

@@ -21,7 +21,7 @@ or a PostgreSQL sink (see :mod:`connectors.sinks.postgres`):
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -111,12 +111,46 @@ class PostgresSinkConfig(BaseModel):
         return self
 
 
+class IcebergSinkConfig(BaseModel):
+    """Apache Iceberg tables in a SQL catalog (:mod:`connectors.sinks.iceberg`): one table per column."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    catalog: SecretStr = Field(description="the SQL catalog's SQLAlchemy URL: sqlite:///catalog.db (a relative path "
+                                           "from the file's directory) or postgresql+psycopg://user:pw@host/db")
+    warehouse: str = Field(min_length=1, description="where data files go: a local directory (relative to the "
+                                                      "file's directory) or a file:// URI")
+    catalog_name: str = Field("cellstream", pattern=_NAME, description="the catalog's name in the SQL catalog tables")
+    namespace: str = Field("cellstream", pattern=_NAME)
+    tables: dict[str, Annotated[str, Field(pattern=_NAME)]] = Field(
+        default_factory=dict, description="column -> table; default cells_<column lower>")
+    target_file_bytes: int = Field(128 << 20, ge=1 << 20, description="write.target-file-size-bytes of the tables")
+
+    @field_validator("catalog")
+    @classmethod
+    def _sql_catalog(cls, url: SecretStr) -> SecretStr:
+        """A PostgreSQL URL goes through psycopg 3 (SQLAlchemy's default driver is psycopg2, not installed)."""
+        text = url.get_secret_value()
+        scheme, sep, rest = text.partition("://")
+        if not sep or scheme not in ("sqlite", "postgresql", "postgresql+psycopg"):
+            raise ValueError(f"{mask_userinfo(text)!r} is not sqlite:///PATH or postgresql+psycopg://...")
+        return SecretStr(f"postgresql+psycopg://{rest}") if scheme == "postgresql" else url
+
+    def table(self, column: str) -> str:
+        """The table ``column`` loads into."""
+        return self.tables.get(column) or f"cells_{column.lower()}"
+
+
 class ParquetSinkSpec(ParquetSinkConfig):
     type: Literal["parquet"]
 
 
 class PostgresSinkSpec(PostgresSinkConfig):
     type: Literal["postgres"]
+
+
+class IcebergSinkSpec(IcebergSinkConfig):
+    type: Literal["iceberg"]
 
 
 class ConnectorConfig(BaseModel):
@@ -133,7 +167,7 @@ class ConnectorConfig(BaseModel):
                                "ssl.*) or the path of a properties file, relative to this file")
     page_size: int = Field(1000, ge=1, le=10_000, description="cells read per shard at a time")
     max_attempts: int = Field(5, ge=1, description="attempts at a batch before it is retried cell by cell")
-    sink: ParquetSinkSpec | PostgresSinkSpec = Field(discriminator="type")
+    sink: ParquetSinkSpec | PostgresSinkSpec | IcebergSinkSpec = Field(discriminator="type")
 
     @field_validator("columns")
     @classmethod
@@ -164,6 +198,10 @@ class ConnectorConfig(BaseModel):
             missing = [c for c in self.columns if c not in self.sink.columns]
             if missing:
                 raise ValueError(f"sink: no table for {', '.join(missing)} (sink.columns.<column>: mode, promote)")
+        if isinstance(self.sink, IcebergSinkSpec):
+            tables = [self.sink.table(c) for c in self.columns]
+            if len(set(tables)) != len(tables):
+                raise ValueError("sink.tables: two columns load into the same table")
         return self
 
 
@@ -185,6 +223,19 @@ def load_connector(source: str | Path) -> ConnectorConfig:
     if isinstance(source, Path) and isinstance(config.sink, ParquetSinkSpec) and not config.sink.root.is_absolute():
         sink = config.sink.model_copy(update={"root": source.parent / config.sink.root})
         config = config.model_copy(update={"sink": sink})
+    if isinstance(source, Path) and isinstance(config.sink, IcebergSinkSpec):
+        config = config.model_copy(update={"sink": _iceberg_paths(config.sink, source.parent)})
     if isinstance(source, Path) and isinstance(config.kafka, Path):
         config = config.model_copy(update={"kafka": load_kafka_config(source.parent / config.kafka)})
     return config
+
+
+def _iceberg_paths(sink: IcebergSinkSpec, base: Path) -> IcebergSinkSpec:
+    """``sink`` with a relative SQLite catalog path and warehouse taken from ``base`` (the file's directory)."""
+    update: dict[str, object] = {}
+    url = sink.catalog.get_secret_value()
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):  # four slashes: an absolute path
+        update["catalog"] = SecretStr(f"sqlite:///{base / url.removeprefix('sqlite:///')}")
+    if "://" not in sink.warehouse and not Path(sink.warehouse).is_absolute():
+        update["warehouse"] = str(base / sink.warehouse)
+    return sink.model_copy(update=update) if update else sink

@@ -19,3 +19,8 @@ class SinkUnavailableError(ConnectorError):
     """The warehouse could not be written now (disk full, server down): the batch is tried again."""
 
     retriable = True
+
+
+class CompactionRaceError(SinkUnavailableError):
+    """Another compaction changed the partition while this one merged it: nothing was committed, and the step,
+    run again, plans from the partition as it is now (retriable)."""

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from connectors.config import ConnectorConfig, ParquetSinkSpec
+from connectors.config import ConnectorConfig, IcebergSinkSpec, ParquetSinkSpec
 from connectors.sinks.base import Position, Sink
 from indexer import App
 from logstore import Cell, Store
@@ -75,14 +75,23 @@ def build_sink(config: ConnectorConfig) -> Sink:
         The sink, not yet connected (a PostgreSQL sink connects when it first needs to).
 
     Raises:
-        MissingExtraError: the sink's extra (``parquet``, ``postgres``) is not installed.
+        MissingExtraError: the sink's extra (``parquet``, ``postgres``, ``iceberg``) is not installed.
         ConfigurationError: the sink cannot be set up (a Parquet root that cannot be created).
     """
     if isinstance(config.sink, ParquetSinkSpec):
         require("parquet", "a Parquet sink")
         from connectors.sinks.parquet import ParquetSink
 
-        return ParquetSink(config.sink)
+        return ParquetSink(config.sink, source="kafka" if config.brokers is not None else "store",
+                           connector=config.name)
+    if isinstance(config.sink, IcebergSinkSpec):
+        require("iceberg", "an Iceberg sink")
+        if config.sink.catalog.get_secret_value().startswith("postgresql"):
+            require("postgres", "an Iceberg sink with a PostgreSQL catalog")
+        from connectors.sinks.iceberg import IcebergSink
+
+        return IcebergSink(config.sink, connector=config.name,
+                           source="kafka" if config.brokers is not None else "store")
     require("postgres", "a PostgreSQL sink")
     from connectors.sinks.postgres import PostgresSink
 

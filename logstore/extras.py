@@ -20,6 +20,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "console": ("aiohttp", "jinja2"),
     "parquet": ("pyarrow",),
     "postgres": ("psycopg",),
+    "iceberg": ("pyiceberg", "sqlalchemy", "pyarrow"),
 }
 
 

@@ -1,13 +1,18 @@
 """``cellstream connect``: run warehouse connectors and see how far they are.
 
   cellstream connect run FILE [--drain [--timeout S]] [--metrics-port PORT]
-  cellstream connect status FILE
+  cellstream connect status FILE [--shards]
+  cellstream connect compact FILE [--target-bytes N] [--before DATE] [--rate FILES/S] [--detach]
+                                 [--expire-older-than AGE]
 
 ``run`` loads the cells of the file's columns into its sink until SIGTERM or SIGINT;
 with ``--drain`` it loads what the log holds now (with a progress bar on a terminal: cells,
-cells/s, ETA), checkpoints, prints the counts and exits. ``status`` shows each shard's
-committed position and lag in cells (with a Kafka source: each topic partition's
-committed offset and lag in messages). Exit codes: 0 success, 2 a bad file or option,
+cells/s, ETA), checkpoints, prints the counts and exits. ``status`` gives the totals first
+(cells behind, shards behind, what the sink holds: files, bytes, the last commit), then with
+``--shards`` each shard's committed position and lag in cells (with a Kafka source: each
+topic partition's committed offset and lag in messages). ``compact`` rewrites the small
+files of the lake's closed day partitions into files of about ``--target-bytes`` as a job
+(``cellstream jobs``), run here with a progress bar unless ``--detach``. Exit codes: 0 success, 2 a bad file or option,
 4 a store configuration problem, 5 a server or the sink unavailable, 6 other
 failure, 7 the connector stalled (too many open dead letters).
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime as dt
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,15 +47,60 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     a.add_argument("--drain", action="store_true", help="load what the log holds now, then exit")
     a.add_argument("--timeout", type=float, default=3600.0, help="with --drain: give up after this many seconds")
     a.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    a = actions.add_parser("status", parents=[common], help="each shard's committed position and lag")
+    a = actions.add_parser("status", parents=[common], help="how far behind it is and what its sink holds")
     a.add_argument("file", type=Path)
+    a.add_argument("--shards", "--per-shard", action="store_true", dest="per_shard",
+                   help="each shard's (Kafka partition's) committed position and lag too, after the totals")
     add_kafka_config(a)
+    a = actions.add_parser("compact", parents=[common], help="merge the lake's small files (a resumable job)")
+    a.add_argument("file", type=Path)
+    a.add_argument("--target-bytes", type=_size, default=None, metavar="N",
+                   help="about this many bytes a file (default 128 MiB; 64M, 1G accepted)")
+    a.add_argument("--before", type=_date, default=None, metavar="YYYY-MM-DD",
+                   help="compact the partitions of days before this one (default: today, UTC)")
+    a.add_argument("--rate", type=float, default=None, metavar="FILES/S", help="files read a second at most")
+    a.add_argument("--expire-older-than", type=_duration, default=None, metavar="AGE",
+                   help="Iceberg: then expire snapshots older than this (default 7d; 36h, 90m, 0 accepted)")
+    a.add_argument("--detach", action="store_true", help="record the job and exit (`cellstream jobs resume "
+                                                          "ID --run` runs it)")
+    a.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.set_defaults(run=run)
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        value = int(float(text[:-1]) * units[text[-1].upper()]) if text[-1:].upper() in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or 64M, 1G)") from None
+    if value < 1024:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 1 KiB")
+    return value
+
+
+def _duration(text: str) -> dt.timedelta:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        seconds = float(text[:-1]) * units[text[-1].lower()] if text[-1:].lower() in units else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an age (seconds, or 90m, 36h, 7d)") from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return dt.timedelta(seconds=seconds)
+
+
+def _date(text: str) -> dt.date:
+    try:
+        return dt.date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a date (YYYY-MM-DD)") from None
 
 
 def run(store: Store, args: argparse.Namespace, out: Output) -> int:
     from connectors.config import load_connector
 
+    if args.action == "compact":
+        return _compact(store, args, out)
     config = load_connector(args.file)
     security = kafka_override(args.kafka_config, config.brokers, f"connector {config.name}")
     if security is not None:
@@ -107,25 +158,72 @@ def _run(store: Store, config: ConnectorConfig, args: argparse.Namespace, out: O
         app.close()
     seconds = time.monotonic() - started
     data = {"connector": config.name, **counts._asdict(), "seconds": round(seconds, 3),
-            "files_written": getattr(applier.sink, "files_written", None)}
+            "files_written": getattr(applier.sink, "files_written", None),
+            "snapshots_committed": getattr(applier.sink, "snapshots_committed", None)}
     out.emit(data, f"connector {config.name}: loaded {counts.processed} cells, dead-lettered "
                    f"{counts.dead_lettered}, in {seconds:.1f}s")
     return Exit.OK
 
 
 def _status(store: Store, config: ConnectorConfig, args: argparse.Namespace, out: Output) -> int:
+    from connectors.status import sink_summary
+
+    rows: list[dict[str, Any]]
     if config.brokers is not None:
-        return _kafka_status(config, out)
-    rows = []
-    for shard, (location, behind) in _behind(store, config).items():
-        if location is None and behind == 0:
-            continue
-        rows.append({"connector": config.name, "shard": shard, "committed": location, "lag_cells": behind})
-    for row in rows:
-        out.emit(row, f"shard {row['shard']}: committed {row['committed']}, lag {row['lag_cells']} cells")
-    if not rows:
-        out.emit([], f"connector {config.name}: nothing to load")
+        unit, rows = "messages", [
+            {"topic": topic, "partition": partition, "committed": committed, "lag_messages": end - (committed or 0)}
+            for topic, partition, committed, end in _kafka_positions(config)]
+    else:
+        unit, rows = "cells", [{"shard": shard, "committed": location, "lag_cells": behind}
+                               for shard, (location, behind) in _behind(store, config).items()
+                               if location is not None or behind]
+    lag = sum(row[f"lag_{unit}"] for row in rows)
+    where = "partitions" if config.brokers is not None else "shards"
+    sink = sink_summary(config)
+    data: dict[str, Any] = {
+        "connector": config.name, f"lag_{unit}": lag, f"{where}_behind": sum(1 for r in rows if r[f"lag_{unit}"]),
+        f"{where}_committed": sum(1 for r in rows if r["committed"] is not None), "sink": sink}
+    if args.per_shard:
+        data[where] = rows
+    human = [f"connector {config.name}: {lag} {unit} behind in {data[f'{where}_behind']} {where} "
+             f"({data[f'{where}_committed']} {where} committed)", _sink_line(sink)]
+    for row in rows if args.per_shard else []:
+        at = f"{row['topic']}[{row['partition']}]" if "topic" in row else f"shard {row['shard']}"
+        human.append(f"  {at}: committed {row['committed']}, lag {row[f'lag_{unit}']} {unit}")
+    out.emit(data, "\n".join(human))
     return Exit.OK
+
+
+def _sink_line(sink: dict[str, Any]) -> str:
+    if "files" not in sink:
+        return f"sink: {sink['type']}"
+    last = sink["last_commit"]
+    what = (f"{last['partitions_compacted']} partitions compacted" if last and last["kind"] == "compact"
+            else f"{last['files']} files, {last['rows']} rows" if last else "")
+    committed = "nothing committed yet" if last is None else f"last commit #{last['seq']} at {last['at']}: {what}"
+    return f"sink: {sink['type']}, {sink['files']} files, {sink['bytes']:,} bytes; {committed}"
+
+
+def _compact(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from cellstream.cli.jobs import _run_here, known_kinds
+    from connectors.compaction import DEFAULT_TARGET_BYTES, compaction_params
+    from logstore.jobs import JobRunner, ThrottleSettings
+
+    params = compaction_params(args.file, target_bytes=args.target_bytes or DEFAULT_TARGET_BYTES,
+                               before=args.before, expire_older_than=args.expire_older_than)
+    kinds = known_kinds(store)
+    if not kinds.get("compact").plan(params):
+        out.emit({"id": None, "kind": "compact", "state": "done", "steps": 0},
+                 f"nothing to compact: no partition before {params['before']} has small files to merge")
+        return Exit.OK
+    runner = JobRunner(store, kinds)
+    record = runner.submit("compact", params, throttle=ThrottleSettings(rate=args.rate))
+    if args.detach:
+        out.emit(record.summary(), f"job {record.id} planned: {len(record.steps)} partitions, {record.total} "
+                                   f"files (`cellstream jobs resume {record.id} --run` runs it)")
+        return Exit.OK
+    args.run_here = True
+    return int(_run_here(store, record, args, out))
 
 
 def _kafka_positions(config: ConnectorConfig) -> list[tuple[str, int, int | None, int]]:
@@ -142,15 +240,3 @@ def _kafka_positions(config: ConnectorConfig) -> list[tuple[str, int, int | None
 
 def _kafka_lag(config: ConnectorConfig) -> int:
     return sum(end - (committed or 0) for _, _, committed, end in _kafka_positions(config))
-
-
-def _kafka_status(config: ConnectorConfig, out: Output) -> int:
-    """Each partition of the connector's topics: what its consumer group committed, and how far behind it is."""
-    found = _kafka_positions(config)
-    for topic, partition, committed, end in found:
-        row = {"connector": config.name, "topic": topic, "partition": partition, "committed": committed,
-               "lag_messages": end - (committed or 0)}
-        out.emit(row, f"{topic}[{partition}]: committed {committed}, lag {row['lag_messages']} messages")
-    if not found:
-        out.emit([], f"connector {config.name}: its topics have no partitions yet")
-    return Exit.OK

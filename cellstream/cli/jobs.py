@@ -37,7 +37,16 @@ if TYPE_CHECKING:
 
 # The kinds `cellstream jobs resume --run` can run: a name and how to make the kind for a store. A feature that
 # creates jobs adds its kind here (compaction: "compact").
-KIND_FACTORIES: dict[str, Callable[[Store], JobKind]] = {}
+def _compaction(store: Store) -> JobKind:
+    from logstore.extras import require
+
+    require("parquet", "compaction of a Parquet lake")
+    from connectors.compaction import LakeCompaction
+
+    return LakeCompaction()
+
+
+KIND_FACTORIES: dict[str, Callable[[Store], JobKind]] = {"compact": _compaction}
 
 
 def known_kinds(store: Store) -> KindRegistry:

@@ -1,1 +1,1 @@
-"""Warehouse sinks: the base (add/flush) and its Parquet lake and PostgreSQL implementations."""
+"""Warehouse sinks: the base (add/flush) and its Parquet lake, Apache Iceberg and PostgreSQL implementations."""

@@ -38,12 +38,39 @@ class Sink(ABC):
 
     def __init__(self) -> None:
         self._last: dict[tuple[str, int], int] = {}
+        self._uncommitted: dict[tuple[str, int], int] = {}  # positions written since the last commit
+        self._begun: set[tuple[str, int]] = set()
 
     def begin(self, column: str, partition: int, start: int) -> None:
         """The source delivers ``column``'s cells of ``partition`` to this process from position ``start``,
-        the first one past its last commit: a sink that can hold rows from there on, written by an earlier
-        process, removes them here (they come again). Only the first call per column and partition counts."""
+        the first one past the source's last commit. A sink that records positions with its data
+        (:meth:`committed`) skips what its own commit holds already: the source's commit follows the sink's,
+        so after a crash between the two the source hands over cells the sink has. Only the first call per
+        column and partition counts."""
+        key = (column, partition)
+        if key in self._begun:
+            return
+        committed = self.committed(column, partition)
+        if committed is not None and committed > self._last.get(key, -1):
+            self._last[key] = committed
+        self._begun.add(key)
+
+    def committed(self, column: str, partition: int) -> int | None:
+        """The last position of ``column`` and ``partition`` this sink's own commit record holds (files and
+        positions committed as one step), or None: nothing yet, or a sink that keeps no positions and makes
+        replays harmless by other means (an upsert)."""
         return None
+
+    def uncommitted(self) -> dict[tuple[str, int], int]:
+        """(column, partition): the last position written since the last commit; a sink that records
+        positions commits these with its data, then calls :meth:`_committed_now`."""
+        return dict(self._uncommitted)
+
+    def _committed_now(self, positions: dict[tuple[str, int], int]) -> None:
+        """``positions`` (from :meth:`uncommitted`) are committed: forget those not moved on since."""
+        for key, offset in positions.items():
+            if self._uncommitted.get(key) == offset:
+                del self._uncommitted[key]
 
     def add(self, cell: Cell, position: Position) -> None:
         """Buffer one cell; ConversionError when it cannot become a row (nothing of it is buffered)."""
@@ -57,11 +84,13 @@ class Sink(ABC):
         """Buffer a converted cell (rotation may write files now). With ``replay`` (a dead letter sent
         again) its position is not checked against the partition's last one, nor recorded."""
         key = (cell.column, position.partition)  # a batch hands each column's cells over on their own
+        if key not in self._begun:
+            self.begin(cell.column, position.partition, position.offset)
         if not replay and position.offset <= self._last.get(key, -1):
             return
         self._buffer(converted, cell, position)  # a failure here buffers nothing: the cell comes again
         if not replay:
-            self._last[key] = position.offset
+            self._last[key] = self._uncommitted[key] = position.offset
         self._rotate(cell)  # may fail (writing): the row is buffered already, and goes with the next flush
 
     @abstractmethod
@@ -99,6 +128,16 @@ def flatten(body: dict[str, Any], prefix: str = "") -> dict[str, Any]:
             if name in CELL_COLUMNS:
                 raise ConversionError(f"body field {name!r} collides with the cell's own column of that name")
     return out
+
+
+def table_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """A body flattened (:func:`flatten`) for a table's typed columns: ConversionError also for an integer that
+    does not fit a 64-bit column."""
+    fields = flatten(body)
+    for name, value in fields.items():
+        if type(value) is int and not -(1 << 63) <= value < 1 << 63:
+            raise ConversionError(f"body field {name!r}: {value} does not fit a 64-bit integer column")
+    return fields
 
 
 def _put(out: dict[str, Any], name: str, value: Any) -> None:

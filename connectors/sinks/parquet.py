@@ -1,20 +1,21 @@
-"""The Parquet lake sink: ``<root>/<column>/date=YYYY-MM-DD/p<partition>-<first>-<last>.parquet`` (Hive-style,
-by the cell's UTC date), read back with DuckDB's ``read_parquet(..., hive_partitioning=true, union_by_name=true)``.
+"""The Parquet lake sink: ``<root>/<column>/date=YYYY-MM-DD/part-<time>-<id>.parquet`` (Hive-style, by the cell's
+UTC date), read back with DuckDB's ``read_parquet(..., hive_partitioning=true, union_by_name=true)``.
 
-A file holds consecutive cells of one column, date and source partition; it is written under a temporary name,
-synced and renamed, so a reader never sees half a file. Every cell ends in exactly one file: rows an earlier
-process wrote but never committed are removed when the source resumes (:meth:`ParquetSink.begin`). A field's
-type conflict widens or stringifies the column (``<root>/<column>/_schema.json``), never a crash.
-docs/connectors.md (The Parquet lake) gives the design.
+A file holds the cells of one column and date from every shard a checkpoint covers, up to ``max_rows`` and
+``max_bytes``: the file count follows the data, not the shard count. Files are written under the writer's
+staging folder and committed with the positions they hold by the lake's commit log
+(:mod:`connectors.sinks.commits`), so every cell ends in exactly one file: after a crash the log says what the
+lake holds, and the cells the source hands over again are skipped up to there. A field's type conflict widens
+or stringifies the column (``<root>/<column>/_schema.json``), never a crash. docs/connectors.md (The Parquet
+lake) gives the design.
 """
 
 from __future__ import annotations
 
-import contextlib
+import datetime as dt
 import json
 import logging
 import os
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -22,23 +23,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from connectors.config import ParquetSinkConfig
-from connectors.errors import ConfigurationError, ConversionError, SinkUnavailableError
-from connectors.sinks.base import CELL_COLUMNS, Position, Sink, flatten, json_text, utc_date
+from connectors.errors import ConfigurationError, SinkUnavailableError
+from connectors.sinks.base import Position, Sink, json_text, table_fields, utc_date
+from connectors.sinks.commits import CommitLog, CommitRecord, Staged
 from logstore import Cell
 from logstore.files import create_private_file, private_dir, private_opener
 
 logger = logging.getLogger(__name__)
 Kind = Literal["bool", "int", "float", "string", "json"]
-_ARROW = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "string": pa.string(), "json": pa.string()}
+ARROW_TYPES = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "string": pa.string(), "json": pa.string()}
 _CELL_SCHEMA = [("row_key", pa.string()), ("column", pa.string()), ("ref_key", pa.int64()),
                 ("added_id", pa.int64()), ("shard", pa.int32()), ("created_at", pa.timestamp("us", tz="UTC"))]
-_NAME = re.compile(r"^p(\d+)-(\d+)-(\d+)\.parquet$")
 _SCHEMA_FILE = "_schema.json"
-_STALE_TEMPORARY = 600.0  # seconds: a schema file is written and renamed within milliseconds
 
 
 # A body value's kind by its exact type (bodies come from JSON: no subclasses); anything else is json.
@@ -46,42 +45,60 @@ _KIND_OF: dict[type, Kind | None] = {bool: "bool", int: "int", float: "float", s
 
 
 class _Buffer:
-    __slots__ = ("bytes", "first", "last", "rows", "started")
+    """The cells of one column and day waiting for a file, and their flattened bodies (kept apart: the cell's
+    own columns become arrays straight from the cells)."""
+
+    __slots__ = ("bytes", "cells", "fields", "started")
 
     def __init__(self, started: float) -> None:
-        self.rows: list[dict[str, Any]] = []
-        self.first = self.last = -1
+        self.cells: list[Cell] = []
+        self.fields: list[dict[str, Any]] = []
         self.bytes = 0
         self.started = started
 
 
 class ParquetSink(Sink):
-    """The lake of one connector process (see the module docstring)."""
+    """The lake of one connector process (see the module docstring).
 
-    def __init__(self, config: ParquetSinkConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    Args:
+        config: the sink's settings.
+        clock: seconds, for ``max_seconds`` (tests pass their own).
+        source: what the positions count, ``"store"`` (shards) or ``"kafka"`` (topic partitions): a lake
+            holds the positions of one source.
+        connector: the connector's name, recorded with each commit.
+
+    Raises:
+        ConfigurationError: the root cannot be created.
+        SinkUnavailableError: its commit log cannot be set up.
+    """
+
+    def __init__(self, config: ParquetSinkConfig, clock: Callable[[], float] = time.monotonic, *,
+                 source: str = "store", connector: str | None = None) -> None:
         super().__init__()
         self.config = config
         self.root = config.root
+        self.source = source
         try:
             private_dir(self.root)  # one that exists, made by its user, keeps its mode
         except OSError as exc:
             raise ConfigurationError(f"parquet sink: cannot create {self.root}: {exc.strerror}") from None
+        self.log = CommitLog(self.root, connector)
         self._clock = clock
-        self._buffers: dict[tuple[str, str, int], _Buffer] = {}
-        self._latest: tuple[str, str, int] | None = None  # the buffer the last row went to
+        self._buffers: dict[tuple[str, str], _Buffer] = {}
+        self._latest: tuple[str, str] | None = None  # the buffer the last row went to
+        self._staged: list[Staged] = []  # written by rotations, committed by the next flush
         self._schemas: dict[str, dict[str, Kind]] = {}
         self._changed: set[str] = set()  # columns whose registry changed since it was saved
-        self._begun: set[tuple[str, int]] = set()  # (column, partition)s this process recovered and writes
         self.conflicts: list[str] = []
         self.files_written = 0
+        self.last_commit: CommitRecord | None = None
+
+    def committed(self, column: str, partition: int) -> int | None:
+        return self.log.committed(self.source, column, partition)
 
     # -- buffering ------------------------------------------------------------------
     def convert(self, cell: Cell) -> dict[str, Any]:
-        fields = flatten(cell.body)
-        for name, value in fields.items():
-            if type(value) is int and not -(1 << 63) <= value < 1 << 63:
-                raise ConversionError(f"body field {name!r}: {value} does not fit a 64-bit integer column")
-        return fields
+        return table_fields(cell.body)
 
     def _buffer(self, fields: dict[str, Any], cell: Cell, position: Position) -> None:
         schema = self._schema(cell.column)
@@ -91,16 +108,12 @@ class ParquetSink(Sink):
             if kind is not None and schema.get(name) != kind:
                 self._learn(cell.column, schema, name, kind)
             size += len(value) if kind == "string" else 8
-        row: dict[str, Any] = {"row_key": str(cell.row_key), "column": cell.column, "ref_key": cell.ref_key,
-                               "added_id": cell.added_id, "shard": cell.shard, "created_at": cell.created_at}
-        row.update(fields)
-        key = (cell.column, utc_date(cell.created_at), position.partition)
+        key = (cell.column, utc_date(cell.created_at))
         buffer = self._buffers.get(key)
         if buffer is None:
             buffer = self._buffers[key] = _Buffer(self._clock())
-            buffer.first = buffer.last = position.offset
-        buffer.rows.append(row)
-        buffer.first, buffer.last = min(buffer.first, position.offset), max(buffer.last, position.offset)
+        buffer.cells.append(cell)
+        buffer.fields.append(fields)
         buffer.bytes += size
         self._latest = key
 
@@ -108,10 +121,10 @@ class ParquetSink(Sink):
         key = self._latest
         buffer = self._buffers.get(key) if key is not None else None
         if buffer is not None and key is not None and (
-                len(buffer.rows) >= self.config.max_rows or buffer.bytes >= self.config.max_bytes
+                len(buffer.cells) >= self.config.max_rows or buffer.bytes >= self.config.max_bytes
                 or self._clock() - buffer.started >= self.config.max_seconds):
-            self._write({key: buffer})
-            del self._buffers[key]  # only once written: a failed write keeps the rows for the next flush
+            self._stage_all({key: buffer})
+            del self._buffers[key]  # only once staged: a failed write keeps the rows for the next flush
 
     def _learn(self, column: str, schema: dict[str, Kind], name: str, kind: Kind | None) -> None:
         if kind is None:
@@ -143,94 +156,48 @@ class ParquetSink(Sink):
 
     # -- flush ----------------------------------------------------------------------
     def flush(self) -> None:
-        self._write(self._buffers)
-        self._buffers = {}  # only once written: after a failure the next flush writes them all again
-
-    def _write(self, buffers: dict[tuple[str, str, int], _Buffer]) -> None:
-        if not buffers:
-            return
+        """Write what is buffered and commit it, with the positions written so far, as one commit."""
+        self._stage_all(self._buffers)
+        self._buffers = {}  # only once staged: after a failure the next flush writes them all again
+        positions = self.uncommitted()
         try:
-            staged = [self._stage(column, date, partition, buffer)
-                      for (column, date, partition), buffer in buffers.items()]
-            for temporary, final in staged:
-                os.replace(temporary, final)
-                _sync_dir(final.parent)
-            for column in sorted(self._changed):
+            for column in sorted(self._changed):  # before the files that need it
                 self._save_schema(column)
             self._changed.clear()
         except OSError as exc:
             raise SinkUnavailableError(f"parquet sink: writing under {self.root} failed: {exc}") from exc
-        self.files_written += len(staged)
+        record = self.log.commit(self._staged, positions, self.source)
+        self._committed_now(positions)
+        self.files_written += len(self._staged)
+        self._staged = []
+        if record is not None:
+            self.last_commit = record
 
-    def _stage(self, column: str, date: str, partition: int, buffer: _Buffer) -> tuple[Path, Path]:
-        schema = self._schema(column)
-        names = sorted({name for row in buffer.rows for name in row} - set(CELL_COLUMNS))
-        arrays = [pa.array([row[name] for row in buffer.rows], arrow) for name, arrow in _CELL_SCHEMA]
-        fields = [pa.field(name, arrow) for name, arrow in _CELL_SCHEMA]
-        for name in names:
-            kind = schema.get(name, "string")  # "string" when only nulls were seen so far
-            arrays.append(_array(kind, [row.get(name) for row in buffer.rows]))
-            fields.append(pa.field(name, _ARROW[kind]))
-        table = pa.Table.from_arrays(arrays, schema=pa.schema(fields))
-        directory = self.root / column / f"date={date}"
-        private_dir(directory)
-        final = directory / f"p{partition:05d}-{buffer.first:020d}-{buffer.last:020d}.parquet"
-        temporary = directory / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
-        create_private_file(temporary)  # Arrow writes into it, keeping its mode
-        pq.write_table(table, temporary, compression=self.config.compression)
-        with open(temporary, "rb") as handle:
-            os.fsync(handle.fileno())
-        return temporary, final
-
-    def begin(self, column: str, partition: int, start: int) -> None:
-        """Rows of ``column`` an earlier process wrote for ``partition`` from ``start`` on were never
-        committed, and go (they come again): a file holding only such rows is deleted, one that also holds
-        committed rows is rewritten without them. The temporary files a killed process left go too: the
-        partition's (this process owns it now, nobody else writes them) and the column's schema files older
-        than a writer ever keeps one."""
-        if (column, partition) in self._begun:
-            return
+    def _stage_all(self, buffers: dict[tuple[str, str], _Buffer]) -> None:
+        staged: list[Staged] = []
         try:
-            for leftover in (self.root / column).glob(f"date=*/.p{partition:05d}-*.parquet.*.tmp"):
-                logger.info("parquet sink: deleting %s, left by a process that stopped mid-write", leftover)
-                leftover.unlink(missing_ok=True)
-            for leftover in (self.root / column).glob(f".{_SCHEMA_FILE}.*.tmp"):
-                with contextlib.suppress(FileNotFoundError):
-                    if time.time() - leftover.stat().st_mtime > _STALE_TEMPORARY:
-                        logger.info("parquet sink: deleting %s, left by a process that stopped mid-write", leftover)
-                        leftover.unlink()
-            for path in sorted((self.root / column).glob(f"date=*/p{partition:05d}-*.parquet")):
-                found = _NAME.match(path.name)
-                if found is None:
-                    continue
-                first, last = int(found.group(2)), int(found.group(3))
-                if first >= start:
-                    logger.info("parquet sink: deleting %s, written but never committed", path)
-                    path.unlink(missing_ok=True)
-                elif last >= start:
-                    self._trim(path, start)
+            for (column, date), buffer in buffers.items():
+                staged.append(self._stage(column, date, buffer))
         except OSError as exc:
-            raise SinkUnavailableError(f"parquet sink: recovering {column} of partition {partition} failed: "
-                                       f"{exc}") from exc
-        self._begun.add((column, partition))
+            for done in staged:
+                done.path.unlink(missing_ok=True)
+            raise SinkUnavailableError(f"parquet sink: writing under {self.root} failed: {exc}") from exc
+        self._staged.extend(staged)
 
-    def _trim(self, path: Path, start: int) -> None:
-        table = pq.read_table(path)
-        kept = table.filter(pc.less(table["added_id"], start))
-        last = max(kept["added_id"].to_pylist())
-        found = _NAME.match(path.name)
-        assert found is not None
-        final = path.with_name(f"p{found.group(1)}-{found.group(2)}-{last:020d}.parquet")
-        temporary = path.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
-        create_private_file(temporary)
-        pq.write_table(kept, temporary, compression=self.config.compression)
-        with open(temporary, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temporary, final)
-        if final != path:
-            path.unlink()
-        _sync_dir(path.parent)
-        logger.info("parquet sink: %s keeps its %d committed rows as %s", path, kept.num_rows, final.name)
+    def _stage(self, column: str, date: str, buffer: _Buffer) -> Staged:
+        schema = self._schema(column)
+        cells, bodies = buffer.cells, buffer.fields
+        arrays = [pa.array([str(c.row_key) for c in cells], pa.string()),
+                  pa.array([c.column for c in cells], pa.string()), pa.array([c.ref_key for c in cells], pa.int64()),
+                  pa.array([c.added_id for c in cells], pa.int64()), pa.array([c.shard for c in cells], pa.int32()),
+                  pa.array([c.created_at for c in cells], pa.timestamp("us", tz="UTC"))]
+        fields = [pa.field(name, arrow) for name, arrow in _CELL_SCHEMA]
+        for name in sorted(set().union(*bodies)):
+            kind = schema.get(name, "string")  # "string" when only nulls were seen so far
+            arrays.append(_array(kind, [body.get(name) for body in bodies]))
+            fields.append(pa.field(name, ARROW_TYPES[kind]))
+        table = pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+        return write_staged(table, self.log.staging, f"{column}/date={date}", self.config.compression)
 
     def _save_schema(self, column: str) -> None:
         path = self.root / column / _SCHEMA_FILE
@@ -242,10 +209,25 @@ class ParquetSink(Sink):
 
     def close(self) -> None:
         self._buffers.clear()
+        self._staged = []
+        self.log.close()
 
     def files(self, column: str) -> list[Path]:
         """The column's data files, in name order (for tests and status)."""
-        return sorted((self.root / column).glob("date=*/p*.parquet"))
+        return sorted((self.root / column).glob("date=*/*.parquet"))
+
+
+def write_staged(table: pa.Table, staging: Path, partition: str, compression: str) -> Staged:
+    """Write ``table`` as one Parquet file under ``staging`` (synced: a commit may follow at once), named for
+    the lake's ``partition`` folder (``BASE/date=2026-11-26``)."""
+    name = f"part-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:12]}.parquet"
+    path = staging / f"{partition.replace('/', '.')}.{name}"
+    create_private_file(path)  # Arrow writes into it, keeping its mode
+    pq.write_table(table, path, compression=compression)
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+        size = os.fstat(handle.fileno()).st_size
+    return Staged(path=path, final=f"{partition}/{name}", rows=table.num_rows, bytes=size)
 
 
 def _array(kind: Kind, values: list[Any]) -> pa.Array:
@@ -253,10 +235,10 @@ def _array(kind: Kind, values: list[Any]) -> pa.Array:
     column) unless a conflict made it a string column: those values, and json ones, become JSON text."""
     if kind != "json":
         try:
-            return pa.array(values, _ARROW[kind])
+            return pa.array(values, ARROW_TYPES[kind])
         except (pa.ArrowInvalid, pa.ArrowTypeError):
             pass
-    return pa.array([_convert(kind, value) for value in values], _ARROW[kind])
+    return pa.array([_convert(kind, value) for value in values], ARROW_TYPES[kind])
 
 
 def _convert(kind: Kind, value: Any) -> Any:
@@ -267,12 +249,4 @@ def _convert(kind: Kind, value: Any) -> Any:
     if kind == "json" or (kind == "string" and not isinstance(value, str)):
         return json_text(value)
     return value
-
-
-def _sync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 

@@ -29,11 +29,13 @@ def test_a_kafka_source_on_a_fresh_cluster_loads_the_topics_and_commits_through_
         publish(store, prefix, brokers=kafka.bootstrap)
 
         def status() -> list[dict[str, Any]]:
-            code = main(["connect", "status", str(path), "--store", sqlite_url, "--json"])
+            code = main(["connect", "status", str(path), "--store", sqlite_url, "--json", "--shards"])
             captured = capsys.readouterr()
             assert code == 0, captured.err
-            rows = [json.loads(line) for line in captured.out.splitlines()]
+            [totals] = [json.loads(line) for line in captured.out.splitlines()]
+            rows: list[dict[str, Any]] = totals["partitions"]
             assert {row["topic"] for row in rows} == {f"{prefix}.BASE", f"{prefix}.FARE"}
+            assert totals["lag_messages"] == sum(row["lag_messages"] for row in rows)
             return rows
 
         assert sum(row["lag_messages"] for row in status()) == 200  # nothing committed yet

@@ -5,6 +5,7 @@ user of the machine reads it with ``ps``; data cannot forge a log record."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import logging
 import os
@@ -120,20 +121,27 @@ def test_the_offsets_file_is_private_even_after_a_crash_left_its_temporary(tmp_p
 
 
 def test_a_parquet_lakes_files_schemas_and_folders_are_private(tmp_path: Path, umask_022: None) -> None:
+    from connectors.compaction import LakeCompaction, compaction_params
+    from logstore.jobs import JobRunner, KindRegistry
+
+    config = tmp_path / "sink.yaml"
+    config.write_text("name: lake\ncolumns: [BASE]\nsink: {type: parquet, root: lake}\n")
     with logstore.open(f"sqlite:///{tmp_path / 'store'}", shards=1) as store:
         cells = store.put_cells([(uuid.uuid4(), "BASE", 1, {"n": i}) for i in range(4)])
-    root = tmp_path / "lake"
-    sink = ParquetSink(ParquetSinkConfig(root=root))
-    for cell in cells:
-        sink.add(cell, Position(cell.shard, cell.added_id))
-    sink.flush()
-    # A restart that trims the uncommitted end of a file rewrites it: the rewritten file is private too.
-    restarted = ParquetSink(ParquetSinkConfig(root=root))
-    restarted.begin("BASE", 0, cells[2].added_id)
+        root = tmp_path / "lake"
+        for part in (cells[:2], cells[2:]):  # two commits, two files
+            sink = ParquetSink(ParquetSinkConfig(root=root))
+            for cell in part:
+                sink.add(cell, Position(cell.shard, cell.added_id))
+            sink.flush()
+        # A compaction writes the partition's new folder and swaps it in: that folder and its file are private.
+        runner = JobRunner(store, KindRegistry([LakeCompaction()]))
+        runner.run(runner.submit("compact", compaction_params(config, before=dt.date(2099, 1, 1))).id)
     found = modes(root)
     written = [name for name in found if name.endswith(".parquet")]
-    assert len(written) == 1 and f"-{cells[1].added_id:020d}.parquet" in written[0], found
-    assert "lake/BASE/_schema.json" in found
+    assert len(written) == 1, found  # merged
+    assert "lake/BASE/_schema.json" in found and "lake/_commits/.lock" in found
+    assert [name for name in found if name.startswith("lake/_commits/0")], found  # the records
     assert_private(found, root)
 
 
