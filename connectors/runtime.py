@@ -110,13 +110,20 @@ def connector_app(config: ConnectorConfig, store: str | Store, sink: Sink | None
         The app (run it with ``drain`` or ``run``) and the sink's handler (``applier.sink`` is the sink).
 
     Raises:
-        ConfigurationError: the configuration does not fit the app (as :class:`~indexer.App`), or the sink
-            cannot be built (as :func:`build_sink`).
+        ConfigurationError: the configuration does not fit the app (as :class:`~indexer.App`), the sink
+            cannot be built (as :func:`build_sink`), or it holds positions of another source (a lake loaded
+            from the store, read from Kafka).
     """
     security: dict[str, Any] = {"kafka": config.kafka_security} if config.brokers is not None else {}
-    app = App(config.name, store=store, brokers=config.brokers, commit_interval=config.checkpoint_interval,
-              start_from=config.start_from, page_size=config.page_size, topic_prefix=config.topic_prefix, **security)
     applier = SinkApplier(sink or build_sink(config), f"sink:{config.sink.type}")
+    try:
+        applier.sink.check(config.columns)
+        app = App(config.name, store=store, brokers=config.brokers, commit_interval=config.checkpoint_interval,
+                  start_from=config.start_from, page_size=config.page_size, topic_prefix=config.topic_prefix,
+                  **security)
+    except BaseException:
+        applier.sink.close()
+        raise
     for column in config.columns:
         app.batch_handler(f"{applier.name}:{column}", column, applier, applier.replay,
                           max_attempts=config.max_attempts)

@@ -61,6 +61,11 @@ class Sink(ABC):
         replays harmless by other means (an upsert)."""
         return None
 
+    def check(self, columns: list[str]) -> None:
+        """Refuse, before the source reads anything, what the sink can tell would go wrong for ``columns``
+        (ConfigurationError): a refusal later, in a batch, would dead-letter every cell of it."""
+        return None
+
     def uncommitted(self) -> dict[tuple[str, int], int]:
         """(column, partition): the last position written since the last commit; a sink that records
         positions commits these with its data, then calls :meth:`_committed_now`."""

@@ -298,12 +298,12 @@ def read_state(root: Path, since: LakeState | None = None, *, roll_forward: bool
         if states and int(states[-1].split(".")[0]) > state.seq:
             state = LakeState.model_validate_json((log / states[-1]).read_bytes())
         records = [n for n in names if not n.endswith(".state.json") and int(n.split(".")[0]) > state.seq]
-        for n, name in enumerate(records, 1):
-            record = CommitRecord.model_validate_json((log / name).read_bytes())
-            # Only the newest can be unfinished: every committer finishes it first, holding the lock.
-            if roll_forward and n == len(records):
-                _apply(root, record)
-            state.apply(record)
+        for name in records:
+            state.apply(CommitRecord.model_validate_json((log / name).read_bytes()))
+        # Only the newest can be unfinished: every committer finishes it first, holding the lock. It may
+        # have been read before (``since``) while unfinished: finished whether read now or then.
+        if roll_forward and state.last is not None:
+            _apply(root, state.last)
     except (OSError, ValidationError, ValueError) as exc:
         raise SinkUnavailableError(f"parquet sink: cannot read the commit log under {log}: {exc}") from exc
     return state

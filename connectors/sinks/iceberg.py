@@ -183,6 +183,16 @@ class IcebergSink(Sink):
             self._tables[column] = found
         return found
 
+    def check(self, columns: list[str]) -> None:
+        """The tables that exist hold positions of this connector's source (an unreachable catalog is left
+        to the first flush, which waits it out)."""
+        for column in columns:
+            try:
+                self.table(column)
+            except SinkUnavailableError as exc:
+                logger.warning("iceberg sink: could not check %s.%s at start: %s", *self.identifier(column), exc)
+                return
+
     def _offsets_of(self, column: str, metadata: TableMetadata) -> dict[int, int]:
         snapshot = offsets_snapshot(metadata, self.connector)
         summary = snapshot.summary if snapshot is not None else None

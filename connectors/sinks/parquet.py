@@ -96,6 +96,10 @@ class ParquetSink(Sink):
     def committed(self, column: str, partition: int) -> int | None:
         return self.log.committed(self.source, column, partition)
 
+    def check(self, columns: list[str]) -> None:
+        for column in columns:
+            self.committed(column, 0)  # the source's kind is the lake's, whatever the column
+
     # -- buffering ------------------------------------------------------------------
     def convert(self, cell: Cell) -> dict[str, Any]:
         return table_fields(cell.body)

@@ -214,3 +214,19 @@ def test_a_bad_file_is_one_clear_line(sqlite_url: str, tmp_path: Path, capsys: p
     err = capsys.readouterr().err.strip()
     assert err.startswith("cellstream: error: ") and "\n" not in err
     assert "sink.yaml:6: sink.max_rows: Input should be greater than or equal to 1" in err
+
+
+def test_a_lake_loaded_from_the_store_refuses_a_kafka_connector_at_start(
+        sqlite_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Shard positions and Kafka offsets cannot be compared: refused at start in one line, not cell by cell
+    into the dead-letter queue."""
+    config = write_config(tmp_path)
+    with logstore.open(sqlite_url, shards=SHARDS) as store:
+        trips(store, 10)
+        assert main(["connect", "run", str(config), "--drain", "--store", sqlite_url, "--json"]) == 0
+        config.write_text(config.read_text() + "brokers: 127.0.0.1:1\n")
+        capsys.readouterr()
+        assert main(["connect", "run", str(config), "--drain", "--store", sqlite_url]) == 4
+        err = capsys.readouterr().err.strip()
+        assert "holds positions of the store, this connector reads the kafka" in err and "\n" not in err
+        assert not DeadLetterStore(store, "lake").entries()

@@ -260,6 +260,37 @@ def test_a_commit_cut_short_after_its_record_is_rolled_forward(store: logstore.S
         (c.shard, c.added_id) for c in cells]
 
 
+def test_a_live_writer_that_read_a_cut_short_commit_finishes_it_before_its_own(
+        store: logstore.Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second writer already running reads the dead one's record (its positions) before anyone finished
+    its moves; its own commit must finish them, not remove them with the dead writer's staging folder."""
+    from connectors.errors import SinkUnavailableError
+    from connectors.sinks import commits
+
+    cells = log_of(store, 30)
+    mine = [c for c in cells if c.shard == 0]
+    theirs = [c for c in cells if c.shard != 0]
+    live = ParquetSink(ParquetSinkConfig(root=tmp_path / "lake"))
+    dying = ParquetSink(ParquetSinkConfig(root=tmp_path / "lake", max_rows=5))
+    feed(dying, theirs)
+    real = commits.os.replace
+
+    def cut(src: Any, dst: Any) -> None:
+        if str(dst).endswith(".parquet"):
+            raise OSError(5, "Input/output error")  # killed after its record, before its first move
+        real(src, dst)
+    monkeypatch.setattr(commits.os, "replace", cut)
+    with pytest.raises(SinkUnavailableError):
+        dying.flush()
+    monkeypatch.setattr(commits.os, "replace", real)
+    dying.log._alive.close()  # type: ignore[union-attr]  # SIGKILLed
+    assert live.committed("BASE", theirs[0].shard) == max(c.added_id for c in theirs if c.shard == theirs[0].shard)
+    feed(live, mine)
+    live.flush()
+    assert [(r["shard"], r["added_id"]) for r in lake(tmp_path / "lake", "BASE")] == [
+        (c.shard, c.added_id) for c in cells]
+
+
 def test_staged_files_of_a_dead_writer_go_and_a_live_one_keeps_its_own(store: logstore.Store,
                                                                        tmp_path: Path) -> None:
     cells = log_of(store, 20)
