@@ -205,7 +205,7 @@ def _sink_line(sink: dict[str, Any]) -> str:
 
 
 def _compact(store: Store, args: argparse.Namespace, out: Output) -> int:
-    from cellstream.cli.jobs import _run_here, known_kinds
+    from cellstream.cli.jobs import known_kinds, run_here
     from connectors.compaction import DEFAULT_TARGET_BYTES, compaction_params
     from logstore.jobs import JobRunner, ThrottleSettings
 
@@ -223,7 +223,7 @@ def _compact(store: Store, args: argparse.Namespace, out: Output) -> int:
                                    f"files (`cellstream jobs resume {record.id} --run` runs it)")
         return Exit.OK
     args.run_here = True
-    return int(_run_here(store, record, args, out))
+    return int(run_here(store, record, args, out))
 
 
 def _kafka_positions(config: ConnectorConfig) -> list[tuple[str, int, int | None, int]]:

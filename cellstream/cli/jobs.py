@@ -194,10 +194,12 @@ def _resume(store: Store, args: argparse.Namespace, out: Output) -> int:
     record = jobs.resume(args.id)
     if not args.run_here:
         return _changed(record, out, "waits for a runner (`cellstream jobs resume ID --run` runs it here)")
-    return _run_here(store, record, args, out)
+    return run_here(store, record, args, out)
 
 
-def _run_here(store: Store, record: JobRecord, args: argparse.Namespace, out: Output) -> int:
+def run_here(store: Store, record: JobRecord, args: argparse.Namespace, out: Output) -> int:
+    """Run ``record``'s job in the foreground with a progress bar (``args.metrics_port``: serve its metrics);
+    the exit code says how it ended (0 done, 6 failed, 9 paused or cancelled by another command)."""
     from logstore.jobs import JobMetrics, JobRunner
 
     kinds = known_kinds(store)
