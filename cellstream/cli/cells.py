@@ -1,5 +1,5 @@
-"""The store commands: ``init``, ``put``, ``get``, ``row``, ``log``, ``shards`` (``move``, ``drop-moved``)
-and ``pending``. Each runs on the store of ``--store``."""
+"""The store commands: ``init``, ``put``, ``get``, ``row``, ``log``, ``shards`` (``move``, ``drop-moved``,
+``rebalance --plan``) and ``pending``. Each runs on the store of ``--store``."""
 
 from __future__ import annotations
 
@@ -65,6 +65,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     a = actions.add_parser("drop-moved", parents=[common], help="drop the source copies of moved shards")
     a.add_argument("shard", type=int, nargs="+")
     a.set_defaults(run=cmd_shards_drop)
+    a = actions.add_parser("rebalance", parents=[common], help="the shard moves that even out the storage nodes")
+    a.add_argument("--plan", action="store_true", required=True,
+                   help="print the moves (by cells), fewest first; nothing is moved")
+    a.add_argument("--drain", action="append", default=[], metavar="NODE",
+                   help="plan moving every shard off NODE (repeatable)")
+    a.add_argument("--max-moves", type=int, default=None, metavar="N", help="at most N moves")
+    a.set_defaults(run=cmd_shards_rebalance)
 
     p = sub.add_parser("pending", parents=[common],
                        help="writes buffered while a primary was down, by the node they belong to and where they wait")
@@ -204,6 +211,34 @@ def cmd_shards_move(store: Store, args: argparse.Namespace, out: Output) -> int:
         out.emit(r._asdict(), f"shard {r.shard}: moved from {r.source} to {r.target}, {r.cells} cells up to added_id "
                               f"{r.head}; writes fenced {r.fenced_seconds * 1000:.0f} ms; the source copy stays "
                               f"until `cellstream shards drop-moved {r.shard}`")
+    return Exit.OK
+
+
+def cmd_shards_rebalance(store: Store, args: argparse.Namespace, out: Output) -> int:
+    """The moves that even out the nodes by cells (logstore.balance); --plan only prints them."""
+    from logstore.balance import plan_rebalance
+    from logstore.errors import ConfigurationError
+
+    if len(store.nodes) < 2:
+        raise ConfigurationError("this store has one storage node: there is nothing to rebalance (SQLite is a "
+                                 "single-node embedded store; MySQL/MariaDB nodes are listed in a cluster file)")
+    if args.max_moves is not None and args.max_moves < 1:
+        raise UsageError("--max-moves must be at least 1")
+    stats = store.shard_stats()
+    kept = [node for node in store.nodes if node not in args.drain]
+    plan = plan_rebalance(((s.shard, s.node, s.cells) for s in stats), kept, away=args.drain,
+                          max_moves=args.max_moves)
+    cells = sum(s.cells for s in stats)
+    weights = {n: {"before": plan.before.get(n, 0), "after": plan.after.get(n, 0)} for n in store.nodes}
+    doc = {"moves": [m._asdict() for m in plan.moves], "cells_moved": sum(m.weight for m in plan.moves),
+           "cells": cells, "nodes": weights, "applied": False}
+    width = max([4, *(len(n) for n in store.nodes)])
+    lines = [f"{len(plan.moves)} moves, {doc['cells_moved']} of {cells} cells (nothing moved: --plan)",
+             f"{'node':<{width}} {'before':>10} {'after':>10}"]
+    lines += [f"{n:<{width}} {v['before']:>10} {v['after']:>10}" for n, v in weights.items()]
+    lines += [f"cellstream shards move {m.shard} --to {m.target}   # {m.weight} cells from {m.source}"
+              for m in plan.moves]
+    out.emit(doc, "\n".join(lines))
     return Exit.OK
 
 
