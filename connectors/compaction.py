@@ -36,12 +36,11 @@ from connectors.config import ConnectorConfig, IcebergSinkSpec, ParquetSinkSpec,
 from connectors.errors import CompactionRaceError, ConfigurationError, SinkUnavailableError
 from connectors.sinks.base import json_text
 from connectors.sinks.commits import CommitLog
-from connectors.sinks.parquet import ARROW_TYPES, write_staged
+from connectors.sinks.parquet import ARROW_TYPES, SCHEMA_FILE, write_staged
 from logstore.jobs import JobKind, StepContext, StepRecord
 
 logger = logging.getLogger(__name__)
 DEFAULT_TARGET_BYTES = 128 << 20
-_SCHEMA_FILE = "_schema.json"
 
 
 def small_files(folder: Path, target_bytes: int) -> list[Path]:
@@ -177,7 +176,7 @@ def _settings(params: dict[str, Any]) -> tuple[ConnectorConfig, int, str]:
 
 
 def _registry(column_folder: Path) -> dict[str, str]:
-    path = column_folder / _SCHEMA_FILE
+    path = column_folder / SCHEMA_FILE
     try:
         found = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError) as exc:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import itertools
 import math
 import re
 import uuid
@@ -346,3 +347,22 @@ def same_json(a: Any, b: Any) -> bool:
     if ta is list:
         return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
+
+
+def key_in_shard(namespace: uuid.UUID, base: str, shard: int, shard_count: int) -> uuid.UUID:
+    """The first of ``uuid5(namespace, f"{base}\\0{n}")``, n = 0, 1, ..., that falls in ``shard``: about
+    ``shard_count`` tries. Computed as uuid5 does (SHA-1 of the namespace and the name, version and variant
+    bits set) with the hash of the common prefix taken once: the same ids, for less CPU per search. The
+    dead-letter store and the job records keep all their rows in one shard this way.
+    """
+    prefix = hashlib.sha1(namespace.bytes + f"{base}\x00".encode(), usedforsecurity=False)
+    for n in itertools.count():
+        digest = prefix.copy()
+        digest.update(str(n).encode())
+        raw = bytearray(digest.digest()[:16])
+        raw[6] = (raw[6] & 0x0F) | 0x50  # version 5
+        raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
+        key = bytes(raw)
+        if shard_of_bytes(key, shard_count) == shard:
+            return uuid.UUID(bytes=key)
+    raise AssertionError("unreachable")

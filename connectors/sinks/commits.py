@@ -163,12 +163,17 @@ class CommitLog:
             ConfigurationError: the lake's positions count another source (a lake loaded from the store
                 read from Kafka, or the other way round): they cannot be compared.
         """
+        return self.check_source(source).offsets.get(column, {}).get(str(partition))
+
+    def check_source(self, source: str) -> LakeState:
+        """The state, read on when the log changed; ConfigurationError when its positions count another
+        source than ``source``."""
         state = self.state() if self._log_changed() else self._state
         if state.source is not None and state.source != source:
             raise ConfigurationError(
                 f"parquet sink: the lake under {self.root} holds positions of the {state.source}, this connector "
                 f"reads the {source}: give it a new root (its positions would skip or repeat cells)")
-        return state.offsets.get(column, {}).get(str(partition))
+        return state
 
     def _log_changed(self) -> bool:
         # A commit renames its record into the log's folder, which changes the folder's mtime: reading the

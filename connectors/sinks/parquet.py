@@ -37,7 +37,7 @@ Kind = Literal["bool", "int", "float", "string", "json"]
 ARROW_TYPES = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "string": pa.string(), "json": pa.string()}
 _CELL_SCHEMA = [("row_key", pa.string()), ("column", pa.string()), ("ref_key", pa.int64()),
                 ("added_id", pa.int64()), ("shard", pa.int32()), ("created_at", pa.timestamp("us", tz="UTC"))]
-_SCHEMA_FILE = "_schema.json"
+SCHEMA_FILE = "_schema.json"
 
 
 # A body value's kind by its exact type (bodies come from JSON: no subclasses); anything else is json.
@@ -97,8 +97,7 @@ class ParquetSink(Sink):
         return self.log.committed(self.source, column, partition)
 
     def check(self, columns: list[str]) -> None:
-        for column in columns:
-            self.committed(column, 0)  # the source's kind is the lake's, whatever the column
+        self.log.check_source(self.source)  # one source a lake, whatever the column
 
     # -- buffering ------------------------------------------------------------------
     def convert(self, cell: Cell) -> dict[str, Any]:
@@ -150,7 +149,7 @@ class ParquetSink(Sink):
     def _schema(self, column: str) -> dict[str, Kind]:
         found = self._schemas.get(column)
         if found is None:
-            path = self.root / column / _SCHEMA_FILE
+            path = self.root / column / SCHEMA_FILE
             try:
                 found = json.loads(path.read_text()) if path.exists() else {}
             except (OSError, ValueError) as exc:
@@ -204,9 +203,9 @@ class ParquetSink(Sink):
         return write_staged(table, self.log.staging, f"{column}/date={date}", self.config.compression)
 
     def _save_schema(self, column: str) -> None:
-        path = self.root / column / _SCHEMA_FILE
+        path = self.root / column / SCHEMA_FILE
         private_dir(path.parent)
-        temporary = path.with_name(f".{_SCHEMA_FILE}.{uuid.uuid4().hex[:8]}.tmp")
+        temporary = path.with_name(f".{SCHEMA_FILE}.{uuid.uuid4().hex[:8]}.tmp")
         with open(temporary, "w", opener=private_opener) as fh:
             fh.write(json.dumps(self._schemas[column], sort_keys=True, indent=1))
         os.replace(temporary, path)

@@ -15,8 +15,6 @@ commit, or in another run) updates its entry instead of adding a second one.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
-import itertools
 import logging
 import threading
 import uuid
@@ -28,7 +26,7 @@ from indexer.errors import EntryNotFoundError, IndexerError
 from indexer.runtime.clock import SYSTEM_CLOCK, Clock
 from indexer.runtime.policy import Outcome
 from logstore import CellConflictError, InvalidCellError, Store, TruncatedPage
-from logstore.cell import shard_of, shard_of_bytes
+from logstore.cell import key_in_shard, shard_of
 
 logger = logging.getLogger(__name__)
 DLQ_COLUMN = "_dlq"
@@ -86,23 +84,6 @@ class DeadLetter(BaseModel):
                 "last_failure": self.last_failure.isoformat()}
 
 
-def _in_shard(base: str, shard: int, shard_count: int) -> uuid.UUID:
-    """The first of ``uuid5(_NAMESPACE, f"{base}\\0{n}")``, n = 0, 1, ..., that falls in ``shard``: about
-    ``shard_count`` tries. Computed as uuid5 does (SHA-1 of the namespace and the name, version and variant
-    bits set) with the hash of the common prefix taken once: the same ids, for less CPU per search."""
-    prefix = hashlib.sha1(_NAMESPACE.bytes + f"{base}\x00".encode(), usedforsecurity=False)
-    for n in itertools.count():
-        digest = prefix.copy()
-        digest.update(str(n).encode())
-        raw = bytearray(digest.digest()[:16])
-        raw[6] = (raw[6] & 0x0F) | 0x50  # version 5
-        raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
-        key = bytes(raw)
-        if shard_of_bytes(key, shard_count) == shard:
-            return uuid.UUID(bytes=key)
-    raise AssertionError("unreachable")
-
-
 class DeadLetterStore:
     """The entries of one app, read and written through a :class:`logstore.Store`."""
 
@@ -119,7 +100,7 @@ class DeadLetterStore:
             base = f"{self.app}\x00{handler}\x00{cell['row_key']}\x00{cell['column']}\x00{cell['ref_key']}"
         else:
             base = f"{self.app}\x00{handler}\x00" + ",".join(f"{k}={source[k]}" for k in sorted(source))
-        return str(_in_shard(base, self.shard, self.store.shard_count))
+        return str(key_in_shard(_NAMESPACE, base, self.shard, self.store.shard_count))
 
     def get(self, entry_id: str) -> DeadLetter:
         try:

@@ -15,8 +15,6 @@ since.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
-import itertools
 import logging
 import secrets
 import threading
@@ -26,7 +24,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from logstore.cell import shard_of, shard_of_bytes
+from logstore.cell import key_in_shard, shard_of
 from logstore.errors import CellConflictError, InvalidArgumentError, JobNotFoundError, JobStateError
 from logstore.persistence import TruncatedPage
 from logstore.store import Store
@@ -138,22 +136,6 @@ def new_job_id(kind: str) -> str:
     return f"{kind}-{secrets.token_hex(3)}"
 
 
-def _in_shard(base: str, shard: int, shard_count: int) -> uuid.UUID:
-    """The first of ``uuid5(_NAMESPACE, f"{base}\\0{n}")``, n = 0, 1, ..., that falls in ``shard`` (about
-    ``shard_count`` tries; the hash of the common prefix taken once), as the dead-letter store chooses its ids."""
-    prefix = hashlib.sha1(_NAMESPACE.bytes + f"{base}\x00".encode(), usedforsecurity=False)
-    for n in itertools.count():
-        digest = prefix.copy()
-        digest.update(str(n).encode())
-        raw = bytearray(digest.digest()[:16])
-        raw[6] = (raw[6] & 0x0F) | 0x50  # version 5
-        raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
-        key = bytes(raw)
-        if shard_of_bytes(key, shard_count) == shard:
-            return uuid.UUID(bytes=key)
-    raise AssertionError("unreachable")
-
-
 class JobStore:
     """The job records of one store: create, read, list and change them (compare-and-set).
 
@@ -171,7 +153,7 @@ class JobStore:
     def row_key(self, job_id: str) -> uuid.UUID:
         key = self._keys.get(job_id)
         if key is None:
-            key = self._keys[job_id] = _in_shard(job_id, self.shard, self.store.shard_count)
+            key = self._keys[job_id] = key_in_shard(_NAMESPACE, job_id, self.shard, self.store.shard_count)
         return key
 
     def get(self, job_id: str) -> JobRecord:

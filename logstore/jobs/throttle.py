@@ -8,7 +8,6 @@ wait under way follows the new rate from then on.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -93,18 +92,4 @@ class Throttle:
         pause_until = time.monotonic() + self._settings.pause_seconds
         while not self._stopping() and time.monotonic() < pause_until:
             time.sleep(min(pause_until - time.monotonic(), _SLICE))
-        self.waited += time.monotonic() - started
-
-    async def acquire(self, units: float = 1) -> None:
-        """:meth:`wait` for a kind that runs an event loop."""
-        self._take(units)
-        started = time.monotonic()
-        while not self._stopping():
-            delay = self._delay()
-            if delay <= 0:
-                break
-            await asyncio.sleep(min(delay, _SLICE))
-        pause_until = time.monotonic() + self._settings.pause_seconds
-        while not self._stopping() and time.monotonic() < pause_until:
-            await asyncio.sleep(min(pause_until - time.monotonic(), _SLICE))
         self.waited += time.monotonic() - started
