@@ -89,6 +89,8 @@ bench-run:
 	$(BIN)/python bench/connect_bench.py
 	$(BIN)/python bench/iceberg_bench.py
 	$(BIN)/python bench/worker_bench.py
+	$(BIN)/python bench/write_path_bench.py
+	$(BIN)/python bench/rebalance_bench.py
 
 ## services-up / services-down: keep the shared servers running between test runs (the suite reuses them)
 services-up: $(VENV)/.test

@@ -85,7 +85,8 @@ class NodeConfig(BaseModel):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     url: str = Field(repr=False)
-    shards: str = Field(description='inclusive range "first-last"')
+    shards: str | None = Field(None, description='inclusive range "first-last" the node was created with; none '
+                               "for a node that joined a running instance (``cellstream nodes add``)")
     replicas: list[str] = Field(default_factory=list, repr=False,
                                 description="mysql:// URLs of the primary's replicas: reads fall back to them")
     password_file: Path | None = Field(None, description="file holding the password of url and of the replicas "
@@ -170,7 +171,9 @@ class NodeConfig(BaseModel):
 
     @field_validator("shards")
     @classmethod
-    def _range_parses(cls, value: str) -> str:
+    def _range_parses(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         if not re.fullmatch(r"\d+-\d+", value):
             raise ValueError('must be an inclusive range "first-last", e.g. "0-2047"')
         first, last = map(int, value.split("-"))
@@ -180,11 +183,13 @@ class NodeConfig(BaseModel):
 
     @property
     def first(self) -> int:
-        return int(self.shards.split("-")[0])
+        """The first shard of the node's home range (0 for a node that joined, whose range is empty)."""
+        return int(self.shards.split("-")[0]) if self.shards else 0
 
     @property
     def last(self) -> int:
-        return int(self.shards.split("-")[1])
+        """The last shard of the node's home range (-1 for a node that joined)."""
+        return int(self.shards.split("-")[1]) if self.shards else -1
 
     @property
     def target(self) -> NodeTarget:
@@ -192,7 +197,8 @@ class NodeConfig(BaseModel):
 
 
 class ClusterConfig(BaseModel):
-    """Storage nodes, each owning a contiguous range of shards; together they cover all shards once."""
+    """Storage nodes, each created with a contiguous range of shards; together they cover all shards once. A node
+    without a range joined later (``cellstream nodes add``) and holds the shards moved to it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -205,7 +211,7 @@ class ClusterConfig(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError("node names must be unique")
         expected = 0
-        for node in sorted(self.nodes, key=lambda n: n.first):
+        for node in sorted((n for n in self.nodes if n.shards), key=lambda n: n.first):
             if node.first != expected:
                 raise ValueError(
                     f"node {node.name!r} starts at shard {node.first}, expected {expected}: "

@@ -133,6 +133,16 @@ class ShardMovedError(StorageError):
         super().__init__(f"shard {shard} moved to storage node {node}")
 
 
+class NodeDownError(StorageUnavailableError):
+    """A job's throttle found a storage node that its chunks touch down (:mod:`logstore.jobs.load`): waiting
+    would not help. The kind decides (a rebalance skips the moves touching ``node``); let through, the runner
+    retries the step. Retriable."""
+
+    def __init__(self, node: str, detail: str) -> None:
+        self.node = node
+        super().__init__(detail)
+
+
 class CorruptCellError(StorageError):
     """A stored cell body cannot be decoded (unknown format version or damaged bytes).
 

@@ -120,6 +120,20 @@ class ConsumerOffsets:
             doc_of[at] = doc(text)
         return fenced
 
+    def __contains__(self, shard: object) -> bool:
+        """Whether the offsets hold a record of ``shard``."""
+        return shard in self._index
+
+    def carry(self, other: ConsumerOffsets, shard: int) -> bool:
+        """Take ``other``'s record of ``shard`` (location, owner and doc) in place of this one's, as a shard move
+        carries it from node to node; False (nothing changed) when ``other`` holds none."""
+        at = other._index.get(shard)
+        if at is None:
+            return False
+        self._set(shard, other.locations[at], self._owner(other.owners[other.owner_of[at]]),
+                  self._doc(other.docs[other.doc_of[at]]))
+        return True
+
     def records(self, wanted: set[int] | None = None) -> list[OffsetRecord]:
         """The records of ``wanted`` shards (default: all), by shard; each distinct doc parsed once and shared."""
         owners = self.owners

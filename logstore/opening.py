@@ -11,8 +11,17 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from logstore.config import DEFAULT_SHARDS, MAX_SHARDS, ClusterConfig, StoreOptions, load_cluster_file, single_node
+from logstore.config import (
+    DEFAULT_SHARDS,
+    MAX_SHARDS,
+    ClusterConfig,
+    NodeConfig,
+    StoreOptions,
+    load_cluster_file,
+    single_node,
+)
 from logstore.errors import (
+    CellstreamError,
     ConfigurationError,
     InvalidArgumentError,
     StorageUnavailableError,
@@ -21,6 +30,7 @@ from logstore.errors import (
 from logstore.extras import require
 from logstore.persistence import NodeRecorder
 from logstore.registry import BACKENDS, Backend, NodeTarget, backend_of, is_url, load, prefixes
+from logstore.shard_map import ShardMapDoc
 from logstore.store import Store, node_meta
 
 logger = logging.getLogger(__name__)
@@ -69,7 +79,47 @@ def open(target: str | os.PathLike[str], shards: int | None = None, *,  # noqa: 
         for recorder in recorders.values():
             recorder.close()
         raise
-    return Store(cluster, recorders, opts)
+    return Store(cluster, recorders, opts, connect=lambda node: _join(cluster, node, opts))
+
+
+def _removed(cluster: ClusterConfig, recorders: dict[str, NodeRecorder]) -> set[str]:
+    """The nodes of the cluster file that the newest shard map its nodes hold marks removed (``cellstream nodes
+    remove``): not opened, their databases perhaps gone."""
+    newest: tuple[int, str] | None = None
+    for recorder in recorders.values():
+        if not recorder.supports_moves:
+            continue
+        try:
+            found = recorder.read_map()
+        except CellstreamError:  # down, or not created yet: its map is read again once the store is open
+            continue
+        if found is not None and (newest is None or found[0] > newest[0]):
+            newest = found
+    if newest is None:
+        return set()
+    doc = ShardMapDoc.from_json(newest[1])
+    return {n.name for n in doc.nodes if n.state == "removed" and n.name in recorders}
+
+
+def open_recorder(node: NodeConfig, options: StoreOptions) -> NodeRecorder:
+    """The recorder of a storage node (not initialized): for a node about to join (:mod:`logstore.nodes`)."""
+    return _recorder(backend_of(node.url), node.name, node.target, options, replicas=node.replica_targets)
+
+
+def _join(cluster: ClusterConfig, node: NodeConfig, options: StoreOptions) -> NodeRecorder:
+    """A recorder of a node the shard map names (``cellstream nodes add``): opened and checked as the cluster
+    file's nodes are, initialized later when it does not answer now."""
+    recorder = open_recorder(node, options)
+    meta = node_meta(cluster, node)
+    try:
+        recorder.initialize(meta, options.retry.model_copy(update={"deadline": options.buffer_after or 2.0}))
+    except StorageUnavailableError as exc:
+        logger.warning("storage node %s does not answer (%s); opening without it", node.name, exc)
+        recorder.defer_initialize(meta)
+    except BaseException:
+        recorder.close()
+        raise
+    return recorder
 
 
 def _url_node(url: str, shards: int | None, token: str | None, options: StoreOptions,
@@ -120,7 +170,15 @@ def _initialize(text: str, cluster: ClusterConfig, recorders: dict[str, NodeReco
     others, its reads go to its replicas meanwhile; a store of one node must answer."""
     several = len(cluster.nodes) > 1
     soon = options.retry.model_copy(update={"deadline": options.buffer_after or 2.0}) if several else None
+    removed = _removed(cluster, recorders) if several else set()
+    if removed and removed >= set(recorders):
+        raise ConfigurationError(f"every storage node of {text} was removed from the instance: name one in use "
+                                 "(`cellstream nodes list`)")
+    for name in removed:  # the file records where the instance started; the shard map, what it is now
+        recorders.pop(name).close()
     for node in cluster.nodes:
+        if node.name in removed:
+            continue
         recorder, meta = recorders[node.name], node_meta(cluster, node)
         try:
             if not create and recorder.read_meta(soon) is None:

@@ -114,6 +114,20 @@ class NodeRecorder(ABC):
         """Shards moved away from this node, and the node each went to."""
         return {}
 
+    def stored_bytes(self) -> int | None:
+        """The bytes the node's tables take on disk, data and indexes (None when the backend cannot tell)."""
+        return None
+
+    def read_map(self) -> tuple[int, str] | None:
+        """The newest version of the shard map (:mod:`logstore.shard_map`) the node holds, and its JSON document;
+        None when it holds none. Answers at once or raises StorageUnavailableError."""
+        return None
+
+    def write_map(self, version: int, doc: str) -> bool:
+        """Record a version of the shard map; False when the node holds that version already."""
+        raise ConfigurationError(f"storage node {getattr(self, 'name', '?')} keeps no shard map: its store is a "
+                                 "single-node one")
+
     # -- buffered writes: only nodes that can hold other nodes' cells override these --------
     supports_pending = False
 

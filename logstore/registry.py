@@ -128,3 +128,13 @@ def with_password(url: str, password: str) -> str:
     parts = urlsplit(url)
     user, _, host = parts.netloc.rpartition("@")
     return parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}").geturl()
+
+
+def without_password(url: str) -> str:
+    """``url`` with the password of its user part taken out (as is when it holds none): what may be recorded
+    where others read it, such as the shard map every storage node keeps."""
+    if url_password(url) is None:
+        return url
+    parts = urlsplit(url)
+    userinfo, _, host = parts.netloc.rpartition("@")
+    return parts._replace(netloc=f"{userinfo.partition(':')[0]}@{host}").geturl()

@@ -7,7 +7,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import suppress
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn, cast
 
@@ -25,6 +26,7 @@ from logstore.cell import (
 from logstore.config import ClusterConfig, NodeConfig, StoreOptions
 from logstore.errors import (
     CellConflictError,
+    ConfigurationError,
     CorruptCellError,
     InvalidArgumentError,
     InvalidCellError,
@@ -45,6 +47,7 @@ from logstore.persistence import (
     ReadBudget,
     UndecodedPages,
 )
+from logstore.shard_map import ShardMapDoc, ranges, seed
 
 logger = logging.getLogger(__name__)
 MAX_PAGE = 100_000
@@ -95,18 +98,22 @@ class Store:
     """
 
     def __init__(
-        self, cluster: ClusterConfig, recorders: dict[str, NodeRecorder], options: StoreOptions
+        self, cluster: ClusterConfig, recorders: dict[str, NodeRecorder], options: StoreOptions,
+        connect: Callable[[NodeConfig], NodeRecorder] | None = None,
     ) -> None:
         self._cluster = cluster
         self._options = options
+        # Replaced whole, never changed in place, when the map brings or retires a node: a thread going
+        # over the nodes while the map changes goes over the ones it started with.
         self._recorders = recorders
-        self._node_of: list[NodeConfig] = [None] * cluster.shards  # type: ignore[list-item]
-        for node in cluster.nodes:
-            for shard in range(node.first, node.last + 1):
-                self._node_of[shard] = node
-        self._by_name = {node.name: node for node in cluster.nodes}
-        self._home_of = list(self._node_of)  # the cluster file's map, before moves
+        self._connect = connect  # opens a node the shard map names and the cluster file does not
+        self._file_nodes = {node.name: node for node in cluster.nodes}
+        self._doc = seed(cluster)
+        self._base = self._doc.base(cluster.shards)  # each shard's node by the map's version, before moves
+        self._node_of: list[str] = list(self._base)
+        self._retired: list[NodeRecorder] = []  # removed nodes' recorders, closed with the store
         self._moves: dict[str, dict[int, str]] = {}  # node -> its shards moved away, and where
+        self._silent: dict[str, float] = {}  # node -> when to read its map again, after it did not answer
         self._map_read = 0.0
         self._map_changes = 0  # how often the shard map changed: a mark of changed_counts holds for one map
         self._map_lock = threading.Lock()
@@ -128,7 +135,14 @@ class Store:
 
     @property
     def nodes(self) -> list[str]:
-        return [n.name for n in self._cluster.nodes]
+        """The storage nodes in use (the shard map's, not removed), by name."""
+        return sorted(self._recorders)
+
+    @property
+    def shard_map(self) -> ShardMapDoc:
+        """The version of the shard map the store follows (:mod:`logstore.shard_map`; version 0: the cluster
+        file's). Where each shard is now: :meth:`node_of`."""
+        return self._doc
 
     @property
     def parallel_reads(self) -> int:
@@ -145,6 +159,8 @@ class Store:
     def indexes(self) -> IndexStore:
         """The secondary index tables on the store's nodes (:mod:`logstore.index_tables.store`)."""
         if self._indexes is None:
+            for recorder in self._recorders.values():
+                recorder.indexes  # noqa: B018 - a node that serves none (a worker node) says so now
             self._indexes = IndexStore(_IndexRouter(self))
         return self._indexes
 
@@ -152,11 +168,21 @@ class Store:
         return shard_of(coerce_row_key(row_key), self._cluster.shards)
 
     def node_of(self, shard: int) -> str:
-        return self._node_of[self.check_shard(shard)].name
+        return self._node_of[self.check_shard(shard)]
+
+    def placement(self) -> list[str]:
+        """Each shard's node, by shard, as the store last read the map."""
+        return list(self._node_of)
 
     def _recorder(self, shard: int) -> NodeRecorder:
         self._fresh_map()
-        return self._recorders[self._node_of[shard].name]
+        return self._named(self._node_of[shard])
+
+    def _named(self, name: str) -> NodeRecorder:
+        recorder = self._recorders.get(name)
+        if recorder is None:  # named by the map, and this process could not open it (see refresh_map's log)
+            raise StorageUnavailableError(f"storage node {name} of the shard map is not open in this process")
+        return recorder
 
     def _fresh_map(self) -> None:
         """Raise if the store is closed; read the shard map again when it is due."""
@@ -177,39 +203,140 @@ class Store:
                 self.check_shard(shard)  # raises, naming it
             if type(location) is not int or not 0 <= location < 1 << 63:
                 _bad_location(location)
-            name = node_of[shard].name
+            name = node_of[shard]
             if (group := by_node.get(name)) is None:
                 group = by_node[name] = []
             group.append((shard, location))
-        return [(self._recorders[name], group) for name, group in by_node.items()]
+        return [(self._named(name), group) for name, group in by_node.items()]
 
     def refresh_map(self) -> None:
-        """Read the shard moves the nodes record (``cellstream shards move``) over the cluster file's ranges.
+        """Read the shard map (:mod:`logstore.shard_map`): its newest version any node holds, and the shard
+        moves the nodes record since (``cellstream shards move``).
 
         Called at open, every ``map_refresh`` seconds by reads, and at once when a write meets a moved
-        shard, so every process follows a move. A node that does not answer keeps its last known moves.
+        shard, so every process follows a move or a node added or removed without a restart. A node that
+        does not answer keeps its last known moves; one the map names that cannot be opened here is logged
+        and tried again at the next refresh (its shards' calls raise StorageUnavailableError meanwhile).
         """
         if not self._movable:
             return
         with self._map_lock:
             self._map_read = time.monotonic()
+            newest: tuple[int, str] | None = None
+            held: dict[str, int] = {}
             for name, recorder in self._recorders.items():
-                if not recorder.supports_moves:
+                if not recorder.supports_moves or self._silent.get(name, 0.0) > self._map_read:
                     continue
                 try:
+                    found = recorder.read_map()
                     self._moves[name] = recorder.moves()
                 except StorageUnavailableError as exc:
-                    logger.warning("cannot read the shard moves of node %s: %s", name, exc)
-            node_of = list(self._home_of)
+                    # Asked again after two refreshes: meanwhile no read or write that finds the map due waits
+                    # for it (its replicas, if any, answered for it already: read_map falls back to them).
+                    self._silent[name] = self._map_read + 2 * self._options.map_refresh
+                    logger.warning("cannot read the shard map of node %s: %s", name, exc)
+                    continue
+                self._silent.pop(name, None)
+                held[name] = found[0] if found else 0
+                if found is not None and (newest is None or found[0] > newest[0]):
+                    newest = found
+            changed = False
+            if newest is not None and newest[0] > self._doc.version:
+                self._doc = ShardMapDoc.from_json(newest[1])
+                self._base = self._doc.base(self._cluster.shards)
+                changed = True
+            before = set(self._recorders)
+            self._open_map_nodes()
+            opened = set(self._recorders) - before
+            changed |= set(self._recorders) != before
+            self._catch_up({**held, **dict.fromkeys(opened, 0)})  # a node just opened answered its initialize
+            node_of = list(self._base)
+            recorders = self._recorders
             for shard in {s for moved in self._moves.values() for s in moved if 0 <= s < len(node_of)}:
-                for _ in range(len(self._by_name)):  # follow moves from node to node, never in a loop
-                    target = self._moves.get(node_of[shard].name, {}).get(shard)
-                    if target is None or target not in self._by_name:
+                for _ in range(len(recorders)):  # follow moves from node to node, never in a loop
+                    target = self._moves.get(node_of[shard], {}).get(shard)
+                    if target is None or target not in recorders:
                         break
-                    node_of[shard] = self._by_name[target]
-            if node_of != self._node_of:
+                    node_of[shard] = target
+            if changed or node_of != self._node_of:
                 self._map_changes += 1
                 self._node_of[:] = node_of
+
+    def _open_map_nodes(self) -> None:
+        """Open the map's nodes this process has not, retire the removed ones."""
+        live = {node.name: node for node in self._doc.live}
+        recorders = dict(self._recorders)
+        for name in [n for n in recorders if n not in live and self._doc.version]:
+            self._retired.append(recorders.pop(name))
+            self._moves.pop(name, None)
+            logger.info("storage node %s was removed from the shard map: no longer used", name)
+        for name, entry in live.items():
+            if name in recorders:
+                continue
+            if self._connect is None:
+                logger.warning("storage node %s of the shard map cannot be opened: this store opens no nodes", name)
+                continue
+            try:
+                recorders[name] = self._connect(self._file_nodes.get(name) or entry.config())
+            except (ConfigurationError, StorageError) as exc:
+                logger.error("storage node %s of the shard map cannot be opened here: %s", name, exc)
+                continue
+            logger.info("storage node %s joined the shard map: opened", name)
+        if recorders.keys() != self._recorders.keys():
+            self._recorders = recorders
+
+    def _catch_up(self, held: dict[str, int]) -> None:
+        """Write the newest version to the nodes that answered with an older one (down when it was written, or
+        new). One that did not answer is left for a later refresh: no write waits on it."""
+        if not self._doc.version:
+            return
+        for name, recorder in self._recorders.items():
+            if name in held and held[name] < self._doc.version:
+                try:
+                    recorder.write_map(self._doc.version, self._doc.to_json())
+                except (StorageUnavailableError, ConfigurationError) as exc:
+                    logger.warning("cannot record the shard map's version %d on node %s: %s",
+                                   self._doc.version, name, exc)
+
+    def publish_map(self, change: Callable[[ShardMapDoc, list[str]], ShardMapDoc]) -> ShardMapDoc:
+        """Record a new version of the shard map: ``change(current, placement)`` gives it (its version is set
+        here). The version is recorded first on the lowest-named node of the current version (so of two
+        writers of one version one wins, and the other's ``change`` runs again on the winner's), then on
+        every other node (one that does not answer is caught up by the next refresh of any process).
+
+        Raises:
+            ConfigurationError: a single-node store (SQLite, a worker node), or ``change``'s own.
+            StorageUnavailableError: the first node did not answer.
+            StorageError: the map kept changing under this writer.
+        """
+        if not self._movable:
+            raise ConfigurationError("this store keeps no shard map: it is a single-node store")
+        for _ in range(10):
+            self.refresh_map()
+            current = self._doc
+            doc = change(current, list(self._node_of)).model_copy(
+                update={"version": current.version + 1, "placement": None})
+            doc = doc.model_copy(update={"placement": ranges(self._placement_of(doc))})
+            first = min(n.name for n in current.live)
+            if not self._named(first).write_map(doc.version, doc.to_json()):
+                continue  # another writer recorded this version first: change the newer one
+            for name in sorted(self._recorders):
+                if name != first:
+                    with suppress(StorageUnavailableError):
+                        self._recorders[name].write_map(doc.version, doc.to_json())
+            self.refresh_map()
+            logger.info("shard map version %d recorded", doc.version)
+            return doc
+        raise StorageError("the shard map changed ten times while this change was being recorded")
+
+    def _placement_of(self, doc: ShardMapDoc) -> list[str]:
+        """The placement a new version records: where each shard is now (none on a node it removes)."""
+        placement = list(self._node_of)
+        live = {n.name for n in doc.live}
+        if stray := sorted({name for name in placement if name not in live}):
+            raise ConfigurationError(f"node {stray[0]} still holds shards: move them away first "
+                                     f"(cellstream nodes drain {stray[0]})")
+        return placement
 
     def check_shard(self, shard: object) -> int:
         """``shard`` when it is a shard of this store; InvalidArgumentError naming it otherwise."""
@@ -304,14 +431,14 @@ class Store:
             moved: list[PendingCell] = []
             by_node: dict[str, list[PendingCell]] = {}
             for cell in todo:
-                by_node.setdefault(self._node_of[cell.shard].name, []).append(cell)
+                by_node.setdefault(self._node_of[cell.shard], []).append(cell)
             for name in sorted(by_node):
                 if self._closed:
                     raise StorageError("the store is closed")
                 group = by_node[name]
                 buffers = self._buffers_for(name)
                 try:
-                    results = self._recorders[name].insert(group, self._buffer_retry if buffers else None)
+                    results = self._named(name).insert(group, self._buffer_retry if buffers else None)
                 except StorageUnavailableError as exc:
                     results = self._buffer(name, group, buffers, exc)
                 except ShardMovedError as exc:
@@ -324,11 +451,16 @@ class Store:
                     stored[cell.coordinates] = result
             if not moved:
                 break
-            if attempt:  # the move's switch is under way: its record lands in a moment
-                time.sleep(0.05 * attempt)
-            self.refresh_map()
+            self._follow_moves(attempt)
             todo = moved
         return [stored[c.coordinates] for c in pending]
+
+    def _follow_moves(self, attempt: int) -> None:
+        """Before trying again what met a moved shard: read the map (after a moment, from the second try on:
+        the move's switch is under way, and its record lands in a moment)."""
+        if attempt:
+            time.sleep(0.05 * attempt)
+        self.refresh_map()
 
     # -- buffered writes ----------------------------------------------------
     @property
@@ -347,7 +479,7 @@ class Store:
                 failure: StorageUnavailableError) -> list[Cell]:
         for other in buffers:
             try:
-                self._recorders[other].buffer(node, group)
+                self._named(other).buffer(node, group)
             except StorageUnavailableError as exc:
                 logger.warning("cannot buffer %d cells of node %s on node %s either: %s", len(group), node, other, exc)
                 continue
@@ -383,9 +515,11 @@ class Store:
         replayed = failed = 0
         by_node: dict[str, list[PendingRecord]] = {}
         for record in holder.pending(limit):  # home is where the shard is now: it may have moved meanwhile
-            by_node.setdefault(self._node_of[record.cell.shard].name, []).append(record)
+            by_node.setdefault(self._node_of[record.cell.shard], []).append(record)
         for node, records in by_node.items():
-            home = self._recorders[node]
+            home = self._recorders.get(node)
+            if home is None:
+                continue  # not open here (yet): the next pass
             try:
                 home.insert([r.cell for r in records], self._buffer_retry)
             except StorageUnavailableError:
@@ -623,14 +757,14 @@ class Store:
         wanted = range(self.shard_count) if shards is None else sorted({self.check_shard(s) for s in shards})
         out: dict[int, int] = {}
         for node, group in self._by_node(wanted).items():
-            out.update(self._recorders[node].heads(wanted if group is None else group))
+            out.update(self._named(node).heads(wanted if group is None else group))
         return {s: out.get(s, 0) for s in wanted}
 
     def shard_stats(self) -> list[ShardInfo]:
         """Cells per shard and the node holding it, for every shard (the shard map read afresh)."""
         self.refresh_map()
         counts = self.cell_counts()
-        return [ShardInfo(s, node.name, counts[s]) for s, node in enumerate(self._node_of)]
+        return [ShardInfo(s, node, counts[s]) for s, node in enumerate(self._node_of)]
 
     def cell_counts(self) -> dict[int, int]:
         """Cells per shard for every shard: one read per storage node, and the shard map only when
@@ -662,27 +796,43 @@ class Store:
                 only = {s: only.get(s, 0) for s in range(self.shard_count)}
             return ChangedCounts(only, mark, True)
         if complete:
-            counts = {s: answers[node.name].counts.get(s, 0) for s, node in enumerate(self._node_of)}
+            counts = {s: answers[node].counts.get(s, 0) if node in answers else 0
+                      for s, node in enumerate(self._node_of)}
         elif len(answers) == 1:  # the only node holds every shard
             [counts] = (answer.counts for answer in answers.values())
         else:  # each shard's count from the node the map says holds it
             node_of = self._node_of
             counts = {s: n for name, answer in answers.items() for s, n in answer.counts.items()
-                      if 0 <= s < len(node_of) and node_of[s].name == name}
+                      if 0 <= s < len(node_of) and node_of[s] == name}
         return ChangedCounts(counts, mark, complete)
 
     # -- consumer offsets ---------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Iterable[int] | None = None) -> dict[int, OffsetRecord]:
         """Make ``owner`` the holder of the consumer's positions in ``shards`` (default: all).
 
-        Commits by the previous holder are refused from then on (see commit_offsets).
+        Commits by the previous holder are refused from then on (see commit_offsets). A shard that a move
+        fenced is claimed where the move takes it, once its switch is recorded (as a write waits for it).
         """
         wanted = range(self.shard_count) if shards is None else sorted({self.check_shard(s) for s in shards})
         self._check_consumer(consumer, owner)
         out: dict[int, OffsetRecord] = {}
-        for node, group in self._by_node(wanted).items():
-            records = self._recorders[node].claim_offsets(consumer, owner, wanted if group is None else group)
-            out.update(zip([r.shard for r in records], records, strict=True))
+        todo: Sequence[int] = wanted
+        for attempt in range(_MOVE_HOPS):
+            moved: list[int] = []
+            for node, group in self._by_node(todo).items():
+                try:
+                    records = self._named(node).claim_offsets(consumer, owner, todo if group is None else group)
+                except ShardMovedError as exc:
+                    if attempt == _MOVE_HOPS - 1:
+                        raise
+                    logger.info("%s: claiming its offsets after reloading the shard map", exc)
+                    moved.extend(todo if group is None else group)  # the node claimed none of them
+                    continue
+                out.update(zip([r.shard for r in records], records, strict=True))
+            if not moved:
+                break
+            self._follow_moves(attempt)
+            todo = moved
         return out
 
     def commit_offsets(self, consumer: str, owner: str, offsets: Mapping[int, tuple[int, dict[str, Any]]]) -> set[int]:
@@ -708,16 +858,21 @@ class Store:
             rows[shard] = (location, text)
         fenced: set[int] = set()
         for node, group in self._by_node(rows).items():
-            fenced |= self._recorders[node].commit_offsets(consumer, owner, rows if group is None else
+            fenced |= self._named(node).commit_offsets(consumer, owner, rows if group is None else
                                                            {s: rows[s] for s in group})
         return fenced
 
     def read_offsets(self, consumer: str) -> dict[int, OffsetRecord]:
-        """Every committed position of ``consumer``, by shard."""
+        """Every committed position of ``consumer``, by shard: a shard's from the node the map puts it on where
+        a move left an older one on its source."""
         self._check_consumer(consumer, "-")
         out: dict[int, OffsetRecord] = {}
-        for recorder in self._recorders.values():
-            out.update((r.shard, r) for r in recorder.read_offsets(consumer))
+        node_of = self._node_of
+        for name, recorder in self._recorders.items():
+            for record in recorder.read_offsets(consumer):
+                shard = record.shard
+                if shard not in out or (0 <= shard < len(node_of) and node_of[shard] == name):
+                    out[shard] = record
         return out
 
     def _by_node(self, shards: Iterable[int]) -> dict[str, list[int] | None]:
@@ -729,7 +884,7 @@ class Store:
             return dict.fromkeys(self._recorders)
         groups: dict[str, list[int]] = {}
         for shard in shards:
-            groups.setdefault(self._node_of[shard].name, []).append(shard)
+            groups.setdefault(self._node_of[shard], []).append(shard)
         return dict(groups)
 
     @staticmethod
@@ -744,7 +899,7 @@ class Store:
         if self._closed:
             return
         self._closed = True
-        for recorder in self._recorders.values():
+        for recorder in [*self._recorders.values(), *self._retired]:
             recorder.close()
 
     def __enter__(self) -> Store:
@@ -755,7 +910,7 @@ class Store:
         self.close()
 
     def __repr__(self) -> str:
-        nodes = ", ".join(f"{n.name}={n.target.redacted()}[{n.shards}]" for n in self._cluster.nodes)
+        nodes = ", ".join(f"{n.name}={n.target.redacted()}[{n.shards or 'joined'}]" for n in self._cluster.nodes)
         return f"<logstore.Store shards={self._cluster.shards} {nodes}>"
 
 
@@ -773,7 +928,11 @@ class _IndexRouter:
     def __init__(self, store: Store) -> None:
         self._store = store
         self.shard_count = store.shard_count
-        self.recorders: Sequence[IndexRecorder] = [r.indexes for r in store._recorders.values()]
+
+    @property
+    def recorders(self) -> Sequence[IndexRecorder]:
+        """Every node's index tables, as the map has the nodes now."""
+        return [r.indexes for r in self._store._recorders.values()]
 
     def check_shard(self, shard: object) -> int:
         return self._store.check_shard(shard)
@@ -783,3 +942,19 @@ class _IndexRouter:
 
     def recorder_of(self, shard: int) -> IndexRecorder:
         return self._store._recorder(shard).indexes
+
+    def holdings(self) -> Sequence[tuple[IndexRecorder, Sequence[int] | None]]:
+        store = self._store
+        store._fresh_map()
+        recorders = store._recorders
+        if not store._movable:
+            return [(r.indexes, None) for r in recorders.values()]
+        held: dict[str, list[int]] = {name: [] for name in recorders}
+        for shard, name in enumerate(store.placement()):
+            if name not in held:  # its shards would go unread
+                raise StorageUnavailableError(f"storage node {name} of the shard map is not open in this process")
+            held[name].append(shard)
+        return [(recorders[name].indexes, shards) for name, shards in held.items()]
+
+    def refresh_map(self) -> None:
+        self._store.refresh_map()

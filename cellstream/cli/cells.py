@@ -1,5 +1,5 @@
 """The store commands: ``init``, ``put``, ``get``, ``row``, ``log``, ``shards`` (``move``, ``drop-moved``,
-``rebalance --plan``) and ``pending``. Each runs on the store of ``--store``."""
+``moving``, ``abort-move``, ``rebalance --plan|--apply``) and ``pending``. Each runs on the store of ``--store``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from cellstream.cli.common import Output, Parser, json_arg, poll_arg, time_arg
 from cellstream.cli.exits import Exit
+from cellstream.cli.nodes import job_options
 from cellstream.errors import UsageError
 
 if TYPE_CHECKING:
@@ -65,12 +66,21 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     a = actions.add_parser("drop-moved", parents=[common], help="drop the source copies of moved shards")
     a.add_argument("shard", type=int, nargs="+")
     a.set_defaults(run=cmd_shards_drop)
+    a = actions.add_parser("moving", parents=[common], help="moves found half done on the nodes (a process died)")
+    a.set_defaults(run=cmd_shards_moving)
+    a = actions.add_parser("abort-move", parents=[common],
+                           help="undo a half-done move before its switch (`shards move` finishes one instead)")
+    a.add_argument("shard", type=int, nargs="+")
+    a.set_defaults(run=cmd_shards_abort)
     a = actions.add_parser("rebalance", parents=[common], help="the shard moves that even out the storage nodes")
-    a.add_argument("--plan", action="store_true", required=True,
-                   help="print the moves (by cells), fewest first; nothing is moved")
+    how = a.add_mutually_exclusive_group(required=True)
+    how.add_argument("--plan", action="store_true", help="print the moves (by cells), fewest first; nothing is moved")
+    how.add_argument("--apply", action="store_true", help="run the moves as a resumable job (or resume the "
+                                                          "rebalance job left unfinished)")
     a.add_argument("--drain", action="append", default=[], metavar="NODE",
                    help="plan moving every shard off NODE (repeatable)")
     a.add_argument("--max-moves", type=int, default=None, metavar="N", help="at most N moves")
+    job_options(a)
     a.set_defaults(run=cmd_shards_rebalance)
 
     p = sub.add_parser("pending", parents=[common],
@@ -215,25 +225,27 @@ def cmd_shards_move(store: Store, args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_shards_rebalance(store: Store, args: argparse.Namespace, out: Output) -> int:
-    """The moves that even out the nodes by cells (logstore.balance); --plan only prints them."""
-    from logstore.balance import plan_rebalance
-    from logstore.errors import ConfigurationError
+    """The moves that even out the nodes by cells (logstore.rebalance): --plan prints them, --apply runs them
+    as a job."""
+    from cellstream.cli.nodes import _unfinished, launch
+    from logstore.rebalance import rebalance_moves
 
-    if len(store.nodes) < 2:
-        raise ConfigurationError("this store has one storage node: there is nothing to rebalance (SQLite is a "
-                                 "single-node embedded store; MySQL/MariaDB nodes are listed in a cluster file)")
     if args.max_moves is not None and args.max_moves < 1:
         raise UsageError("--max-moves must be at least 1")
-    stats = store.shard_stats()
-    kept = [node for node in store.nodes if node not in args.drain]
-    plan = plan_rebalance(((s.shard, s.node, s.cells) for s in stats), kept, away=args.drain,
-                          max_moves=args.max_moves)
-    cells = sum(s.cells for s in stats)
-    weights = {n: {"before": plan.before.get(n, 0), "after": plan.after.get(n, 0)} for n in store.nodes}
+    if args.apply:
+        if (unfinished := _unfinished(store, out)) is not None:
+            return unfinished
+        return launch(store, rebalance_moves(store, away=args.drain, max_moves=args.max_moves), "rebalance", args,
+                      out)
+    plan = rebalance_moves(store, away=args.drain, max_moves=args.max_moves)
+    cells = sum(plan.before.values())
+    nodes = sorted(plan.before)
+    weights = {n: {"before": plan.before.get(n, 0), "after": plan.after.get(n, 0)} for n in nodes}
     doc = {"moves": [m._asdict() for m in plan.moves], "cells_moved": sum(m.weight for m in plan.moves),
            "cells": cells, "nodes": weights, "applied": False}
-    width = max([4, *(len(n) for n in store.nodes)])
-    lines = [f"{len(plan.moves)} moves, {doc['cells_moved']} of {cells} cells (nothing moved: --plan)",
+    width = max([4, *(len(n) for n in nodes)])
+    lines = [f"{len(plan.moves)} moves, {doc['cells_moved']} of {cells} cells (nothing moved: --plan; "
+             "--apply runs them)",
              f"{'node':<{width}} {'before':>10} {'after':>10}"]
     lines += [f"{n:<{width}} {v['before']:>10} {v['after']:>10}" for n, v in weights.items()]
     lines += [f"cellstream shards move {m.shard} --to {m.target}   # {m.weight} cells from {m.source}"
@@ -250,6 +262,33 @@ def cmd_shards_drop(store: Store, args: argparse.Namespace, out: Output) -> int:
 
     for shard, node in drop_moved(store, args.shard):
         out.emit({"shard": shard, "dropped_from": node}, f"shard {shard}: the copy on node {node} is dropped")
+    return Exit.OK
+
+
+def cmd_shards_moving(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from logstore.extras import require
+
+    require("mysql", "shard moves")
+    from logstore.backends.mysql.moves import pending_moves
+
+    found = pending_moves(store)
+    lines = [f"shard {m.shard}: {m.source} -> {m.target}, {m.phase} (finish: cellstream shards move {m.shard} --to "
+             f"{m.target}" + ("" if m.phase == "switched" else f"; undo: cellstream shards abort-move {m.shard}") + ")"
+             for m in found]
+    out.emit([m._asdict() for m in found], "\n".join(lines) or "no move is half done")
+    return Exit.OK
+
+
+def cmd_shards_abort(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from logstore.extras import require
+
+    require("mysql", "shard moves")
+    from logstore.backends.mysql.moves import abort_move
+
+    for shard in args.shard:
+        move = abort_move(store, shard)
+        out.emit(move._asdict(), f"shard {shard}: its move from {move.source} to {move.target} is undone; it stays "
+                                 f"on {move.source}")
     return Exit.OK
 
 

@@ -195,14 +195,23 @@ def _verify(store: Store, args: argparse.Namespace, out: Output) -> int:
             "rows": result.rows,
             "pending": result.pending, "entries": result.entries, "cells": result.cells, "mismatches": counts,
             "repaired": result.repaired, "changed": result.changed, "seconds": round(result.seconds, 3),
-            "listed": [m.to_json() for m in result.mismatches[:max(0, args.show)]]}
+            "listed": [m.to_json() for m in result.mismatches[:max(0, args.show)]],
+            "strays": [s._asdict() for s in result.strays], "strays_dropped": result.strays_dropped}
     for m in result.mismatches[:max(0, args.show)] if not out.as_json else ():
         print(f"{m.kind:<10} row {m.row_key} shard {m.shard} ref_key {m.ref_key}: {m.detail}")
+    for s in result.strays[:max(0, args.show)] if not out.as_json else ():
+        print(f"stray      {s.rows} rows of shard {s.shard} on node {s.node}, which does not hold it: "
+              + ("the source copy of a move (drop-moved or --repair deletes it)" if s.moved
+                 else "a move's copy before its switch (under way, or stopped)"))
     summary = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) or "no mismatches"
+    if result.strays:
+        summary += f", {sum(s.rows for s in result.strays)} stray rows in {len(result.strays)} shards"
     repaired = f"; {result.repaired} rows repaired, {result.changed} changed meanwhile" if args.repair else ""
+    if args.repair and result.strays:
+        repaired += f", {result.strays_dropped} stray rows deleted"
     out.emit(data, f"index {result.name} version {result.version}: the entries and logs of {store.shard_count} "
                    f"shards read, {result.rows} rows checked ({result.pending} pending), {summary}{repaired}")
-    return Exit.MISMATCH if left > 0 else Exit.OK
+    return Exit.MISMATCH if left > 0 or result.strays_left > 0 else Exit.OK
 
 
 _ACTIONS = {"query": _query, "backfill": _backfill, "activate": _activate, "drop": _drop, "status": _status,

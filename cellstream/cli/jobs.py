@@ -6,12 +6,14 @@ backups...), kept as job records in the store itself (see docs/jobs.md).
   cellstream jobs pause ID
   cellstream jobs resume ID [--run [--metrics-port PORT]]
   cellstream jobs cancel ID
-  cellstream jobs throttle ID [--rate N | --unlimited] [--pause S] [--concurrency N]
+  cellstream jobs throttle ID [--rate N | --unlimited] [--pause S] [--concurrency N] [--max-lag S|off]
+                             [--max-latency MS|off]
 
 ``list`` shows the jobs not over (``--all``: done and cancelled ones too). ``pause`` and ``cancel`` take effect
 after the running chunk; ``resume`` makes a paused or failed job wait for a runner, and ``--run`` runs it here
 in the foreground (a progress bar on a terminal; Ctrl-C pauses it). ``throttle`` changes the rate of a running
-job within a second or so. Each feature's own command creates its jobs (``cellstream connect compact``).
+job, or the replica lag and write latency it backs off beyond, within a second or so; ``show`` says what holds
+it back. Each feature's own command creates its jobs (``cellstream connect compact``).
 
 Exit codes (:class:`cellstream.cli.exits.Exit`): 0 success (``resume --run``: the job is done), 1 no such job,
 2 bad input, 4 a kind this cellstream does not know or a store configuration problem, 5 the store unavailable,
@@ -46,7 +48,13 @@ def _compaction(store: Store) -> JobKind:
     return LakeCompaction()
 
 
-KIND_FACTORIES: dict[str, Callable[[Store], JobKind]] = {"compact": _compaction}
+def _rebalance(store: Store) -> JobKind:
+    from logstore.rebalance import Rebalance
+
+    return Rebalance(store)
+
+
+KIND_FACTORIES: dict[str, Callable[[Store], JobKind]] = {"compact": _compaction, "rebalance": _rebalance}
 
 
 def known_kinds(store: Store) -> KindRegistry:
@@ -78,6 +86,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     rate.add_argument("--unlimited", action="store_true", help="lift the rate limit")
     a.add_argument("--pause", type=_non_negative, default=None, metavar="S", help="seconds to pause after a chunk")
     a.add_argument("--concurrency", type=int, default=None, metavar="N", help="units worked on at once")
+    a.add_argument("--max-lag", type=limit_arg, default=None, metavar="S",
+                   help="back off while a replica of a node the job touches lags more seconds (off: never)")
+    a.add_argument("--max-latency", type=limit_arg, default=None, metavar="MS",
+                   help="back off while a node's write latency is above this many ms (off: never)")
     p.set_defaults(run=run)
 
 
@@ -105,6 +117,14 @@ def _non_negative(text: str) -> float:
     return value
 
 
+_OFF = "off"
+
+
+def limit_arg(text: str) -> float | str:
+    """A maximum above 0, or ``off``."""
+    return _OFF if text.strip().lower() == _OFF else _positive(text)
+
+
 def run(store: Store, args: argparse.Namespace, out: Output) -> int:
     return int(_ACTIONS[args.action](store, args, out))
 
@@ -114,8 +134,18 @@ def _line(record: JobRecord) -> str:
     steps = sum(1 for s in record.steps if s.state == "done")
     owner = f" owner={record.owner}" if record.owner else ""
     error = f" error={record.error!r}" if record.error and record.state in ("failed", "running") else ""
+    backoff = f" backing-off={record.backoff.detail!r}" if record.backoff and record.state == "running" else ""
     return (f"{record.id:<20} {record.kind:<10} {record.state:<10} {record.done}/{total} {record.unit} "
-            f"steps {steps}/{len(record.steps)}{owner}{error}")
+            f"steps {steps}/{len(record.steps)}{owner}{error}{backoff}")
+
+
+def _throttle_text(record: JobRecord) -> str:
+    t = record.throttle
+    rate = "unlimited" if t.rate is None else f"{t.rate:g} {record.unit}/s"
+    lag = "off" if t.max_lag_seconds is None else f"{t.max_lag_seconds:g} s"
+    latency = "off" if t.max_latency_ms is None else f"{t.max_latency_ms:g} ms"
+    return (f"throttle {rate}, pause {t.pause_seconds:g}s, concurrency {t.concurrency}, max lag {lag}, "
+            f"max latency {latency}")
 
 
 def _list(store: Store, args: argparse.Namespace, out: Output) -> int:
@@ -137,16 +167,45 @@ def _show(store: Store, args: argparse.Namespace, out: Output) -> int:
     from logstore.jobs import JobStore
 
     record = JobStore(store).get(args.id)
-    lines = [_line(record), f"  params: {record.params}", f"  throttle: {record.throttle.model_dump()}",
+    kinds = known_kinds(store) if record.kind in KIND_FACTORIES else None
+    kind = kinds.get(record.kind) if kinds is not None else None
+    about = kind.describe(record) if kind is not None else f"params: {record.params}"
+    lines = [_line(record), f"  {about}", f"  {_throttle_text(record)}",
              f"  created {record.created_at.isoformat()}, updated {record.updated_at.isoformat()}"
              + (f", lease until {record.lease_expires.isoformat()}" if record.lease_expires else "")]
+    if record.backoff is not None and record.state == "running":
+        lines.append(f"  throttled since {record.backoff.since.isoformat(timespec='seconds')}: "
+                     f"{record.backoff.detail}")
     for n, step in enumerate(record.steps, 1):
         total = "?" if step.total is None else str(step.total)
         error = f" error={step.error!r}" if step.error else ""
         lines.append(f"  {n}. {step.name}: {step.state} {step.done}/{total}"
                      + (f" attempts={step.attempts}" if step.attempts else "") + error)
+    if (pace := _rate(record)) is not None:
+        rate, eta = pace
+        lines.append(f"  rate {rate:,.0f} {record.unit}/s" + (f", about {_duration(eta)} left" if eta else ""))
+    if kind is not None:
+        lines += [f"  {line}" for line in kind.details(record)]
     out.emit(record.to_json(), "\n".join(lines))
     return Exit.OK
+
+
+def _rate(record: JobRecord) -> tuple[float, float | None] | None:
+    """Units a second since the job started, and the seconds left at that rate (None: no total), while it runs."""
+    if record.state != "running" or record.started_at is None or not record.done:
+        return None
+    seconds = (record.updated_at - record.started_at).total_seconds()
+    if seconds <= 0:
+        return None
+    rate = record.done / seconds
+    total = record.total
+    return rate, (max(0, total - record.done) / rate if total is not None else None)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def _changed(record: JobRecord, out: Output, what: str) -> int:
@@ -177,12 +236,15 @@ def _throttle(store: Store, args: argparse.Namespace, out: Output) -> int:
         settings["pause_seconds"] = args.pause
     if args.concurrency is not None:
         settings["concurrency"] = args.concurrency
+    if args.max_lag is not None:
+        settings["max_lag_seconds"] = None if args.max_lag == _OFF else args.max_lag
+    if args.max_latency is not None:
+        settings["max_latency_ms"] = None if args.max_latency == _OFF else args.max_latency
     if not settings:
-        raise UsageError("jobs throttle: give --rate N, --unlimited, --pause S or --concurrency N")
+        raise UsageError("jobs throttle: give --rate N, --unlimited, --pause S, --concurrency N, --max-lag S or "
+                         "--max-latency MS")
     record = JobStore(store).set_throttle(args.id, **settings)
-    rate = "unlimited" if record.throttle.rate is None else f"{record.throttle.rate:g} {record.unit}/s"
-    return _changed(record, out, f"throttle {rate}, pause {record.throttle.pause_seconds:g}s, "
-                                 f"concurrency {record.throttle.concurrency}")
+    return _changed(record, out, _throttle_text(record))
 
 
 def _resume(store: Store, args: argparse.Namespace, out: Output) -> int:

@@ -20,6 +20,9 @@ step 3 saw is looked up: a real newer cell makes the row pending too.
 
 Repairs (``repair=True``) go through :meth:`logstore.index_tables.store.IndexStore.repair`,
 which locks each row's locator and leaves alone a row a newer cell reached meanwhile.
+
+Last, it lists the *stray* rows nodes keep in shards the map gives other nodes (queries never read
+them): a moved shard's source copy, which a repair deletes, or a move's copy before its switch.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from indexer.errors import EntryFieldError, IndexStateError, InvalidQueryError
 from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.definitions import IndexDefinition
 from logstore import Store
-from logstore.index_tables.persistence import Fix, IndexEntry, Locator, encode_row
+from logstore.index_tables.persistence import Fix, IndexEntry, Locator, StrayRows, encode_row
 
 logger = logging.getLogger(__name__)
 Kind = Literal["missing", "stale", "different", "misplaced", "orphan", "locator"]
@@ -80,6 +83,15 @@ class VerifyResult(NamedTuple):
     repaired: int
     changed: int  # rows to repair that a newer cell reached meanwhile: left alone
     seconds: float
+    # Rows nodes keep in shards the map gives other nodes (a moved shard's source copy, a move's copy
+    # before its switch): never read by queries, found apart from the rows' checks.
+    strays: tuple[StrayRows, ...] = ()
+    strays_dropped: int = 0  # rows of moved shards' source copies deleted (with ``repair``)
+
+    @property
+    def strays_left(self) -> int:
+        """Stray rows still there: a move's copy before its switch is never deleted here."""
+        return sum(s.rows for s in self.strays) - self.strays_dropped
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -263,5 +275,11 @@ def verify(store: Store, name: str, version: int | None = None, *, sample: float
         logger.info("index %s version %d: repaired %d of %d rows", name, number, repaired, len(fixes))
     if mismatches:
         logger.warning("index %s version %d: %d mismatches in %d rows", name, number, len(mismatches), len(fixes))
+    # 4. rows outside their shards' nodes: a moved shard's source copy goes with repair, as drop-moved's would.
+    strays = store.indexes.strays(spec)
+    dropped = store.indexes.drop_strays(spec, strays) if repair and strays else 0
+    if strays:
+        logger.warning("index %s version %d: %d stray rows in %d shards on nodes that do not hold them%s", name,
+                       number, sum(s.rows for s in strays), len(strays), f"; {dropped} deleted" if repair else "")
     return VerifyResult(name, number, sample, len(keys) - pending, pending, entries, cells, mismatches, repaired,
-                        len(fixes) - repaired if repair else 0, time.monotonic() - started)
+                        len(fixes) - repaired if repair else 0, time.monotonic() - started, tuple(strays), dropped)

@@ -31,7 +31,7 @@ import math
 import threading
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -209,6 +209,18 @@ class IndexPosition(NamedTuple):
     shard: int
     location: int
     target: int | None  # a backfill's end: the shard's head when it started
+
+
+class StrayRows(NamedTuple):
+    """A version's index rows that a storage node keeps in a shard the shard map gives another node: the
+    source copy of a moved shard until it is dropped, or the copy a move under way (or stopped before its
+    switch) writes on its target. Queries and verification read every shard on its holder only."""
+
+    node: str
+    shard: int
+    rows: int  # the version's entries, locators and positions in the shard, on that node
+    moved: bool  # the node recorded the shard's move away (or an aborted move to it): the rows are dead, and
+    # ``index verify --repair`` deletes them; else a move under way, or stopped before its switch, wrote them
 
 
 # -- values -------------------------------------------------------------------------------
@@ -449,6 +461,26 @@ def order_by(spec: IndexSpec, quote: Callable[[str], str]) -> dict[str, str]:
     return {d: " ORDER BY " + ", ".join(f"{c} {d.upper()}" for c in columns) for d in ("asc", "desc")}
 
 
+_LISTED = 16  # shard lists longer than this go into a query's text as numbers
+
+
+def _shard_ranges(shards: Sequence[int]) -> str:
+    """``shards`` as a condition: each run of consecutive shards as a BETWEEN (a node's shards are mostly a
+    few runs; a long IN list costs MariaDB a join), the shards alone in one IN list."""
+    runs: list[list[int]] = []
+    for shard in sorted({int(s) for s in shards}):
+        if runs and shard == runs[-1][1] + 1:
+            runs[-1][1] = shard
+        else:
+            runs.append([shard, shard])
+    alone = [str(a) for a, b in runs if b - a < 2]
+    alone += [str(b) for a, b in runs if b - a == 1]
+    parts = [f"shard BETWEEN {a} AND {b}" for a, b in runs if b - a >= 2]
+    if alone:
+        parts.append(f"shard IN ({', '.join(alone)})")
+    return f"({' OR '.join(parts)})"
+
+
 class QueryTexts:
     """The SQL of a query, by shape (shard count, the conditions' fields and operators, order), each built
     once: ``SELECT ... WHERE shard IN (...) AND <conditions> ORDER BY ... LIMIT <mark>``."""
@@ -460,6 +492,13 @@ class QueryTexts:
     def __call__(self, shards: Sequence[int] | None, conditions: Sequence[tuple[str, str, Any]],
                  order: Order) -> tuple[str, list[Any]]:
         """The text and its arguments but the limit (the caller appends it)."""
+        if shards is not None and len(shards) > _LISTED:
+            # A scatter query's shards of one node (thousands): written as numbers, and not kept, since each
+            # shard map gives others.
+            where = [_shard_ranges(shards)]
+            where.extend(f"{self._quote(f)} {op} {self._mark}" for f, op, _ in conditions)
+            return (self._select + " WHERE " + " AND ".join(where) + self._order[order] + f" LIMIT {self._mark}",
+                    [value for _, _, value in conditions])
         shape = (None if shards is None else len(shards), tuple((f, op) for f, op, _ in conditions), order)
         text = self._texts.get(shape)
         if text is None:
@@ -473,6 +512,8 @@ class QueryTexts:
 
 class IndexRecorder(ABC):
     """One storage node's part of the index tables. Safe to share between threads."""
+
+    name: str  # the storage node's
 
     @abstractmethod
     def create(self, spec: IndexSpec) -> None:
@@ -524,3 +565,14 @@ class IndexRecorder(ABC):
     @abstractmethod
     def locators(self, spec: IndexSpec, row_keys: Sequence[uuid.UUID]) -> dict[uuid.UUID, Locator]:
         """The locators of these rows (of this node's shards) that exist."""
+
+    # -- shards that moved: only backends whose nodes move shards override these ------------------
+    def strays(self, spec: IndexSpec, held: Collection[int]) -> list[StrayRows]:
+        """The version's rows in shards outside ``held`` (the shards the map gives this node), by shard."""
+        return []
+
+    def drop_shard(self, spec: IndexSpec, shard: int, pace: Callable[[int], None] | None = None,
+                   chunk: int = 2000) -> int:
+        """Delete the version's rows in ``shard`` (a shard this node does not hold) in chunks of ``chunk`` rows,
+        calling ``pace`` with each chunk's rows before deleting it; returns the rows deleted."""
+        return 0

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import heapq
+import logging
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from logstore.errors import InvalidArgumentError
+from logstore.errors import InvalidArgumentError, ShardMovedError
 from logstore.index_tables.persistence import (
     ApplyResult,
     Condition,
@@ -27,6 +29,7 @@ from logstore.index_tables.persistence import (
     IndexSpec,
     Locator,
     Order,
+    StrayRows,
     Stream,
     check_conditions,
     encode_row,
@@ -35,13 +38,18 @@ from logstore.index_tables.persistence import (
 )
 
 MAX_QUERY_LIMIT = 100_000
+_MOVE_HOPS = 40  # an index write meeting a moved shard reloads the map and tries again, this many times at most
+logger = logging.getLogger(__name__)
 
 
 class ShardRouter(Protocol):
     """What the index tables need of a store: its shards, and the index recorder of each."""
 
     shard_count: int
-    recorders: Sequence[IndexRecorder]  # one per node
+
+    @property
+    def recorders(self) -> Sequence[IndexRecorder]:
+        """One per node, as the shard map has the nodes now."""
 
     def check_shard(self, shard: object) -> int:
         """``shard`` when it is a shard of the store; InvalidArgumentError otherwise."""
@@ -51,6 +59,13 @@ class ShardRouter(Protocol):
 
     def recorder_of(self, shard: int) -> IndexRecorder:
         """The index recorder of the node holding ``shard`` now."""
+
+    def holdings(self) -> Sequence[tuple[IndexRecorder, Sequence[int] | None]]:
+        """Each node's index recorder and the shards the map gives it now (None: every row the node holds
+        is its own, in a store whose shards never move)."""
+
+    def refresh_map(self) -> None:
+        """Read the shard map again now: a node refused an index write of a shard that moved away."""
 
 
 class IndexStore:
@@ -69,6 +84,29 @@ class IndexStore:
             recorder = self._recorder_of(shard)
             out.setdefault(id(recorder), (recorder, []))[1].append(shard)
         return out
+
+    def _each_node(self, shards: Iterable[int], run: Callable[[IndexRecorder, list[int]], None]) -> None:
+        """``run(recorder, its shards)`` for each node holding some of ``shards``. A node that refuses a shard
+        moved away (ShardMovedError: its transaction wrote nothing) has its shards sent again where the map,
+        read again, says they are: while a move's switch is under way, a few times, waiting a little longer
+        each time (as the store's writes do)."""
+        todo = sorted(shards)
+        for attempt in range(_MOVE_HOPS):
+            moved: list[int] = []
+            for recorder, group in self._by_node(todo).values():
+                try:
+                    run(recorder, group)
+                except ShardMovedError as exc:
+                    if attempt == _MOVE_HOPS - 1:
+                        raise
+                    logger.info("%s: reloading the shard map", exc)
+                    moved.extend(group)
+            if not moved:
+                return
+            if attempt:
+                time.sleep(0.05 * attempt)
+            self._store.refresh_map()
+            todo = sorted(moved)
 
     def entry_shard(self, spec: IndexSpec, value: Any) -> int:
         """The shard an entry with this shard-field value lives in."""
@@ -121,11 +159,14 @@ class IndexStore:
             targets[id(change)] = (
                 shard_of_value(kind, change.values[spec.shard_field], shards), encode_row(spec, change.values))
         total = ApplyResult()
-        for recorder, group in self._by_node(sorted(positions)).values():
+
+        def run(recorder: IndexRecorder, group: list[int]) -> None:
+            nonlocal total
             wanted = set(group)
             mine = [c for c in changes if c.shard in wanted]
             total += recorder.apply(spec, stream, mine, {s: positions[s] for s in group},
                                     lambda c: targets[id(c)], self._remote(spec, recorder))
+        self._each_node(positions, run)
         return total
 
     def repair(self, spec: IndexSpec, fixes: Sequence[Fix], keep: Callable[[uuid.UUID, Locator], bool]) -> int:
@@ -147,10 +188,13 @@ class IndexStore:
             for shard in fix.clear:
                 self._store.check_shard(shard)
         fixed = 0
-        for recorder, group in self._by_node(sorted({f.shard for f in fixes})).values():
+
+        def run(recorder: IndexRecorder, group: list[int]) -> None:
+            nonlocal fixed
             wanted = set(group)
             fixed += recorder.repair(spec, [f for f in fixes if f.shard in wanted], keep,
                                      self._remote(spec, recorder))
+        self._each_node({f.shard for f in fixes}, run)
         return fixed
 
     def _remote(self, spec: IndexSpec, recorder: IndexRecorder) -> Callable[[list[EntryWrite]], list[EntryWrite]]:
@@ -169,8 +213,8 @@ class IndexStore:
         return remote
 
     def set_targets(self, spec: IndexSpec, stream: Stream, targets: Mapping[int, int]) -> None:
-        for recorder, group in self._by_node(sorted(targets)).values():
-            recorder.set_targets(spec, stream, {s: targets[s] for s in group})
+        self._each_node(targets, lambda recorder, group: recorder.set_targets(spec, stream,
+                                                                              {s: targets[s] for s in group}))
 
     # -- reads ------------------------------------------------------------------------
     def query(self, spec: IndexSpec, conditions: Sequence[Condition], *, order: Order = "asc",
@@ -192,11 +236,15 @@ class IndexStore:
         if not scatter:
             raise InvalidArgumentError(
                 f"index {spec.name}: a query without {spec.shard_field} reads every shard; ask for it with scatter")
-        recorders = self._all()
-        if len(recorders) == 1:
-            return recorders[0].query(spec, None, stored, order, limit)
-        with concurrent.futures.ThreadPoolExecutor(len(recorders), thread_name_prefix="scatter") as pool:
-            parts = list(pool.map(lambda r: r.query(spec, None, stored, order, limit), recorders))
+        # Each node answers for the shards the map gives it, and for no other: a moved shard's source copy
+        # (until dropped) and a move's copy on its target (until the switch) are never counted twice.
+        count = self._store.shard_count
+        nodes = [(r, None if held is None or len(held) == count else held)
+                 for r, held in self._store.holdings() if held is None or held]
+        if len(nodes) == 1:
+            return nodes[0][0].query(spec, nodes[0][1], stored, order, limit)
+        with concurrent.futures.ThreadPoolExecutor(len(nodes), thread_name_prefix="scatter") as pool:
+            parts = list(pool.map(lambda node: node[0].query(spec, node[1], stored, order, limit), nodes))
 
         def sort_key(entry: IndexEntry) -> tuple[Any, ...]:
             return (*(entry.fields[k] for k in spec.keys[1:]), entry.row_key)
@@ -204,11 +252,32 @@ class IndexStore:
         return [entry for entry, _ in zip(merged, range(limit), strict=False)]
 
     def positions(self, spec: IndexSpec, stream: Stream = "live") -> dict[int, IndexPosition]:
-        """The stream's position in every source shard that has one."""
+        """The stream's position in every source shard that has one (on the node holding the shard)."""
         out: dict[int, IndexPosition] = {}
-        for recorder in self._all():
-            out.update(recorder.positions(spec, stream))
+        for recorder, held in self._store.holdings():
+            found = recorder.positions(spec, stream)
+            if held is not None:
+                mine = set(held)
+                found = {s: p for s, p in found.items() if s in mine}
+            out.update(found)
         return out
+
+    def strays(self, spec: IndexSpec) -> list[StrayRows]:
+        """The version's rows that nodes keep in shards the map gives other nodes (see StrayRows)."""
+        return [stray for recorder, held in self._store.holdings() if held is not None
+                for stray in recorder.strays(spec, held)]
+
+    def drop_strays(self, spec: IndexSpec, strays: Sequence[StrayRows]) -> int:
+        """Delete the ``moved`` ones of ``strays`` (source copies of shards moved away) that are still stray
+        (the map, read again, gives the shard another node); returns the rows deleted."""
+        self._store.refresh_map()
+        holdings = {recorder.name: (recorder, held) for recorder, held in self._store.holdings()}
+        dropped = 0
+        for stray in strays:
+            recorder, held = holdings.get(stray.node, (None, None))
+            if recorder is not None and held is not None and stray.moved and stray.shard not in held:
+                dropped += recorder.drop_shard(spec, stray.shard)
+        return dropped
 
     def scan(self, spec: IndexSpec, shard: int, after: uuid.UUID | None = None, limit: int = 1000) -> list[IndexEntry]:
         """The entries stored in ``shard``, in row_key order after ``after``."""

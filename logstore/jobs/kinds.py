@@ -11,7 +11,7 @@ in the same transaction as its effect and reads it back when the step starts (Vi
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Protocol
 
 from logstore.errors import UnknownJobKindError
@@ -44,7 +44,10 @@ class StepContext(Protocol):
 
     @property
     def throttle(self) -> Throttle:
-        """Wait on it between chunks: ``context.throttle.wait(units)``."""
+        """Wait on it between chunks: ``context.throttle.wait(units)``, or ``wait(units, nodes=[...])`` to
+        back off on the load of the nodes that chunk touched (else those of :meth:`JobKind.load_nodes`); it
+        raises NodeDownError when one of them is down. ``context.throttle.guard.down(nodes)`` tells which
+        nodes are down before a unit starts."""
 
     def progress(self, done: int, total: int | None = None, *, cursor: Any = None) -> None:
         """Report the step's units done (in all, not since the last call), its total when known, and the
@@ -82,9 +85,20 @@ class JobKind(abc.ABC):
             CellstreamError: the step failed; the runner tries again (with back-off) when ``retriable``.
         """
 
+    def load_nodes(self, record: JobRecord) -> Sequence[str]:
+        """The storage nodes every chunk of the job touches, whose load (replica lag, write latency) its throttle
+        backs off on between chunks. None here: a kind whose chunks touch other nodes each time names them at
+        each ``context.throttle.wait(units, nodes=...)``; a kind that spares no node's traffic names none."""
+        return ()
+
     def describe(self, record: JobRecord) -> str:
         """One line on what the job does, for ``cellstream jobs show``."""
         return f"{self.name} {record.params}"
+
+    def details(self, record: JobRecord) -> list[str]:
+        """Lines on where the job's steps are, beyond their counts, for ``cellstream jobs show`` (a kind whose
+        cursor says more, e.g. each shard of a rebalance, overrides this)."""
+        return []
 
 
 class KindRegistry:

@@ -4,6 +4,7 @@ the store at each scrape, so a job whose runner died is still seen: its lease la
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from logstore.errors import LogstoreError
 from logstore.jobs.records import FINAL_STATES, JOB_STATES, now
 
 if TYPE_CHECKING:
+    from logstore.jobs.load import NodeLoad
     from logstore.jobs.records import JobStore
 
 logger = logging.getLogger(__name__)
@@ -36,8 +38,28 @@ class JobMetrics:
         self.finished = Counter("cellstream_job_runs", "Job runs here that ended, by how: done, failed, paused, "
                                 "cancelled, lease_lost", ["kind", "state"], registry=r)
         self.running = Gauge("cellstream_job_running", "Jobs this process runs now", ["kind"], registry=r)
-        self.throttled = Counter("cellstream_job_throttled_seconds", "Time steps spent waiting on their throttle",
-                                 ["kind"], registry=r)
+        self.throttled = Counter("cellstream_job_throttled_seconds", "Time steps spent waiting on their throttle, "
+                                 "by reason: rate (the rate and the pause), lag (a replica lags), latency (a node's "
+                                 "writes are slow)", ["kind", "reason"], registry=r)
+        self.replica_lag = Gauge("cellstream_job_probed_replica_lag_seconds", "A replica's lag as the last probe of "
+                                 "a job's throttle found it (+Inf: it does not replicate)", ["node", "replica"],
+                                 registry=r)
+        self.write_latency = Gauge("cellstream_job_probed_write_latency_seconds", "A node's heartbeat write as the "
+                                   "last probe of a job's throttle timed it", ["node"], registry=r)
+        self.node_down = Gauge("cellstream_job_probed_node_down", "1 while the last probe of a job's throttle found "
+                               "the node down", ["node"], registry=r)
+
+    def observe_load(self, load: NodeLoad) -> None:
+        """Export a probe's answer (:class:`~logstore.jobs.load.LoadGuard`'s ``on_probe``)."""
+        self.node_down.labels(load.node).set(1 if load.down else 0)
+        if load.latency_ms is not None:
+            self.write_latency.labels(load.node).set(load.latency_ms / 1000)
+        for replica in load.replicas:
+            if replica.seconds is not None:
+                self.replica_lag.labels(load.node, replica.replica).set(replica.seconds)
+            else:  # unknown (it did not answer): no series rather than its last value
+                with contextlib.suppress(KeyError):
+                    self.replica_lag.remove(load.node, replica.replica)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
@@ -54,7 +76,9 @@ class JobRecordsCollector(Collector):
     - ``cellstream_job_failed{job_id, kind}``: 1 for each failed job (until it is resumed or cancelled);
     - ``cellstream_job_lease_lapsed_seconds{job_id, kind}``: for each job waiting for a runner (planned,
       running or cancelling with no live owner), how long it has waited;
-    - ``cellstream_job_progress_ratio{job_id, kind}``: units done / units in all, for each job not over.
+    - ``cellstream_job_progress_ratio{job_id, kind}``: units done / units in all, for each job not over;
+    - ``cellstream_job_backoff_seconds{job_id, kind, reason}``: for each job backing off on a node's load
+      (reason ``lag`` or ``latency``), for how long.
     """
 
     def __init__(self, jobs: JobStore) -> None:
@@ -77,6 +101,8 @@ class JobRecordsCollector(Collector):
                                    "(no owner, or its lease ran out)", labels=["job_id", "kind"])
         ratio = GaugeMetricFamily("cellstream_job_progress_ratio", "Units done over units in all, of each job not "
                                   "over", labels=["job_id", "kind"])
+        backoff = GaugeMetricFamily("cellstream_job_backoff_seconds", "How long a job has been backing off on the load "
+                                    "of a node (reason: lag, latency)", labels=["job_id", "kind", "reason"])
         by_state: dict[tuple[str, str], int] = {}
         for record in records:
             by_state[(record.kind, record.state)] = by_state.get((record.kind, record.state), 0) + 1
@@ -88,7 +114,10 @@ class JobRecordsCollector(Collector):
             total = record.total
             if record.state not in FINAL_STATES and total:
                 ratio.add_metric([record.id, record.kind], record.done / total)
+            if record.backoff is not None and record.state == "running" and not record.lease_lapsed(at):
+                backoff.add_metric([record.id, record.kind, record.backoff.cause],
+                                   max(0.0, (at - record.backoff.since).total_seconds()))
         for kind in sorted({r.kind for r in records}):
             for state in JOB_STATES:
                 counts.add_metric([kind, state], by_state.get((kind, state), 0))
-        yield from (counts, failed, lapsed, ratio)
+        yield from (counts, failed, lapsed, ratio, backoff)

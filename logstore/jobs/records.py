@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import secrets
+import socket
 import threading
 import uuid
 from collections.abc import Callable
@@ -55,6 +57,34 @@ class ThrottleSettings(BaseModel):
     burst_seconds: float = Field(1.0, gt=0, description="the bucket holds this many seconds of `rate`")
     concurrency: int = Field(1, ge=1, description="units a kind may work on at once (files, shards)")
     pause_seconds: float = Field(0.0, ge=0, description="a pause after every chunk, on top of the rate")
+    # Back-off on the load of the nodes a chunk touched (logstore.jobs.load). 1 s of replica lag is
+    # pt-online-schema-change's and Vitess's throttler's default (gh-ost's is 1.5 s); 50 ms for a one-row
+    # durable write is the write p99 the project promises during a rebalance (issue 51), some 50 times the
+    # median of a healthy MariaDB on local disks.
+    max_lag_seconds: float | None = Field(1.0, gt=0, description="back off while a replica of a node the job "
+                                          "touches lags more; None: never for lag")
+    max_latency_ms: float | None = Field(50.0, gt=0, description="back off while a node's write latency (the "
+                                         "median of its last heartbeat writes) is higher; None: never for latency")
+
+
+BackoffCause = Literal["lag", "latency"]
+
+
+class Backoff(BaseModel):
+    """Why a job waits on the load of a node (not on its rate), since when: ``cellstream jobs show`` says it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cause: BackoffCause = Field(description="lag: a replica lags; latency: a node's writes are slow")
+    node: str = Field(description="the storage node")
+    subject: str = Field(description="what holds the job back: 'node b', 'replica 127.0.0.1:3307 of node b'")
+    detail: str = Field(description="e.g. 'replica 127.0.0.1:3307 of node b lags 3.4 s > 1 s' (as last probed)")
+    since: dt.datetime = Field(description="when this subject started holding the job back")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What stays the same while the same thing holds the job back (the detail's numbers change)."""
+        return self.cause, self.subject
 
 
 class StepRecord(BaseModel):
@@ -88,6 +118,8 @@ class JobRecord(BaseModel):
     lease_expires: dt.datetime | None = None
     steps: list[StepRecord] = Field(default_factory=list)
     throttle: ThrottleSettings = Field(default_factory=ThrottleSettings)
+    backoff: Backoff | None = Field(None, description="set while the job waits on a node's load (written by its "
+                                                      "runner within a poll)")
     unit: str = Field("units", description="what the steps' done and total count (cells, files, bytes)")
     created_at: dt.datetime
     started_at: dt.datetime | None = None
@@ -116,6 +148,23 @@ class JobRecord(BaseModel):
         """No live owner: none, or one whose lease ran out (it died, or lost the store)."""
         return self.owner is None or self.lease_expires is None or self.lease_expires <= (at or now())
 
+    def owner_gone(self) -> bool:
+        """Its owner is a process of this host that no longer runs (killed): no need to wait out its lease.
+        (A pid used again by another process meanwhile makes this False: the lease is then waited out.)"""
+        if self.owner is None:
+            return False
+        host, _, rest = self.owner.partition(":")
+        pid = rest.partition(":")[0]
+        if host != socket.gethostname() or not pid.isdigit():
+            return False
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
     def claimable(self, at: dt.datetime | None = None) -> bool:
         """A runner may take the job now: it waits for one, or its owner's lease ran out."""
         return self.state in ACTIVE_STATES and self.lease_lapsed(at)
@@ -125,7 +174,7 @@ class JobRecord(BaseModel):
         return {"id": self.id, "kind": self.kind, "state": self.state, "done": self.done, "total": self.total,
                 "unit": self.unit, "steps_done": sum(1 for s in self.steps if s.state == "done"),
                 "steps": len(self.steps), "owner": self.owner, "updated_at": self.updated_at.isoformat(),
-                "error": self.error}
+                "error": self.error, "backoff": None if self.backoff is None else self.backoff.detail}
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -280,8 +329,9 @@ class JobStore:
         return self.change(job_id, cancel)
 
     def set_throttle(self, job_id: str, **settings: Any) -> JobRecord:
-        """Change the job's throttle (``rate``, ``burst_seconds``, ``concurrency``, ``pause_seconds``; a None
-        rate lifts the limit); its runner applies it at its next heartbeat.
+        """Change the job's throttle (``rate``, ``burst_seconds``, ``concurrency``, ``pause_seconds``,
+        ``max_lag_seconds``, ``max_latency_ms``; a None rate lifts the limit, a None maximum turns that back-off
+        off); its runner applies it at its next poll.
 
         Raises:
             InvalidArgumentError: a setting that is not valid.

@@ -8,6 +8,9 @@
   (``cancelling``), a new throttle, or another owner (the lease was lost). A step sees the first three at its
   next :meth:`progress` or :meth:`check` (between chunks) as the runner's stop signal;
   the runner then records where it got to and releases the lease (paused), or ends the job (cancelled).
+- **Back-off.** Each job's throttle has a :class:`~logstore.jobs.load.LoadGuard` on the nodes its kind names
+  (:meth:`~logstore.jobs.kinds.JobKind.load_nodes`, or each chunk's); when it starts or stops holding the job
+  back, or something else does, the heartbeat writes why into the record (``backoff``) at its next poll.
 - **Retries.** A step that raises a ``retriable`` error runs again after a back-off, up to ``step_attempts``
   runs; then (or at once for another error) the job fails with the error recorded.
 - **Progress** is written with the heartbeats and at most every ``progress_seconds`` otherwise, so a job makes
@@ -30,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from logstore.errors import JobLeaseLostError, JobStateError, LogstoreError
 from logstore.jobs.kinds import JobKind, KindRegistry, _JobStop
+from logstore.jobs.load import LoadGuard
 from logstore.jobs.metrics import JobMetrics
 from logstore.jobs.records import JobRecord, JobState, JobStore, StepRecord, ThrottleSettings, now
 from logstore.jobs.throttle import Throttle
@@ -51,6 +55,10 @@ class RunnerConfig(BaseModel):
     step_attempts: int = Field(3, ge=1, description="runs of a step before a retriable error fails the job")
     backoff_seconds: float = Field(1.0, ge=0, description="the first retry's wait, doubled at each next one")
     backoff_max_seconds: float = Field(30.0, ge=0)
+    load_probe_seconds: float = Field(0.5, gt=0, description="a node a job touches is probed for its load at most "
+                                                             "this often (a heartbeat write, a read per replica)")
+    load_probe_timeout: float = Field(2.0, gt=0, description="bounds each connection, write and read of a probe: "
+                                                            "a node that does not answer is reported down")
 
     @property
     def heartbeat(self) -> float:
@@ -65,7 +73,7 @@ def owner_name() -> str:
 class _Session:
     """One runner's hold on one job: its latest record, the running step's progress, the stop signal."""
 
-    def __init__(self, runner: JobRunner, record: JobRecord) -> None:
+    def __init__(self, runner: JobRunner, record: JobRecord, guard: LoadGuard | None = None) -> None:
         self.runner = runner
         self.jobs = runner.jobs
         self.record = record
@@ -74,7 +82,10 @@ class _Session:
         self.step: int | None = None  # index of the running step
         self.done, self.total, self.cursor = 0, None, None  # type: int, int | None, Any
         self.written = time.monotonic()
-        self.throttle = Throttle(record.throttle, stopping=lambda: self.stop_reason is not None)
+        throttled = runner.metrics.throttled
+        self.throttle = Throttle(record.throttle, stopping=lambda: self.stop_reason is not None, guard=guard,
+                                 on_wait=lambda reason, seconds: throttled.labels(record.kind, reason).inc(seconds))
+        self.backoff_written: tuple[str, str] | None = None  # what the record says holds the job back
 
     def _observe(self, record: JobRecord) -> None:
         """Take in what the record says: control, throttle, owner."""
@@ -91,6 +102,7 @@ class _Session:
         """Change the record as its owner: the running step's progress, a renewed lease (or none: ``release``),
         then ``fn``. Raises JobLeaseLostError when another runner owns it."""
         lease = self.runner.config.lease_seconds
+        backoff = self.throttle.backoff
 
         def change(record: JobRecord) -> None:
             if record.owner != self.runner.owner:
@@ -102,6 +114,7 @@ class _Session:
                 record.owner, record.lease_expires = None, None
             else:
                 record.lease_expires = now() + dt.timedelta(seconds=lease)
+            record.backoff = None if release else backoff
             if fn is not None:
                 fn(record)
         with self.lock:
@@ -111,6 +124,7 @@ class _Session:
                 self.stop_reason = "lease lost"
                 raise
             self.written = time.monotonic()
+            self.backoff_written = None if record.backoff is None else record.backoff.key
             if not release:
                 self._observe(record)
             else:
@@ -128,7 +142,9 @@ class _Session:
         config = self.runner.config
         while not stopped.wait(config.poll_seconds):
             try:
-                if time.monotonic() - self.written >= config.heartbeat:
+                backoff = self.throttle.backoff
+                if (time.monotonic() - self.written >= config.heartbeat
+                        or (None if backoff is None else backoff.key) != self.backoff_written):
                     self.write()
                 else:
                     self.refresh()
@@ -240,11 +256,12 @@ class JobRunner:
                 hint = " (`cellstream jobs resume` it first)" if record.state in ("paused", "failed") else ""
                 raise JobStateError(f"job {job_id} is {record.state}{hint}")
             at = now()
-            if not record.lease_lapsed(at):
+            if not record.lease_lapsed(at) and not record.owner_gone():
                 raise JobStateError(f"job {job_id} is run by {record.owner} (lease until "
                                     f"{record.lease_expires.isoformat() if record.lease_expires else '?'})")
             if record.owner is not None:
-                logger.warning("job %s: taking over from %s, whose lease ran out", job_id, record.owner)
+                why = "whose lease ran out" if record.lease_lapsed(at) else "a process of this host that is gone"
+                logger.warning("job %s: taking over from %s, %s", job_id, record.owner, why)
             record.owner, record.lease_expires = self.owner, at + dt.timedelta(seconds=lease)
             if record.state == "planned":
                 record.state = "running"
@@ -287,7 +304,10 @@ class JobRunner:
 
     def _run(self, record: JobRecord) -> JobRecord:
         kind = self.kinds.get(record.kind)
-        session = _Session(self, record)
+        metrics = self.metrics
+        guard = LoadGuard(self.jobs.store, kind.load_nodes(record), interval=self.config.load_probe_seconds,
+                          timeout=self.config.load_probe_timeout, on_probe=metrics.observe_load)
+        session = _Session(self, record, guard)
         stopped = threading.Event()
         beat = threading.Thread(target=session.heartbeat, args=(stopped,), name=f"job-{record.id}", daemon=True)
         self.metrics.running.labels(record.kind).inc()
@@ -314,8 +334,8 @@ class JobRunner:
         finally:
             stopped.set()
             beat.join()
+            guard.close()
             self.metrics.running.labels(record.kind).dec()
-            self.metrics.throttled.labels(record.kind).inc(session.throttle.waited)
 
     def _run_step(self, session: _Session, kind: JobKind, index: int) -> bool:
         """Run step ``index`` to its end, retrying; False when it failed for good (recorded)."""

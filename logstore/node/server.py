@@ -110,6 +110,12 @@ class _Metrics:
         self.storage_up = Gauge("cellstream_worker_storage_node_up",
                                 "1 when the storage node answered the node's last check (each /readyz and each "
                                 "scrape of /metrics)", ["node"], registry=registry)
+        self.node_shards = Gauge("cellstream_worker_storage_node_shards",
+                                 "shards the shard map places on each storage node, as this node last read it",
+                                 ["node"], registry=registry)
+        self.map_version = Gauge("cellstream_worker_shard_map_version",
+                                 "the version of the shard map this node follows (0: the cluster file's)",
+                                 registry=registry)
         self.guarded = Counter("cellstream_worker_requests_refused_total",
                                "requests refused before their route: a Host not allowed (host), sent by another "
                                "site's page (origin), a wrong or missing token (token), too many wrong tokens "
@@ -153,7 +159,7 @@ class WorkerNode:
         self._server: asyncio.AbstractServer | None = None
         self._port = self.config.port
         self._replayer: asyncio.Task[None] | None = None
-        self._first_shard = {store.node_of(s): s for s in reversed(range(store.shard_count))}
+        self._reported: set[str] = set()  # the storage nodes the metrics name
         self._models = models(store.shard_count)
         self._openapi = wire.dumps(openapi.document(store.shard_count))
         self._routes: dict[tuple[str, str], Route] = {(r.method, r.path): r for r in ROUTES}
@@ -247,7 +253,7 @@ class WorkerNode:
             with contextlib.suppress(LogstoreError):
                 self.store.head(shard)
 
-        for shard in self._first_shard.values():
+        for shard in self._first_shards().values():
             together.reset()
             await asyncio.gather(*(self._call(warm, shard) for _ in range(n)))
 
@@ -404,16 +410,34 @@ class WorkerNode:
         except _Throttled:
             return False
 
+    def _first_shards(self) -> dict[str, int]:
+        """A shard of each storage node that holds one, by the shard map as it is now (nodes join and leave)."""
+        return {node: shard for shard, node in reversed(list(enumerate(self.store.placement())))}
+
     async def _check_nodes(self) -> dict[str, str]:
-        """Ask every storage node for one shard's head: ``{node: "ok" or the error}``, also in the metrics."""
+        """Ask every storage node for one shard's head (its metadata when it holds none yet): ``{node: "ok" or
+        the error}``, also in the metrics, where a node that left the map is dropped."""
         nodes: dict[str, str] = {}
-        for node, shard in self._first_shard.items():
+        first = self._first_shards()
+        shards: dict[str, int] = {}
+        for holder in self.store.placement():
+            shards[holder] = shards.get(holder, 0) + 1
+        for node in self.store.nodes:
             try:
-                await self._call(self.store.head, shard)
+                if node in first:
+                    await self._call(self.store.head, first[node])
+                elif (recorder := self.store.node_recorder(node)) is not None:
+                    await self._call(recorder.read_meta)
                 nodes[node] = "ok"
             except LogstoreError as exc:
                 nodes[node] = str(exc)
             self.metrics.storage_up.labels(node).set(int(nodes[node] == "ok"))
+            self.metrics.node_shards.labels(node).set(shards.get(node, 0))
+        for gone in self._reported - set(nodes):
+            self.metrics.storage_up.remove(gone)
+            self.metrics.node_shards.remove(gone)
+        self._reported = set(nodes)
+        self.metrics.map_version.set(self.store.shard_map.version)
         return nodes
 
     async def prometheus(self, got: Got) -> web.Response:

@@ -6,7 +6,8 @@ holding each shard. Starting claims every shard for this process; a second proce
 with the same consumer name takes the shards over, and from then on the first one's
 commits are refused (FencedError) and it drops those shards instead of moving the
 offsets back. Until its next commit the first one may still deliver cells the second
-also delivers: at least once, never skipped.
+also delivers: at least once, never skipped. A shard moved to another storage node is not lost: the move
+carries its offsets there, and its commits, refused while it moves, go on there after the switch.
 """
 
 from __future__ import annotations
@@ -95,16 +96,36 @@ class StoreCoordinator(Coordinator):
         except LogstoreError as exc:
             error = CoordinationError(f"offsets of {self.consumer} not committed: {exc}")
             return dict.fromkeys(offsets, error)
+        moving = self._moving(fenced) if fenced else set()
+        if moving:
+            logger.info("%s: %d shards are being moved to another storage node: their commits wait for the move",
+                        self.consumer, len(moving))
+        fenced -= moving
         if fenced:
             logger.error("%s: %d shards were taken over by another process", self.consumer, len(fenced))
             with self._lock:
                 self._lost |= fenced
                 self._assigned = self._assigned - fenced
             self._on_change()
-        return {shard: FencedError(shard, "another process took the shard over; its commit was refused")
+        deferred = CoordinationError(f"offsets of {self.consumer} not committed: the shard is being moved")
+        return {shard: deferred if shard in moving
+                else FencedError(shard, "another process took the shard over; its commit was refused")
                 if shard in fenced else claim if claim.deadlettered == offset.deadlettered
                 else claim._replace(deadlettered=offset.deadlettered)  # a new claim only when it changed
                 for shard, (claim, offset) in offsets.items()}
+
+    def _moving(self, refused: set[int]) -> set[int]:
+        """The refused shards a move took rather than another process: the record where the shard map now puts
+        them still names this worker (a move carries it to the target, where the next commit goes once the map
+        shows the switch). Their commits are retried; an unreadable answer counts as moving, to be asked again."""
+        try:
+            self.store.refresh_map()
+            records = self.store.read_offsets(self.consumer)
+        except LogstoreError as exc:
+            logger.warning("%s: cannot tell whether %d refused shards moved: %s", self.consumer, len(refused), exc)
+            return set(refused)
+        return {shard for shard in refused if (record := records.get(shard)) is not None
+                and record.owner == self.worker_id}
 
     def release(self, claim: Claim) -> None:
         """Nothing to hand over: the next process claims every shard when it starts."""

@@ -11,18 +11,24 @@ row_key order, so appliers of different rows do not deadlock on each other.
 
 A repair locks rows differently, with placeholder upserts (ref_key -1) that create
 or lock each row: it writes every locked row's locator, so none stays behind.
+
+Every write refuses a shard being moved away or moved (its ``cellstream_shards`` row fenced on this
+node): the fence is read after the writes, and ShardMovedError rolls the transaction back whole
+(:mod:`logstore.backends.mysql.index_moves` copies a fenced shard's rows with locking reads).
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import pymysql
 
-from logstore.errors import ConfigurationError, StorageUnavailableError
+from logstore.backends.mysql.pool import Result
+from logstore.errors import ConfigurationError, InvalidArgumentError, ShardMovedError, StorageUnavailableError
 from logstore.index_tables.persistence import (
     ApplyResult,
     Entry,
@@ -38,6 +44,7 @@ from logstore.index_tables.persistence import (
     QueryTexts,
     Remote,
     StatementCache,
+    StrayRows,
     Stream,
     entry_decoder,
     plan,
@@ -45,6 +52,7 @@ from logstore.index_tables.persistence import (
     unapplied,
 )
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Cursor = pymysql.cursors.Cursor
 
@@ -73,6 +81,35 @@ _SCHEMA = (
     " location BIGINT NOT NULL, target BIGINT NULL, PRIMARY KEY (index_table, stream, shard)) ENGINE=InnoDB",
 )
 _POSITIONS = "SELECT shard, location, target FROM cellstream_index_positions WHERE index_table = %s AND stream = %s"
+# A shard's locators read and deleted by shard when it moves (logstore.backends.mysql.index_moves); added in
+# place to the tables made before it (add_locator_shard_keys).
+_LOCATOR_SHARD_KEY = "KEY locator_shard (shard)"
+_DUPLICATE_KEY_NAME = 1061
+ShardRows = Literal["entries", "locators"]
+
+
+def add_locator_shard_keys(cur: Cursor) -> None:
+    """Give the locator tables made before ``locator_shard`` the key, once, at the node's open (MySQL has no
+    ADD KEY IF NOT EXISTS). Of two processes opening the node at once, the second is told the key exists."""
+    cur.execute("SELECT t.TABLE_NAME FROM information_schema.TABLES t WHERE t.TABLE_SCHEMA = DATABASE()"
+                " AND t.TABLE_NAME LIKE 'ixl\\_%' AND NOT EXISTS (SELECT 1 FROM information_schema.STATISTICS i"
+                " WHERE i.TABLE_SCHEMA = t.TABLE_SCHEMA AND i.TABLE_NAME = t.TABLE_NAME"
+                " AND i.INDEX_NAME = 'locator_shard')")
+    for (table,) in cur.fetchall():
+        try:
+            cur.execute(f"ALTER TABLE {_q(str(table))} ADD {_LOCATOR_SHARD_KEY}")
+        except pymysql.err.OperationalError as exc:
+            if not exc.args or exc.args[0] != _DUPLICATE_KEY_NAME:
+                raise
+        logger.info("added the locator_shard key to %s", table)
+
+
+def _fence_check(shards: Iterable[int]) -> Statement:
+    """The last statement of an index write: a shard of it fenced on this node (moving away, or moved) makes
+    the write roll back. Read after every write of the transaction: a move fences the shard, then copies
+    its rows with locking reads, which wait for a write that read no fence until it commits."""
+    return (f"SELECT shard, fence FROM cellstream_shards WHERE shard IN ({', '.join(map(str, sorted(shards)))})"
+            " AND fence IS NOT NULL LIMIT 1", [])
 
 
 def _q(name: str) -> str:
@@ -98,7 +135,7 @@ class _SQL:
             f" ref_key BIGINT NOT NULL, {columns}, PRIMARY KEY (shard, row_key),"
             f" KEY query_keys (shard, {keys}, row_key)) ENGINE=InnoDB",
             f"CREATE TABLE IF NOT EXISTS {loc} (row_key BINARY(16) NOT NULL PRIMARY KEY, shard INT NOT NULL,"
-            f" ref_key BIGINT NOT NULL, entry_shard INT NOT NULL) ENGINE=InnoDB",
+            f" ref_key BIGINT NOT NULL, entry_shard INT NOT NULL, {_LOCATOR_SHARD_KEY}) ENGINE=InnoDB",
         )
         self.drop = f"DROP TABLE IF EXISTS {t}, {loc}"
         self.columns = ", ".join(["shard", "row_key", "ref_key", *fields])
@@ -168,8 +205,8 @@ class MySQLIndexRecorder(IndexRecorder):
         self._budget = max_statement_bytes // 2
         self._statements = StatementCache(_SQL)
 
-    def _script(self, cur: Cursor, statements: Sequence[Statement]) -> None:
-        """Run ``statements`` in as few round trips as the packet budget allows."""
+    def _script(self, cur: Cursor, statements: Sequence[Statement]) -> list[Result]:
+        """Run ``statements`` in as few round trips as the packet budget allows; the last trip's results."""
         packet: list[Statement] = []
         size = 0
         for statement in statements:
@@ -179,8 +216,18 @@ class MySQLIndexRecorder(IndexRecorder):
                 packet, size = [], 0
             packet.append(statement)
             size += weight
-        if packet:
-            self._run_script(cur, packet)
+        return list(self._run_script(cur, packet)) if packet else []
+
+    def _fenced_script(self, cur: Cursor, statements: Sequence[Statement], shards: Iterable[int]) -> None:
+        """Run an index write's ``statements``, then refuse it (ShardMovedError: its transaction rolls back)
+        if one of ``shards``, those it wrote in, is fenced on this node."""
+        written = set(shards)
+        if not written:
+            self._script(cur, statements)
+            return
+        results = self._script(cur, [*statements, _fence_check(written)])
+        for shard, fence in results[-1].rows or ():
+            raise ShardMovedError(int(shard), str(fence))
 
     def _transaction(self, what: str, fn: Callable[[Cursor], T]) -> T:
         def run(cur: Cursor) -> T:
@@ -261,7 +308,8 @@ class MySQLIndexRecorder(IndexRecorder):
                        for k, (shard, loc) in updated.items() if k not in locators]
             if created:
                 self._create_locators(cur, sql, created)
-            statements = self._entry_statements(spec, remote(writes))
+            local = remote(writes)
+            statements = self._entry_statements(spec, local)
             located = [(k.bytes, shard, loc.ref_key, loc.entry_shard)
                        for k, (shard, loc) in updated.items() if k in locators]
             for part in _chunks(located):
@@ -273,7 +321,8 @@ class MySQLIndexRecorder(IndexRecorder):
                     + ", ".join(["(%s, %s, %s, %s)"] * len(positions))
                     + " ON DUPLICATE KEY UPDATE location = GREATEST(location, VALUES(location))",
                     [a for shard, location in positions.items() for a in (spec.table, stream, shard, location)]))
-            self._script(cur, statements)
+            # The locators' and positions' shards (the changes') and the entries' written here.
+            self._fenced_script(cur, statements, {*shards, *positions, *(w.shard for w in local)})
             return ApplyResult(len(todo) - superseded, superseded, len(changes) - len(todo))
         return self._transaction("apply index", run)
 
@@ -308,12 +357,13 @@ class MySQLIndexRecorder(IndexRecorder):
         def run(cur: Cursor) -> int:
             locators = self._lock(cur, sql, {f.row_key.bytes: f.shard for f in fixes})
             todo, writes = repair_plan(fixes, locators, keep)
-            statements = self._entry_statements(spec, remote(writes))
+            local = remote(writes)
+            statements = self._entry_statements(spec, local)
             # Every locked row gets its locator set or deleted: no placeholder (ref_key -1) stays behind.
             statements.extend((sql.force_locator, [f.row_key.bytes, f.shard, f.ref_key, f.entry_shard])
                               for f in todo if f.values is not None)
             statements.extend((sql.delete_locator, [f.row_key.bytes]) for f in todo if f.values is None)
-            self._script(cur, statements)
+            self._fenced_script(cur, statements, {*(f.shard for f in fixes), *(w.shard for w in local)})
             return len(todo)
         return self._transaction("repair index", run)
 
@@ -334,17 +384,18 @@ class MySQLIndexRecorder(IndexRecorder):
     def write_entries(self, spec: IndexSpec, writes: Sequence[EntryWrite]) -> None:
         statements = self._entry_statements(spec, writes)
         if statements:
-            self._transaction("write index entries", lambda cur: self._script(cur, statements))
+            shards = {w.shard for w in writes}
+            self._transaction("write index entries", lambda cur: self._fenced_script(cur, statements, shards))
 
     def set_targets(self, spec: IndexSpec, stream: Stream, targets: Mapping[int, int]) -> None:
         rows = [(spec.table, stream, shard, target) for shard, target in targets.items()]
 
         def run(cur: Cursor) -> None:
-            for statement in _SCHEMA:
-                cur.execute(statement)
             cur.executemany("INSERT INTO cellstream_index_positions (index_table, stream, shard, location, target)"
                             " VALUES (%s, %s, %s, 0, %s) ON DUPLICATE KEY UPDATE target = VALUES(target)", rows)
-        self._call("set index targets", run)
+            self._fenced_script(cur, [], targets)
+        self._call("create index tables", lambda cur: [cur.execute(statement) for statement in _SCHEMA])
+        self._transaction("set index targets", run)
 
     # -- reads ------------------------------------------------------------------------
     def positions(self, spec: IndexSpec, stream: Stream) -> dict[int, IndexPosition]:
@@ -387,3 +438,140 @@ class MySQLIndexRecorder(IndexRecorder):
                            for raw, ref, where in cur.fetchall() if ref >= 0)
             return out
         return self._call("read index locators", run)
+
+    # -- a shard's rows, for moves (logstore.backends.mysql.index_moves) ------------------------
+    def _rows_table(self, spec: IndexSpec, kind: ShardRows) -> str:
+        return _q(spec.table if kind == "entries" else spec.locator_table)
+
+    def read_shard(self, spec: IndexSpec, kind: ShardRows, shard: int, after: bytes,
+                   limit: int) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """The columns and up to ``limit`` rows of the version's entries or locators in ``shard`` after row_key
+        ``after``, in row_key order. A locking read: it waits for the index writes under way on those rows,
+        so once the shard is fenced it reads every write that will ever commit there."""
+        def run(cur: Cursor) -> tuple[list[str], list[tuple[Any, ...]]]:
+            cur.execute(f"SELECT * FROM {self._rows_table(spec, kind)} WHERE shard = %s AND row_key > %s"
+                        " ORDER BY row_key LIMIT %s LOCK IN SHARE MODE", (shard, after, limit))
+            return [str(d[0]) for d in cur.description or ()], list(cur.fetchall())
+        return self._call("read index shard", run)
+
+    def put_shard(self, spec: IndexSpec, kind: ShardRows, shard: int, after: bytes, upto: bytes | None,
+                  columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """Make the version's entries or locators of ``shard`` with a row_key in (``after``, ``upto``] exactly
+        ``rows``, in one transaction; with ``upto`` None, delete every row after ``after`` (in chunks)."""
+        table = self._rows_table(spec, kind)
+        if upto is None:
+            def tail(cur: Cursor) -> int:
+                return int(cur.execute(f"DELETE FROM {table} WHERE shard = %s AND row_key > %s ORDER BY row_key"
+                                       " LIMIT %s", (shard, after, _CHUNK)))
+            while self._call("clear index shard", tail):
+                pass
+            return
+        names = ", ".join(_q(c) for c in columns)
+        statements: list[Statement] = [(f"DELETE FROM {table} WHERE shard = %s AND row_key > %s AND row_key <= %s",
+                                        [shard, after, upto])]
+        for chunk in _chunks(rows):
+            text, args = _values(chunk)
+            statements.append((f"REPLACE INTO {table} ({names}) VALUES {text}", args))
+        self._transaction("write index shard", lambda cur: self._script(cur, statements))
+
+    def read_shard_positions(self, spec: IndexSpec, shard: int) -> list[tuple[str, int, int | None]]:
+        """The version's positions (stream, location, target) in ``shard``; a locking read like read_shard's."""
+        def run(cur: Cursor) -> list[tuple[str, int, int | None]]:
+            # Each stream's row by its whole key: a locking read scanning other shards' rows would wait for them.
+            cur.execute("SELECT stream, location, target FROM cellstream_index_positions WHERE index_table = %s"
+                        " AND stream IN ('live', 'backfill') AND shard = %s LOCK IN SHARE MODE", (spec.table, shard))
+            return [(str(s), int(loc), None if t is None else int(t)) for s, loc, t in cur.fetchall()]
+        return self._call("read index shard positions", run)
+
+    def put_shard_positions(self, spec: IndexSpec, shard: int, rows: Sequence[tuple[str, int, int | None]]) -> None:
+        """Make the version's positions in ``shard`` exactly ``rows``, in one transaction."""
+        def run(cur: Cursor) -> None:
+            cur.execute("DELETE FROM cellstream_index_positions WHERE index_table = %s AND shard = %s",
+                        (spec.table, shard))
+            if rows:
+                cur.executemany("INSERT INTO cellstream_index_positions (index_table, stream, shard, location, target)"
+                                " VALUES (%s, %s, %s, %s, %s)", [(spec.table, s, shard, loc, t) for s, loc, t in rows])
+        self._transaction("write index shard positions", run)
+
+    def strays(self, spec: IndexSpec, held: Collection[int]) -> list[StrayRows]:
+        mine = set(held)
+
+        def run(cur: Cursor) -> list[StrayRows]:
+            found: set[int] = set()
+            try:
+                # DISTINCT on a key's first column: a skip from shard to shard, not a scan of the rows.
+                for table in (spec.table, spec.locator_table):
+                    cur.execute(f"SELECT DISTINCT shard FROM {_q(table)}")
+                    found.update(int(s) for (s,) in cur.fetchall())
+                cur.execute("SELECT DISTINCT shard FROM cellstream_index_positions WHERE index_table = %s",
+                            (spec.table,))
+                found.update(int(s) for (s,) in cur.fetchall())
+            except pymysql.err.ProgrammingError as exc:
+                if exc.args and exc.args[0] == _NO_TABLE:
+                    return []
+                raise
+            stray = sorted(found - mine)
+            if not stray:
+                return []
+            # Moved away: recorded (moved_at) as the move's last step, or by an abort on its target. A
+            # target being filled (moved_at NULL) is a move under way.
+            cur.execute("SELECT shard FROM cellstream_shards WHERE moved_to IS NOT NULL AND moved_at IS NOT NULL"
+                        f" AND shard IN ({', '.join(map(str, stray))})")
+            moved = {int(s) for (s,) in cur.fetchall()}
+            out = []
+            for shard in stray:
+                cur.execute(f"SELECT (SELECT COUNT(*) FROM {_q(spec.table)} WHERE shard = %s)"
+                            f" + (SELECT COUNT(*) FROM {_q(spec.locator_table)} WHERE shard = %s)"
+                            " + (SELECT COUNT(*) FROM cellstream_index_positions WHERE index_table = %s"
+                            " AND shard = %s)", (shard, shard, spec.table, shard))
+                [[rows]] = cur.fetchall()
+                out.append(StrayRows(self.name, shard, int(rows), shard in moved))
+            return out
+        return self._call("find stray index rows", run)
+
+    def drop_shard(self, spec: IndexSpec, shard: int, pace: Callable[[int], None] | None = None,
+                   chunk: int = 2000) -> int:
+        """Refused (InvalidArgumentError) while the node holds the shard: its row there has no fence."""
+        def guard(cur: Cursor) -> None:
+            # Locked until the chunk commits: a move switching the shard back here waits for it.
+            cur.execute("SELECT fence FROM cellstream_shards WHERE shard = %s LOCK IN SHARE MODE", (shard,))
+            row = cur.fetchone()
+            if row is not None and row[0] is None:
+                raise InvalidArgumentError(f"storage node {self.name} holds shard {shard}: its index rows stay")
+
+        dropped = 0
+        for table in (spec.table, spec.locator_table):
+            while True:
+                def measure(cur: Cursor, table: str = table) -> tuple[int, bytes | None]:
+                    try:
+                        cur.execute(f"SELECT COUNT(*), MAX(row_key) FROM (SELECT row_key FROM {_q(table)}"
+                                    " WHERE shard = %s ORDER BY row_key LIMIT %s) chunk", (shard, chunk))
+                    except pymysql.err.ProgrammingError as exc:
+                        if exc.args and exc.args[0] == _NO_TABLE:
+                            return 0, None
+                        raise
+                    [[count, last]] = cur.fetchall()
+                    return int(count), last
+                count, last = self._call("measure index shard", measure)
+                if not count:
+                    break
+                if pace is not None:
+                    pace(count)
+
+                def delete(cur: Cursor, table: str = table, last: bytes | None = last) -> int:
+                    guard(cur)
+                    return int(cur.execute(f"DELETE FROM {_q(table)} WHERE shard = %s AND row_key <= %s",
+                                           (shard, last)))
+                dropped += self._transaction("drop index shard", delete)
+
+        def positions(cur: Cursor) -> int:
+            guard(cur)
+            return int(cur.execute("DELETE FROM cellstream_index_positions WHERE index_table = %s AND shard = %s",
+                                   (spec.table, shard)))
+        count = int(self._call("measure index shard", lambda cur: cur.execute(
+            "SELECT 1 FROM cellstream_index_positions WHERE index_table = %s AND shard = %s", (spec.table, shard))))
+        if count:
+            if pace is not None:
+                pace(count)
+            dropped += self._transaction("drop index shard", positions)
+        return dropped

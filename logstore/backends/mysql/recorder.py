@@ -16,16 +16,17 @@ import operator
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from decimal import Decimal
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pymysql
 from pymysql.constants import CLIENT, FIELD_TYPE
 from pymysql.converters import conversions
 
 from logstore.backends.mysql import pending as mysql_pending
+from logstore.backends.mysql import shard_map as mysql_map
 from logstore.backends.mysql.errors import (
     DUPLICATE,
     DUPLICATE_COLUMN,
@@ -37,7 +38,7 @@ from logstore.backends.mysql.errors import (
     retry_here,
     translate,
 )
-from logstore.backends.mysql.index_tables import MySQLIndexRecorder
+from logstore.backends.mysql.index_tables import MySQLIndexRecorder, add_locator_shard_keys
 from logstore.backends.mysql.pool import Connection, Pool, ReadFallback, Statement, run_script
 from logstore.backends.mysql.target import MySQLTarget
 from logstore.cell import AnyCell, Cell, PackedCell
@@ -62,6 +63,9 @@ from logstore.persistence import (
     split_existing,
 )
 from logstore.retry import RetryPolicy, retry_call
+
+if TYPE_CHECKING:
+    from logstore.backends.mysql.heartbeat import MySQLHeartbeat
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,6 +115,8 @@ _SCHEMA = (
 _NEW_CONSUMER = "INSERT IGNORE INTO cellstream_consumers (consumer, offsets) VALUES (%s, '')"
 _OFFSETS = "SELECT offsets FROM cellstream_consumers WHERE consumer = %s"
 _SAVE_OFFSETS = "UPDATE cellstream_consumers SET offsets = X'{}' WHERE consumer = %s"
+# The node's fenced shards, with the node each fence names (a scan of the shard rows: at most thousands).
+_FENCES = "SELECT GROUP_CONCAT(CONCAT(shard, ' ', fence)) FROM cellstream_shards WHERE fence IS NOT NULL"
 # The table of a row per shard, before logstore.offsets: moved over when a node opens.
 _OLD_OFFSETS = "SELECT consumer, shard, location, owner, doc FROM cellstream_offsets ORDER BY consumer, shard"
 CELL_COLUMNS = "shard, added_id, row_key, column_name, ref_key, body, created_at"
@@ -174,6 +180,20 @@ def _values(shard: int, added_id: str, cell: PendingCell) -> str:
 
 def _shard_of_cell(cell: PendingCell) -> int:
     return cell.shard
+
+
+def _increments(counts: Mapping[int, int]) -> str:
+    """The counter increment of each row of an UPDATE over the shards of ``counts`` (shard -> cells), as SQL:
+    the commonest count by default, the others by constant ``shard IN`` lists, which MySQL searches, not scans.
+    One statement with no arguments: the counters moved by an ``ON DUPLICATE KEY UPDATE`` of (shard, last_id)
+    pairs cost more on the server, and their escaping in pymysql more than the rest of a batch's SQL."""
+    by_count: dict[int, list[int]] = {}
+    for shard, n in counts.items():
+        by_count.setdefault(n, []).append(shard)
+    default = max(by_count, key=lambda n: len(by_count[n]))
+    cases = " ".join(f"WHEN shard IN ({', '.join(map(str, sorted(shards)))}) THEN {n}"
+                     for n, shards in sorted(by_count.items()) if n != default)
+    return f"CASE {cases} ELSE {default} END" if cases else str(default)
 
 
 def _row_to_cell(row: tuple[Any, ...], max_bytes: int) -> Cell:
@@ -282,9 +302,13 @@ class MySQLRecorder(NodeRecorder):
         wait = options.connect_timeout + options.read_timeout
         self._pool = Pool(self._connect, options.pool_size, wait)
         self._replicas = [Pool(partial(self._replica_connect, r), options.pool_size, wait) for r in replicas]
+        self._replica_targets = list(replicas)
         self.fallback = ReadFallback(name)
         # Calls made because some node is down (buffering, the map's refresh) give up on this one quickly.
         self._quick_retry = options.retry.model_copy(update={"deadline": options.buffer_after or 2.0})
+        # The shard map's reads, every map_refresh seconds: one attempt, as a node that does not answer keeps its
+        # last known map and moves, and the reader (maybe a write that found the map due) should not wait.
+        self._glance = options.retry.model_copy(update={"deadline": 0.01})
         self._deferred: NodeMeta | None = None
         self._deferred_lock = threading.Lock()
         self._creating = False  # set by initialize(): only then may a connection create the database
@@ -293,13 +317,14 @@ class MySQLRecorder(NodeRecorder):
         self._max_body = options.inflate_limit
 
     # -- connections and errors -----------------------------------------------------
-    def _raw_connect(self, database: str | None, target: MySQLTarget | None = None) -> Connection:
+    def _raw_connect(self, database: str | None, target: MySQLTarget | None = None,
+                     timeout: float | None = None) -> Connection:
         t, o = target or self._target, self._options
         connect = partial(
             pymysql.connect, host=t.host, port=t.port, user=t.user, password=t.password, database=database,
             autocommit=True, client_flag=CLIENT.MULTI_STATEMENTS, charset="utf8mb4",
-            binary_prefix=True, conv=_CONVERSIONS, connect_timeout=o.connect_timeout,
-            read_timeout=o.read_timeout, write_timeout=o.read_timeout,
+            binary_prefix=True, conv=_CONVERSIONS, connect_timeout=timeout or o.connect_timeout,
+            read_timeout=timeout or o.read_timeout, write_timeout=timeout or o.read_timeout,
         )
         if t.ssl_mode == "PREFERRED" and t in self._without_tls:
             return connect(ssl_disabled=True)
@@ -330,6 +355,14 @@ class MySQLRecorder(NodeRecorder):
 
     def _replica_connect(self, target: MySQLTarget) -> Connection:
         return self._session(self._raw_connect(target.database, target))
+
+    def load_probe(self, timeout: float) -> MySQLHeartbeat:
+        """A probe of the node's write latency and its replicas' lag for a job's throttle
+        (:mod:`logstore.backends.mysql.heartbeat`), on connections of its own whose waits ``timeout`` bounds."""
+        from logstore.backends.mysql.heartbeat import MySQLHeartbeat  # only jobs need it (and logstore.jobs)
+
+        return MySQLHeartbeat(self.name, self._target, self._replica_targets,
+                              lambda target: self._raw_connect(target.database, target, timeout), timeout=timeout)
 
     def _session(self, conn: Connection) -> Connection:
         try:
@@ -422,9 +455,10 @@ class MySQLRecorder(NodeRecorder):
         def run(cur: pymysql.cursors.Cursor) -> None:
             # A node of another layout is refused before anything is created in it.
             _check_layout(self.name, _read_meta(cur) or {})
-            for statement in (*_SCHEMA, mysql_pending.SCHEMA):
+            for statement in (*_SCHEMA, mysql_pending.SCHEMA, mysql_map.SCHEMA):
                 cur.execute(statement)
             _add_touched(cur)
+            add_locator_shard_keys(cur)
             self._move_old_offsets(cur)
             values = [("format_version", str(FORMAT_VERSION)), ("layout", str(LAYOUT)),
                       ("shard_count", str(meta.shard_count)), ("first", str(meta.first)), ("last", str(meta.last))]
@@ -539,11 +573,53 @@ class MySQLRecorder(NodeRecorder):
                     found[(cell.row_key.bytes, cell.column, cell.ref_key)] = cell
         return found
 
+    def _write_fresh(self, cur: pymysql.cursors.Cursor, cells: Sequence[PendingCell]) -> list[Cell] | None:
+        """Cells of many shards, taken for new: two round trips. One UPDATE locks the shards' rows (ascending,
+        as every writer does) and moves their counters by the cells of each, skipping a fenced row, so the
+        fence refuses the write atomically; the counters are read back with the time (taken once every lock is
+        held). Then the cells are inserted with their ids and the transaction COMMITs.
+
+        Returns None, with nothing written and no lock held, when a shard is fenced or not held by this node
+        (the locked path then says which), or when the cells need more than one INSERT: ``touched`` moves
+        here, before the INSERT, and a count poll's margin (TOUCH_MARGIN) must cover the time from there to
+        the COMMIT; a larger batch goes the locked way, which moves the counters last. A cell stored already
+        makes the INSERT fail (IntegrityError, DUPLICATE)."""
+        # An upper bound of each cell's VALUES text (_values: the hex body, the hex key, the numbers).
+        if sum(2 * len(c.blob) + len(c.column) + 120 for c in cells) >= self._options.max_statement_bytes // 2:
+            return None
+        counts: dict[int, int] = {}
+        for cell in cells:
+            counts[cell.shard] = counts.get(cell.shard, 0) + 1
+        shards = sorted(counts)
+        listed = ", ".join(map(str, shards))
+        moved = run_script(cur, [
+            ("START TRANSACTION", ()),
+            (f"UPDATE cellstream_shards SET last_id = last_id + {_increments(counts)}"
+             f" WHERE shard IN ({listed}) AND fence IS NULL", ()),
+            # ROW_COUNT(): the rows the UPDATE moved; every row it matched moved (by one cell at least).
+            (f"SELECT ROW_COUNT(), GROUP_CONCAT(last_id ORDER BY shard), {_TIMESTAMP}"
+             f" FROM cellstream_shards WHERE shard IN ({listed})", ())])
+        [[updated, counters, created]] = moved[2].rows or ()
+        if updated != len(shards):
+            cur.execute("ROLLBACK")
+            return None
+        # Each shard's counter before this write: its first id is one above.
+        last = {s: int(n) - counts[s] for s, n in zip(shards, counters.split(","), strict=True)}
+        ids = [0] * len(cells)
+        rows = []
+        for i in sorted(range(len(cells)), key=lambda i: cells[i].shard):  # ascending keys, as _write_locked
+            cell = cells[i]
+            ids[i] = last[cell.shard] = last[cell.shard] + 1
+            rows.append(_values(cell.shard, str(ids[i]), cell))
+        self._run_write(cur, self._inserts(rows), shards)
+        return [Cell(c.row_key, c.column, c.ref_key, c.body, ids[i], c.shard, created) for i, c in enumerate(cells)]
+
     def _write_locked(self, cur: pymysql.cursors.Cursor, cells: Sequence[PendingCell],
                       check_existing: bool) -> list[Cell]:
         """Two round trips: lock the shards' rows (ascending) and read their counters and fences; then insert
         every cell with its id, move the counters and COMMIT. With ``check_existing``, cells stored already
-        are compared (CellConflictError on another body) and not written again."""
+        are compared (CellConflictError on another body) and not written again. The way of batches that
+        :meth:`_write_fresh` does not take, and the one that reports a fence (ShardMovedError)."""
         shards = sorted({c.shard for c in cells})
         # The rows are locked in index order; their counters come back as one string, which costs a
         # fraction of a row per shard to fetch.
@@ -569,13 +645,15 @@ class MySQLRecorder(NodeRecorder):
             added_id = last[cell.shard] = last[cell.shard] + 1
             rows.append(_values(cell.shard, str(added_id), cell))
             ids[cell.row_key.bytes, cell.column, cell.ref_key] = added_id
-        written = sorted({cell.shard for cell in fresh})
+        counts: dict[int, int] = {}
+        for cell in fresh:
+            counts[cell.shard] = counts.get(cell.shard, 0) + 1
+        written = sorted(counts)
         statements = self._inserts(rows)
-        if written:
-            statements.append((("INSERT INTO cellstream_shards (shard, last_id) VALUES "
-                                + ", ".join(["(%s, %s)"] * len(written))
-                                + " ON DUPLICATE KEY UPDATE last_id = VALUES(last_id)",
-                                [a for s in written for a in (s, last[s])]), 40 * len(written) + 100))
+        if written:  # the rows are locked: the counters move by the cells written
+            counter = (f"UPDATE cellstream_shards SET last_id = last_id + {_increments(counts)}"
+                       f" WHERE shard IN ({', '.join(map(str, written))})")
+            statements.append(((counter, ()), len(counter)))
         self._run_write(cur, statements, written)
         # Every cell carries the body given (equal to a stored one by same_json): nothing is decoded again.
         out = []
@@ -594,7 +672,9 @@ class MySQLRecorder(NodeRecorder):
                 try:
                     if one_shard:
                         return self._write_one_shard(cur, cells)
-                    return self._write_locked(cur, cells, check_existing=False)
+                    # None: a shard refused it (the locked way says which), or it is too large for one INSERT.
+                    written = self._write_fresh(cur, cells)
+                    return written if written is not None else self._write_locked(cur, cells, check_existing=False)
                 except pymysql.err.IntegrityError as exc:
                     if code(exc) not in (DUPLICATE, NULL_COLUMN):
                         raise
@@ -716,36 +796,58 @@ class MySQLRecorder(NodeRecorder):
 
     # -- consumer offsets -----------------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:
-        def change(offsets: ConsumerOffsets) -> bool:
+        """ShardMovedError (nothing claimed) when one of ``shards`` is fenced by a move: its offsets go with it,
+        and the store claims it again where the map then puts it."""
+        def change(offsets: ConsumerOffsets, fences: dict[int, str]) -> bool:
+            for shard in shards if fences else ():
+                if shard in fences:
+                    raise ShardMovedError(shard, fences[shard])
             offsets.claim(owner, shards)
             return True
         return self._change_offsets("claim offsets", consumer, change).records(set(shards))
 
     def commit_offsets(self, consumer: str, owner: str, offsets: dict[int, tuple[int, str]]) -> set[int]:
         """Two round trips whatever the number of shards: lock and read the consumer's row, then write it and
-        COMMIT."""
+        COMMIT. A shard fenced by a move is refused (returned) as a lost one is: its offsets went with it."""
         fenced: set[int] = set()
 
-        def change(stored: ConsumerOffsets) -> bool:
+        def change(stored: ConsumerOffsets, fences: dict[int, str]) -> bool:
             fenced.clear()
-            fenced.update(stored.commit(owner, offsets))
+            moving = fences.keys() & offsets.keys()
+            fenced.update(stored.commit(owner, {s: o for s, o in offsets.items() if s not in moving}
+                                        if moving else offsets), moving)
             return len(fenced) < len(offsets)
         if offsets:
             self._change_offsets("commit offsets", consumer, change, create=False)
         return fenced
 
-    def _change_offsets(self, what: str, consumer: str, change: Callable[[ConsumerOffsets], bool],
+    def carry_offsets(self, consumer: str, source: ConsumerOffsets, shard: int) -> bool:
+        """Take ``source``'s record of ``shard`` (another node's offsets of ``consumer``) in place of this node's:
+        a shard move carries it (:mod:`logstore.backends.mysql.moves`). False when ``source`` has none."""
+        if shard not in source:
+            return False
+        self._change_offsets("carry offsets", consumer, lambda offsets, _fences: offsets.carry(source, shard))
+        return True
+
+    def _change_offsets(self, what: str, consumer: str, change: Callable[[ConsumerOffsets, dict[int, str]], bool],
                         create: bool = True) -> ConsumerOffsets:
-        """The consumer's offsets, read under a lock, changed by ``change`` and written back if it says so."""
+        """The consumer's offsets, read under a lock, changed by ``change`` and written back if it says so.
+        ``change`` is given the node's fenced shards too (shard -> the node named by its fence)."""
         where = f"{consumer} on storage node {self.name}"
 
         def run(cur: pymysql.cursors.Cursor) -> ConsumerOffsets:
             try:
+                # The fences are read after the row is locked: a move that fences a shard, then reads the
+                # offsets under a shared lock to carry them, sees every change made before this one met its
+                # fence (logstore.backends.mysql.moves).
                 results = run_script(cur, [*([(_NEW_CONSUMER, [consumer])] if create else []),
-                                           ("START TRANSACTION", ()), (_OFFSETS + " FOR UPDATE", [consumer])])
-                rows = results[-1].rows or ()
+                                           ("START TRANSACTION", ()), (_OFFSETS + " FOR UPDATE", [consumer]),
+                                           (_FENCES, ())])
+                rows = results[-2].rows or ()
                 offsets = ConsumerOffsets.decode(rows[0][0] if rows else None, where)
-                if change(offsets) and rows:
+                [[fenced]] = results[-1].rows or ((None,),)
+                fences = {int(s): node for s, node in (f.split(" ") for f in fenced.split(","))} if fenced else {}
+                if change(offsets, fences) and rows:
                     run_script(cur, [(_SAVE_OFFSETS.format(offsets.encode().hex()), [consumer]), ("COMMIT", ())])
                 else:
                     cur.execute("COMMIT")
@@ -764,9 +866,29 @@ class MySQLRecorder(NodeRecorder):
                                           f"{self.name}").records()
         return self._call("read offsets", run, read=True)
 
-    def run(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T]) -> T:
+    def run(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T], policy: RetryPolicy | None = None) -> T:
         """``fn`` on a connection to the primary, driver errors translated and retried (used by moves)."""
-        return self._call(what, fn)
+        return self._call(what, fn, policy=policy)
+
+    @contextmanager
+    def named_lock(self, name: str) -> Iterator[bool]:
+        """Hold the server's named lock ``name`` (``GET_LOCK``, qualified by this node's database) while the
+        block runs, on a connection of its own outside the pool; yields False, holding nothing, when another
+        session holds it. A process that dies loses the lock with its connection (used by moves: one process
+        at a time moves a shard)."""
+        try:
+            conn = self._raw_connect(self._target.database)
+        except pymysql.Error as exc:
+            raise translate(exc, self.name) from exc
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT GET_LOCK(CONCAT(%s, '.', LEFT(SHA1(DATABASE()), 16)), 0)", (name,))
+                [[held]] = cur.fetchall()
+            yield held == 1
+        except pymysql.Error as exc:
+            raise translate(exc, self.name) from exc
+        finally:
+            Pool.discard(conn)  # the lock goes with the session
 
     supports_moves = True
 
@@ -780,7 +902,19 @@ class MySQLRecorder(NodeRecorder):
                 raise
             return {int(shard): str(node) for shard, node in cur.fetchall()}
         # Read every map_refresh seconds: a node that does not answer at once keeps its last known moves.
-        return self._call("read moves", run, read=True, policy=self._quick_retry)
+        return self._call("read moves", run, read=True, policy=self._glance)
+
+    def stored_bytes(self) -> int | None:
+        rows = self._read("SELECT COALESCE(SUM(data_length + index_length), 0) FROM information_schema.TABLES"
+                          " WHERE table_schema = DATABASE()", ())
+        return int(rows[0][0]) if rows else None
+
+    def read_map(self) -> tuple[int, str] | None:
+        return self._call("read shard map", mysql_map.read_newest, read=True, policy=self._glance)
+
+    def write_map(self, version: int, doc: str) -> bool:
+        return self._call("write shard map", lambda cur: mysql_map.write_version(cur, version, doc),
+                          policy=self._quick_retry)
 
     # -- buffered writes (logstore.backends.mysql.pending) -------------------------------------
     supports_pending = True
