@@ -50,4 +50,9 @@ def test_the_node_serves_this_document(node_url: str) -> None:
 @schema.parametrize()
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_the_api_keeps_its_document(case: schemathesis.Case, node_url: str) -> None:
-    case.call_and_validate(base_url=node_url, headers={"Authorization": f"Bearer {ADMIN}"}, checks=CHECKS)
+    # The real token replaces a generated one; a case of a route that needs one and leaves it out (negative
+    # data) is sent without it, so the node must refuse it: adding it undid the mutation the check then judged.
+    public = case.operation.definition.raw.get("security") == []
+    sent = public or "Authorization" in (case.headers or {})
+    headers = {"Authorization": f"Bearer {ADMIN}"} if sent else None
+    case.call_and_validate(base_url=node_url, headers=headers, checks=CHECKS)
