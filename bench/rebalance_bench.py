@@ -10,14 +10,14 @@ the writers they run beside, in one run, on fresh databases of the same MariaDB 
    target). Rounds alternate which goes first, each on a shard of its own (target: ratio of rates >= 0.7).
 2. **Writers during a throttled rebalance.** On the instance of part 3, once grown: 4 writers (threads of this
    process, each with its own store: two put 10-cell batches, two single durable cells, each about
-   ``--write-rate`` writes/s) while ``cellstream nodes drain c --rate RATE`` (a rebalance job, default back-off
-   limits) moves node c's shards back to a and b. The job runs in processes of its own, ``--on`` seconds at a
-   time, paused ``--off`` seconds between (``jobs pause``: the move under way ends first), so that the quiet
-   windows (those pauses, and ``--baseline`` seconds before and after) are spread over the job: the other load
-   of a shared machine drifts. The writers' p99 while the job runs against their p99 while it does not (target
-   <= 2x, over the job: moves and drop steps; each step apart too), and how long writes to a shard were fenced:
-   the p99 of every move's ``fenced_seconds`` (target <= 50 ms), and the latency of the writes that met a fence
-   or a moved shard.
+   ``--write-rate`` writes/s) while ``cellstream nodes drain c --rate RATE --nice-ratio R`` (a rebalance job,
+   default back- off limits) moves node c's shards back to a and b. The job runs in processes of its own, ``--on``
+   seconds at a time, paused ``--off`` seconds between (``jobs pause``: the move under way ends first), so that
+   the quiet windows (those pauses, and ``--baseline`` seconds before and after) are spread over the job: the
+   other load of a shared machine drifts. The writers' p99 while the job runs against their p99 while it does not
+   (target <= 2x, over the job: moves and drop steps; each step apart too), and how long writes to a shard were
+   fenced: the p99 of every move's ``fenced_seconds`` (target <= 50 ms), and the latency of the writes that met a
+   fence or a moved shard.
 3. **Growing from 2 nodes to 3.** ``--cells`` cells over every shard of nodes a and b; node c joins
    (``add_node``) and a rebalance job (``Rebalance``, run here, rate unlimited, concurrency 1, default
    back-off) moves a third of the shards and drops their source copies. The moves step and the drop step are
@@ -504,7 +504,8 @@ def drain_under_writers(args: argparse.Namespace, store: Store, nodes: Nodes) ->
         time.sleep(2)  # the writers' stores opened and warm: not measured
         quiet.append((time.time(), time.time() + args.baseline))
         time.sleep(args.baseline)
-        planned = subprocess.run(cli(args, "nodes", "drain", "c", "--rate", str(args.rate), "--detach", "--json",
+        planned = subprocess.run(cli(args, "nodes", "drain", "c", "--rate", str(args.rate), "--nice-ratio",
+                                     str(args.nice_ratio), "--detach", "--json",
                                      *store_arg), env=env, capture_output=True, text=True, check=True)
         job_id = json.loads(planned.stdout)["id"]
         while True:
@@ -547,6 +548,7 @@ def drain_under_writers(args: argparse.Namespace, store: Store, nodes: Nodes) ->
     on = {name: within(busy, span) for name, span in steps.items()}
     out: dict[str, Any] = {
         "job": job_id, "runs": len(busy), "on_s": args.on, "off_s": args.off, "nice": args.nice,
+        "nice_ratio": args.nice_ratio,
         "cpu_s": after.ru_utime - cpu.ru_utime + after.ru_stime - cpu.ru_stime,
         "busy_s": sum(b - a for a, b in busy), "quiet_s": sum(b - a for a, b in quiet),
         "moves_step_s": sum(b - a for a, b in on["moves"]), "drop_step_s": sum(b - a for a, b in on["drop"]),
@@ -602,6 +604,8 @@ def main() -> int:
     parser.add_argument("--write-rate", type=float, default=100.0, help="writes/s of each writer")
     parser.add_argument("--batch", type=int, default=10, help="cells of a batched writer's put")
     parser.add_argument("--nice", type=int, default=0, help="run the throttled rebalance's process at this niceness")
+    parser.add_argument("--nice-ratio", type=float, default=0.0,
+                        help="the throttled rebalance's --nice-ratio (a pause after each move, R times its time)")
     parser.add_argument("--baseline", type=float, default=10.0, help="seconds quiet before and after the job")
     parser.add_argument("--on", type=float, default=10.0, help="seconds the throttled job runs between pauses")
     parser.add_argument("--off", type=float, default=5.0, help="seconds it stays paused (0: never paused)")
@@ -652,7 +656,8 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
         d = r["drain"]
         b = d["backoff"]
         print(f"\n2. {args.writers} writers ({args.write_rate:g} writes/s each) while `nodes drain c --rate "
-              f"{args.rate}` runs ({d['moves']} moves, {d['cells_moved']} cells) {d['on_s']:g} s on, {d['off_s']:g} s "
+              f"{args.rate} --nice-ratio {args.nice_ratio:g}` runs ({d['moves']} moves, {d['cells_moved']} cells) "
+              f"{d['on_s']:g} s on, {d['off_s']:g} s "
               f"paused, {d['runs']} runs: moves step {d['moves_step_s']:.1f} s, drop step {d['drop_step_s']:.1f} s "
               f"running, {d['quiet_s']:.0f} s quiet in all; {b['count']} back-offs, {b['seconds']:.1f} s; the job's "
               f"processes used {d['cpu_s']:.0f} s of CPU{', nice ' + str(d['nice']) if d['nice'] else ''}")

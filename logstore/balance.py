@@ -1,12 +1,12 @@
 """Rebalance plans: which shards to move between storage nodes so that each holds about its share.
 
-A plan is computed from each shard's weight (its cells today) and where it is; it moves few shards: each move
-takes, from the heaviest node to the lightest, the shard whose weight is nearest half the gap between the two
-(it narrows the gap most), and moves each shard at most once, so big shards go first and a plan over 4096
-shards needs about as many moves as the imbalance is worth, not one per shard. A node being drained (``away``) gives
-all its shards to the others, lightest node first; a new, empty node receives until it holds its share. An
-instance that holds no cell yet spreads its shards by count. Like
-Citus's ``get_rebalance_table_shards_plan``, the plan is only advice until a job carries it out.
+A plan is computed from each shard's weight (its cells, its bytes or its recent writes) and where it is; it
+moves few shards: each move takes, from the heaviest node to the lightest, the shard whose weight is nearest
+half the gap between the two (it narrows the gap most), and moves each shard at most once, so big shards go
+first and a plan over 4096 shards needs about as many moves as the imbalance is worth, not one per shard. A node
+being drained (``away``) gives all its shards to the others, lightest node first; a new, empty node receives
+until it holds its share. An instance that holds no cell yet spreads its shards by count. Like Citus's
+``get_rebalance_table_shards_plan``, the plan is only advice until a job carries it out.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from logstore.errors import InvalidArgumentError
 
 
 class Move(NamedTuple):
-    """One shard's move: from ``source`` to ``target``, ``weight`` (cells) with it."""
+    """One shard's move: from ``source`` to ``target``, ``weight`` (what the plan weighed) with it."""
 
     shard: int
     source: str

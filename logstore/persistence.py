@@ -118,6 +118,13 @@ class NodeRecorder(ABC):
         """The bytes the node's tables take on disk, data and indexes (None when the backend cannot tell)."""
         return None
 
+    def shard_weights(self, by: str, window: float) -> dict[int, int] | None:
+        """Each shard's weight on this node, for a rebalance plan: ``"bytes"``, the bytes of its cells (bodies
+        as stored, and keys), or ``"writes"``, the cells added in the last ``window`` seconds. Shards the node
+        holds rows of and no longer owns are in it too (the store keeps the owner's). None when the backend
+        cannot tell."""
+        return None
+
     def read_map(self) -> tuple[int, str] | None:
         """The newest version of the shard map (:mod:`logstore.shard_map`) the node holds, and its JSON document;
         None when it holds none. Answers at once or raises StorageUnavailableError."""

@@ -40,16 +40,26 @@ _PROBE = RetryPolicy(deadline=1.0)
 _OVER = ("done", "skipped")  # a move skipped: its shard went elsewhere by hand, or was on the target already
 
 
+WEIGHTS = ("cells", "bytes", "writes")  # what a plan evens out: log length, stored bytes, recent writes
+
+
 class Planned(NamedTuple):
-    """The moves of a job and what they do to the nodes' weights."""
+    """The moves of a job and what they do to the nodes' weights (``by``: cells, bytes or recent writes);
+    ``cells``: each moved shard's cells, what its copy costs."""
 
     moves: list[Move]
     before: dict[str, int]
     after: dict[str, int]
+    by: str = "cells"
+    cells: dict[int, int] = {}
 
 
-def _stats(store: Store) -> list[tuple[int, str, int]]:
-    return [(s.shard, s.node, s.cells) for s in store.shard_stats()]
+def _stats(store: Store, by: str, window: float) -> tuple[list[tuple[int, str, int]], dict[int, int]]:
+    """(shard, node, weight) of every shard, and every shard's cells."""
+    weights = store.shard_weights(by, window=window)
+    cells = weights if by == "cells" else store.cell_counts()
+    node_of = store.placement()
+    return [(s, node_of[s], weights[s]) for s in range(store.shard_count)], cells
 
 
 def _check_grows(store: Store) -> None:
@@ -58,9 +68,10 @@ def _check_grows(store: Store) -> None:
                                  "single-node embedded store; add MySQL/MariaDB nodes with `cellstream nodes add`)")
 
 
-def rebalance_moves(store: Store, *, away: Sequence[str] = (), max_moves: int | None = None) -> Planned:
-    """The fewest moves that even out the active nodes by cells, every shard of ``away`` and of draining
-    nodes moved off.
+def rebalance_moves(store: Store, *, away: Sequence[str] = (), max_moves: int | None = None, by: str = "cells",
+                    window: float = 3600.0) -> Planned:
+    """The fewest moves that even out the active nodes by ``by`` (cells, bytes, or cells written in the last
+    ``window`` seconds), every shard of ``away`` and of draining nodes moved off.
 
     Raises:
         ConfigurationError: a single-node store.
@@ -75,13 +86,14 @@ def rebalance_moves(store: Store, *, away: Sequence[str] = (), max_moves: int | 
     kept = [n for n in live if n not in leaving]
     if not kept:
         raise InvalidArgumentError("every node would be drained: no node is left to hold the shards")
-    plan = plan_rebalance(_stats(store), kept, away=leaving, max_moves=max_moves)
-    return Planned(plan.moves, plan.before, plan.after)
+    stats, cells = _stats(store, by, window)
+    plan = plan_rebalance(stats, kept, away=leaving, max_moves=max_moves)
+    return Planned(plan.moves, plan.before, plan.after, by, {m.shard: cells[m.shard] for m in plan.moves})
 
 
-def split_moves(store: Store, name: str, into: str) -> Planned:
-    """Half of node ``name``'s shards (by cells, the largest first alternately) moved to node ``into``, which
-    holds none yet (Schemaless's way to grow: split each node in two).
+def split_moves(store: Store, name: str, into: str, *, by: str = "cells", window: float = 3600.0) -> Planned:
+    """Half of node ``name``'s shards (by ``by``, as :func:`rebalance_moves`; the heaviest first, each to the
+    lighter half) moved to node ``into``, which holds none yet (Schemaless's way to grow: split each node in two).
 
     Raises:
         InvalidArgumentError: either node is not in the instance, or ``into`` holds shards already.
@@ -93,28 +105,28 @@ def split_moves(store: Store, name: str, into: str) -> Planned:
             raise InvalidArgumentError(f"no storage node {node!r} in the instance (add it first: "
                                        f"cellstream nodes add {node} URL)" if node == into else
                                        f"no storage node {node!r} in the instance")
-    stats = _stats(store)
+    stats, cells = _stats(store, by, window)
     if any(node == into for _, node, _ in stats):
         raise InvalidArgumentError(f"node {into} holds shards already: a split moves shards to an empty node")
-    mine = sorted(((cells, shard) for shard, node, cells in stats if node == name), key=lambda x: (-x[0], x[1]))
+    mine = sorted(((weight, shard) for shard, node, weight in stats if node == name), key=lambda x: (-x[0], x[1]))
     given, kept, moves, staying = 0, 0, list[Move](), 0
-    for cells, shard in mine:  # largest first, each to the lighter half (by cells, then by shards)
+    for weight, shard in mine:  # heaviest first, each to the lighter half (by weight, then by shards)
         if (given, len(moves)) < (kept, staying):
-            moves.append(Move(shard, name, into, cells))
-            given += cells
+            moves.append(Move(shard, name, into, weight))
+            given += weight
         else:
-            kept, staying = kept + cells, staying + 1
+            kept, staying = kept + weight, staying + 1
     before = {n: sum(c for _, node, c in stats if node == n) for n in live}
     after = dict(before)
     after[name], after[into] = before[name] - given, before[into] + given
-    return Planned(sorted(moves, key=lambda m: m.shard), before, after)
+    return Planned(sorted(moves, key=lambda m: m.shard), before, after, by, {m.shard: cells[m.shard] for m in moves})
 
 
 def job_params(planned: Planned, purpose: str, *, wait_for_nodes: float = WAIT_FOR_NODES) -> dict[str, Any]:
     """The ``params`` of a rebalance job running ``planned``'s moves."""
-    return {"purpose": purpose, "wait_for_nodes": wait_for_nodes,
-            "moves": [{"shard": m.shard, "source": m.source, "target": m.target, "cells": m.weight}
-                      for m in planned.moves]}
+    return {"purpose": purpose, "wait_for_nodes": wait_for_nodes, "by": planned.by,
+            "moves": [{"shard": m.shard, "source": m.source, "target": m.target,
+                       "cells": planned.cells.get(m.shard, m.weight), "weight": m.weight} for m in planned.moves]}
 
 
 class _Progress:
@@ -164,7 +176,8 @@ class Rebalance(JobKind):
 
     def describe(self, record: JobRecord) -> str:
         moves = record.params.get("moves", [])
-        return f"{record.params.get('purpose', 'rebalance')}: {len(moves)} shard moves"
+        by = record.params.get("by", "cells")
+        return f"{record.params.get('purpose', 'rebalance')}: {len(moves)} shard moves (weighed by {by})"
 
     def details(self, record: JobRecord) -> list[str]:
         """Shards by state, the nodes that do not answer, and each shard under way or waiting."""

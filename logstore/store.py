@@ -766,6 +766,36 @@ class Store:
         counts = self.cell_counts()
         return [ShardInfo(s, node, counts[s]) for s, node in enumerate(self._node_of)]
 
+    def shard_weights(self, by: str = "cells", *, window: float = 3600.0) -> dict[int, int]:
+        """Every shard's weight for a rebalance plan, counted on the node holding it (the shard map read afresh).
+
+        Args:
+            by: ``"cells"`` (its log's length), ``"bytes"`` (its cells' bodies as stored, and keys) or
+                ``"writes"`` (cells added in the last ``window`` seconds).
+            window: the span of ``"writes"``, seconds.
+
+        Returns:
+            shard -> weight, for every shard.
+
+        Raises:
+            InvalidArgumentError: another ``by``, or a window that is not positive.
+            ConfigurationError: a node whose backend cannot weigh its shards that way.
+        """
+        if by not in ("cells", "bytes", "writes"):
+            raise InvalidArgumentError(f"shards are weighed by cells, bytes or writes, not {by!r}")
+        if not window > 0:
+            raise InvalidArgumentError(f"the window of recent writes must be positive seconds, got {window!r}")
+        self.refresh_map()
+        if by == "cells":
+            return self.cell_counts()
+        found: dict[str, dict[int, int]] = {}
+        for node in dict.fromkeys(self._node_of):
+            weights = self._named(node).shard_weights(by, window)
+            if weights is None:
+                raise ConfigurationError(f"storage node {node} cannot weigh its shards by {by}")
+            found[node] = weights
+        return {s: found[node].get(s, 0) for s, node in enumerate(self._node_of)}
+
     def cell_counts(self) -> dict[int, int]:
         """Cells per shard for every shard: one read per storage node, and the shard map only when
         ``map_refresh`` has passed: cheaper than :meth:`shard_stats`, which also reads the moves and builds a

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from cellstream.cli.common import Output, Parser, json_arg, poll_arg, time_arg
 from cellstream.cli.exits import Exit
-from cellstream.cli.nodes import job_options
+from cellstream.cli.nodes import job_options, weigh_options
 from cellstream.errors import UsageError
 
 if TYPE_CHECKING:
@@ -74,12 +74,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     a.set_defaults(run=cmd_shards_abort)
     a = actions.add_parser("rebalance", parents=[common], help="the shard moves that even out the storage nodes")
     how = a.add_mutually_exclusive_group(required=True)
-    how.add_argument("--plan", action="store_true", help="print the moves (by cells), fewest first; nothing is moved")
+    how.add_argument("--plan", action="store_true", help="print the moves, fewest first; nothing is moved")
     how.add_argument("--apply", action="store_true", help="run the moves as a resumable job (or resume the "
                                                           "rebalance job left unfinished)")
     a.add_argument("--drain", action="append", default=[], metavar="NODE",
                    help="plan moving every shard off NODE (repeatable)")
     a.add_argument("--max-moves", type=int, default=None, metavar="N", help="at most N moves")
+    weigh_options(a)
     job_options(a)
     a.set_defaults(run=cmd_shards_rebalance)
 
@@ -225,31 +226,32 @@ def cmd_shards_move(store: Store, args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_shards_rebalance(store: Store, args: argparse.Namespace, out: Output) -> int:
-    """The moves that even out the nodes by cells (logstore.rebalance): --plan prints them, --apply runs them
-    as a job."""
+    """The moves that even out the nodes by cells, bytes or recent writes (logstore.rebalance): --plan prints
+    them, --apply runs them as a job."""
     from cellstream.cli.nodes import _unfinished, launch
     from logstore.rebalance import rebalance_moves
 
     if args.max_moves is not None and args.max_moves < 1:
         raise UsageError("--max-moves must be at least 1")
+    if args.apply and (unfinished := _unfinished(store, out)) is not None:
+        return unfinished
+    plan = rebalance_moves(store, away=args.drain, max_moves=args.max_moves, by=args.by, window=args.window)
     if args.apply:
-        if (unfinished := _unfinished(store, out)) is not None:
-            return unfinished
-        return launch(store, rebalance_moves(store, away=args.drain, max_moves=args.max_moves), "rebalance", args,
-                      out)
-    plan = rebalance_moves(store, away=args.drain, max_moves=args.max_moves)
-    cells = sum(plan.before.values())
+        return launch(store, plan, "rebalance", args, out)
+    unit = {"cells": "cells", "bytes": "bytes", "writes": "recent writes"}[plan.by]
+    total = sum(plan.before.values())
     nodes = sorted(plan.before)
     weights = {n: {"before": plan.before.get(n, 0), "after": plan.after.get(n, 0)} for n in nodes}
-    doc = {"moves": [m._asdict() for m in plan.moves], "cells_moved": sum(m.weight for m in plan.moves),
-           "cells": cells, "nodes": weights, "applied": False}
+    doc = {"by": plan.by, "moves": [{**m._asdict(), "cells": plan.cells.get(m.shard, 0)} for m in plan.moves],
+           "weight_moved": sum(m.weight for m in plan.moves), "weight": total,
+           "cells_moved": sum(plan.cells.values()), "nodes": weights, "applied": False}
     width = max([4, *(len(n) for n in nodes)])
-    lines = [f"{len(plan.moves)} moves, {doc['cells_moved']} of {cells} cells (nothing moved: --plan; "
-             "--apply runs them)",
-             f"{'node':<{width}} {'before':>10} {'after':>10}"]
+    lines = [f"{len(plan.moves)} moves, {doc['weight_moved']} of {total} {unit}, {doc['cells_moved']} cells "
+             "(nothing moved: --plan; --apply runs them)",
+             f"{'node':<{width}} {'before':>10} {'after':>10}   ({unit})"]
     lines += [f"{n:<{width}} {v['before']:>10} {v['after']:>10}" for n, v in weights.items()]
-    lines += [f"cellstream shards move {m.shard} --to {m.target}   # {m.weight} cells from {m.source}"
-              for m in plan.moves]
+    lines += [f"cellstream shards move {m.shard} --to {m.target}   # {m.weight} {unit}, "
+              f"{plan.cells.get(m.shard, 0)} cells, from {m.source}" for m in plan.moves]
     out.emit(doc, "\n".join(lines))
     return Exit.OK
 

@@ -6,7 +6,7 @@ backups...), kept as job records in the store itself (see docs/jobs.md).
   cellstream jobs pause ID
   cellstream jobs resume ID [--run [--metrics-port PORT]]
   cellstream jobs cancel ID
-  cellstream jobs throttle ID [--rate N | --unlimited] [--pause S] [--concurrency N] [--max-lag S|off]
+  cellstream jobs throttle ID [--rate N | --unlimited] [--pause S] [--nice-ratio R] [--concurrency N] [--max-lag S|off]
                              [--max-latency MS|off]
 
 ``list`` shows the jobs not over (``--all``: done and cancelled ones too). ``pause`` and ``cancel`` take effect
@@ -85,6 +85,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     rate.add_argument("--rate", type=_positive, default=None, metavar="N", help="units per second")
     rate.add_argument("--unlimited", action="store_true", help="lift the rate limit")
     a.add_argument("--pause", type=_non_negative, default=None, metavar="S", help="seconds to pause after a chunk")
+    a.add_argument("--nice-ratio", type=_non_negative, default=None, metavar="R",
+                   help="after a chunk, pause R times as long as it took (1: at work half of the time)")
     a.add_argument("--concurrency", type=int, default=None, metavar="N", help="units worked on at once")
     a.add_argument("--max-lag", type=limit_arg, default=None, metavar="S",
                    help="back off while a replica of a node the job touches lags more seconds (off: never)")
@@ -144,8 +146,8 @@ def _throttle_text(record: JobRecord) -> str:
     rate = "unlimited" if t.rate is None else f"{t.rate:g} {record.unit}/s"
     lag = "off" if t.max_lag_seconds is None else f"{t.max_lag_seconds:g} s"
     latency = "off" if t.max_latency_ms is None else f"{t.max_latency_ms:g} ms"
-    return (f"throttle {rate}, pause {t.pause_seconds:g}s, concurrency {t.concurrency}, max lag {lag}, "
-            f"max latency {latency}")
+    return (f"throttle {rate}, pause {t.pause_seconds:g}s, nice ratio {t.nice_ratio:g}, concurrency {t.concurrency}, "
+            f"max lag {lag}, max latency {latency}")
 
 
 def _list(store: Store, args: argparse.Namespace, out: Output) -> int:
@@ -234,6 +236,8 @@ def _throttle(store: Store, args: argparse.Namespace, out: Output) -> int:
         settings["rate"] = args.rate
     if args.pause is not None:
         settings["pause_seconds"] = args.pause
+    if args.nice_ratio is not None:
+        settings["nice_ratio"] = args.nice_ratio
     if args.concurrency is not None:
         settings["concurrency"] = args.concurrency
     if args.max_lag is not None:
@@ -241,8 +245,8 @@ def _throttle(store: Store, args: argparse.Namespace, out: Output) -> int:
     if args.max_latency is not None:
         settings["max_latency_ms"] = None if args.max_latency == _OFF else args.max_latency
     if not settings:
-        raise UsageError("jobs throttle: give --rate N, --unlimited, --pause S, --concurrency N, --max-lag S or "
-                         "--max-latency MS")
+        raise UsageError("jobs throttle: give --rate N, --unlimited, --pause S, --nice-ratio R, --concurrency N, "
+                         "--max-lag S or --max-latency MS")
     record = JobStore(store).set_throttle(args.id, **settings)
     return _changed(record, out, _throttle_text(record))
 

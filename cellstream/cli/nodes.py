@@ -3,7 +3,8 @@ shards rebalance --apply``::
 
   cellstream nodes list
   cellstream nodes add NAME URL [--replica URL]... [--password-env VAR | --password-file FILE]
-  cellstream nodes drain NAME [--rate CELLS/S] [--concurrency N] [--max-lag S] [--max-latency MS] [--detach]
+  cellstream nodes drain NAME [--by cells|bytes|writes] [--rate CELLS/S] [--concurrency N] [--max-lag S]
+                              [--max-latency MS] [--detach]
   cellstream nodes split NAME --into NEW [the same options]
   cellstream nodes remove NAME
 
@@ -46,11 +47,20 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         a.add_argument("name")
         if action == "split":
             a.add_argument("--into", required=True, metavar="NEW", help="the empty node (`nodes add` it first)")
+        weigh_options(a)
         job_options(a)
         a.set_defaults(run=cmd_drain if action == "drain" else cmd_split)
     a = actions.add_parser("remove", parents=[common], help="take a node that holds nothing out of the instance")
     a.add_argument("name")
     a.set_defaults(run=cmd_remove)
+
+
+def weigh_options(parser: argparse.ArgumentParser) -> None:
+    """The options of a command that plans moves: what it evens out."""
+    parser.add_argument("--by", choices=("cells", "bytes", "writes"), default="cells",
+                        help="even out the nodes' cells (default), stored bytes, or recent writes")
+    parser.add_argument("--window", type=float, default=3600.0, metavar="S",
+                        help="with --by writes: the cells written in the last S seconds (3600)")
 
 
 def job_options(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +70,8 @@ def job_options(parser: argparse.ArgumentParser) -> None:
     from cellstream.cli.jobs import limit_arg
 
     parser.add_argument("--concurrency", type=int, default=None, metavar="N", help="shards moved at once (1)")
+    parser.add_argument("--nice-ratio", type=float, default=0.0, metavar="R",
+                        help="after each shard, pause R times as long as its move took (gh-ost's; 0)")
     parser.add_argument("--max-lag", type=limit_arg, default=None, metavar="S",
                         help="back off while a replica of a node of a move lags more seconds (1; off: never)")
     parser.add_argument("--max-latency", type=limit_arg, default=None, metavar="MS",
@@ -112,7 +124,7 @@ def cmd_drain(store: Store, args: argparse.Namespace, out: Output) -> int:
     if (unfinished := _unfinished(store, out)) is not None:
         return unfinished
     set_state(store, args.name, "draining")
-    return launch(store, rebalance_moves(store), f"drain {args.name}", args, out)
+    return launch(store, rebalance_moves(store, by=args.by, window=args.window), f"drain {args.name}", args, out)
 
 
 def cmd_split(store: Store, args: argparse.Namespace, out: Output) -> int:
@@ -120,7 +132,8 @@ def cmd_split(store: Store, args: argparse.Namespace, out: Output) -> int:
 
     if (unfinished := _unfinished(store, out)) is not None:
         return unfinished
-    return launch(store, split_moves(store, args.name, args.into), f"split {args.name} into {args.into}", args, out)
+    planned = split_moves(store, args.name, args.into, by=args.by, window=args.window)
+    return launch(store, planned, f"split {args.name} into {args.into}", args, out)
 
 
 def _unfinished(store: Store, out: Output) -> int | None:
@@ -150,13 +163,16 @@ def launch(store: Store, planned: Planned, purpose: str, args: argparse.Namespac
 
     if args.concurrency is not None and args.concurrency < 1:
         raise UsageError("--concurrency must be at least 1")
+    if not args.nice_ratio >= 0:
+        raise UsageError(f"--nice-ratio must be 0 or more, got {args.nice_ratio:g}")
     if not planned.moves:
         out.emit({"id": None, "kind": KIND, "state": "done", "moves": 0}, f"{purpose}: nothing to move")
         return Exit.OK
     limits = {field: None if value == "off" else value
               for field, value in (("max_lag_seconds", args.max_lag), ("max_latency_ms", args.max_latency))
               if value is not None}
-    throttle = ThrottleSettings(rate=args.rate, concurrency=args.concurrency or 1, **limits)
+    throttle = ThrottleSettings(rate=args.rate, concurrency=args.concurrency or 1, nice_ratio=args.nice_ratio,
+                                **limits)
     record = JobRunner(store, known_kinds(store)).submit(KIND, job_params(planned, purpose), throttle=throttle)
     if args.detach:
         out.emit(record.summary(), f"job {record.id} planned: {len(planned.moves)} shard moves, {record.total} "

@@ -57,6 +57,10 @@ class ThrottleSettings(BaseModel):
     burst_seconds: float = Field(1.0, gt=0, description="the bucket holds this many seconds of `rate`")
     concurrency: int = Field(1, ge=1, description="units a kind may work on at once (files, shards)")
     pause_seconds: float = Field(0.0, ge=0, description="a pause after every chunk, on top of the rate")
+    # gh-ost's --nice-ratio: a pause in proportion to the work, whatever its cost is made of (a shard move's
+    # statements cost the same for 2 cells as for 200, which a rate of cells does not see).
+    nice_ratio: float = Field(0.0, ge=0, description="after every chunk, a pause of this many times the time the "
+                                                     "chunk took: 1 keeps the job at work half of the time")
     # Back-off on the load of the nodes a chunk touched (logstore.jobs.load). 1 s of replica lag is
     # pt-online-schema-change's and Vitess's throttler's default (gh-ost's is 1.5 s); 50 ms for a one-row
     # durable write is the write p99 the project promises during a rebalance (issue 51), some 50 times the

@@ -1,5 +1,6 @@
 """The one throttle of every job kind, checked between chunks (gh-ost's throttler): a token bucket of
-``rate`` units a second, an optional pause after every chunk, the concurrency a kind may use, and back-off
+``rate`` units a second, an optional pause after every chunk (a fixed one, and one in proportion to the time
+the chunk took: gh-ost's nice ratio), the concurrency a kind may use, and back-off
 while a node the chunk touched is loaded (a replica lagging, slow writes: :mod:`logstore.jobs.load`).
 
 Its settings come from the job's record and change while the job runs (``cellstream jobs throttle ID --rate N
@@ -48,6 +49,7 @@ class Throttle:
         self.guard = guard
         self._on_wait = on_wait
         self._backoffs: dict[int, Backoff] = {}  # thread id -> why it backs off now
+        self._done_at: dict[int, float] = {}  # thread id -> when its last wait ended: its chunk began then
         self.waited = 0.0  # seconds spent waiting, in all
         self.waited_by: dict[str, float] = {}  # the same by reason: rate, lag, latency
 
@@ -114,7 +116,8 @@ class Throttle:
 
     def wait(self, units: float = 1, *, nodes: Iterable[str] | None = None) -> None:
         """(blocking) Account for ``units`` just done (or about to be), then wait as long as the rate asks,
-        plus the pause between chunks, then while a node of ``nodes`` (None: the guard's) is loaded beyond
+        plus the pause between chunks (and ``nice_ratio`` times the time since this thread's last wait ended:
+        the chunk's), then while a node of ``nodes`` (None: the guard's) is loaded beyond
         the settings' maximums. Returns early when the job is stopping (paused, cancelled).
 
         Raises:
@@ -122,17 +125,22 @@ class Throttle:
         """
         self._take(units)
         started = time.monotonic()
+        me = threading.get_ident()
+        busy = started - self._done_at.get(me, started)
         while not self._stopping():
             delay = self._delay()
             if delay <= 0:
                 break
             time.sleep(min(delay, _SLICE))
-        pause_until = time.monotonic() + self._settings.pause_seconds
+        pause_until = time.monotonic() + self._settings.pause_seconds + self._settings.nice_ratio * busy
         while not self._stopping() and time.monotonic() < pause_until:
             time.sleep(min(pause_until - time.monotonic(), _SLICE))
         self._count("rate", time.monotonic() - started)
-        if self.guard is not None:
-            self._back_off(self.guard, None if nodes is None else tuple(nodes))
+        try:
+            if self.guard is not None:
+                self._back_off(self.guard, None if nodes is None else tuple(nodes))
+        finally:
+            self._done_at[me] = time.monotonic()
 
     def _back_off(self, guard: LoadGuard, nodes: tuple[str, ...] | None) -> None:
         """Wait while the guard finds a node of ``nodes`` loaded; it probes at most every ``interval``, so

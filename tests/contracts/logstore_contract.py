@@ -70,6 +70,8 @@ class StoreContract:
     far_float = -1.5e300
     #: Whether ``changed_counts`` answers a mark with the shards written since it, not with every shard's.
     partial_counts = True
+    #: Whether the backend weighs its shards by bytes and recent writes (for rebalance plans).
+    weighs_shards = True
 
     def corrupt_body(self, url: str, cell: logstore.Cell) -> None:
         raise AssertionError("backend test classes implement corrupt_body")
@@ -598,6 +600,30 @@ class StoreContract:
         found = store.read_offsets("billing")
         assert {s: (r.location, r.owner, r.doc) for s, r in found.items()} == {
             s: (40, "worker-a" if s % 2 == 0 else "worker-b", {"n": 40}) for s in range(self.shards)}
+
+    # -- weights of a rebalance plan ---------------------------------------
+    def test_shards_are_weighed_by_cells_bytes_and_recent_writes(self, store: logstore.Store) -> None:
+        keys = key_per_shard(store, range(3))
+        noise = random.Random(7)
+        big = "".join(noise.choice("abcdefghij") for _ in range(3000))  # random: zlib cannot shrink it away
+        store.put_cells([(keys[0], "BASE", ref, {"t": big}) for ref in range(1, 4)])
+        store.put_cells([(keys[1], "BASE", ref, {"t": ""}) for ref in range(1, 4)])
+        if not self.weighs_shards:
+            with pytest.raises(ConfigurationError, match="cannot weigh its shards by bytes"):
+                store.shard_weights("bytes")
+            return
+        assert store.shard_weights("cells") == {0: 3, 1: 3, **{s: 0 for s in range(2, self.shards)}}
+        size = store.shard_weights("bytes")
+        assert size[0] > 3 * 3000 // 2 and 3 * 44 < size[1] < 3 * 100 and size[2] == 0
+        time.sleep(1.5)  # the cells above fall out of a 1 s window
+        store.put_cells([(keys[2], "BASE", 1, {"t": "late"}), (keys[1], "BASE", 9, {"t": "late"})])
+        recent = store.shard_weights("writes", window=1.0)
+        assert (recent[0], recent[1], recent[2]) == (0, 1, 1)
+        assert store.shard_weights("writes", window=3600)[1] == 4
+        with pytest.raises(InvalidArgumentError, match="cells, bytes or writes"):
+            store.shard_weights("rows")
+        with pytest.raises(InvalidArgumentError, match="positive"):
+            store.shard_weights("writes", window=0)
 
     def test_offset_arguments_are_checked(self, store: logstore.Store) -> None:
         with pytest.raises(logstore.InvalidArgumentError, match="consumer"):

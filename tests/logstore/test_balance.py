@@ -86,13 +86,29 @@ def test_the_plan_command_prints_the_moves_and_moves_nothing(tmp_path: Path,
         before = {s.shard: s.node for s in store.shard_stats()}
     assert main(["shards", "rebalance", "--plan", "--store", str(cluster), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["applied"] is False and doc["cells"] == 40
+    assert doc["applied"] is False and doc["by"] == "cells" and doc["weight"] == 40 and doc["cells_moved"] == 20
     assert doc["nodes"]["a"] == {"before": 40, "after": 20} and doc["nodes"]["b"] == {"before": 0, "after": 20}
     assert [(m["source"], m["target"], m["weight"]) for m in doc["moves"]] == [("a", "b", 10)] * 2
     with logstore.open(str(cluster)) as store:
         assert {s.shard: s.node for s in store.shard_stats()} == before  # a plan moves nothing
     assert main(["shards", "rebalance", "--plan", "--store", str(cluster)]) == 0
     assert "cellstream shards move" in capsys.readouterr().out
+
+
+def test_a_plan_by_bytes_moves_the_big_shard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = two_nodes(tmp_path / "cluster.toml", [f"sqlite:///{tmp_path}/a", f"sqlite:///{tmp_path}/b"], 8)
+    noise = random.Random(3)
+    big = "".join(noise.choice("abcdefghij") for _ in range(3000))  # random: zlib cannot shrink it away
+    with logstore.open(str(cluster)) as store:
+        keys = key_per_shard(store, range(4))
+        store.put_cells([(keys[s], "BASE", ref, {"t": big if s == 0 else ""}) for s in range(4)
+                         for ref in range(1, 11)])
+    assert main(["shards", "rebalance", "--plan", "--by", "bytes", "--store", str(cluster), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["by"] == "bytes" and [(m["shard"], m["cells"]) for m in doc["moves"]] == [(0, 10)]
+    assert doc["moves"][0]["weight"] > 10 * 3000 // 2 and doc["cells_moved"] == 10
+    assert main(["shards", "rebalance", "--plan", "--store", str(cluster), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["moves"]) == 2  # by cells the four shards weigh the same
 
 
 def test_a_single_node_store_says_there_is_nothing_to_rebalance(sqlite_url: str,

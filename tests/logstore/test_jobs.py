@@ -22,6 +22,7 @@ from cellstream.cli import jobs as jobs_cli
 from cellstream.cli.main import main
 from logstore import JobStateError
 from logstore.jobs import JobRecord, JobRunner, JobStore, KindRegistry, RunnerConfig, ThrottleSettings
+from logstore.jobs.throttle import Throttle
 from tests.logstore.copy_job import CopyKind, key_in_shard
 
 SHARDS = 8
@@ -360,3 +361,17 @@ class TestMySQLJobs(JobsContract):
     @pytest.fixture
     def url(self, mysql_database: str) -> str:
         return mysql_database
+
+
+def test_a_nice_ratio_pauses_in_proportion_to_the_chunk_just_done() -> None:
+    throttle = Throttle(ThrottleSettings(nice_ratio=2.0))
+    throttle.wait(1)  # the first chunk's start is unknown: no pause
+    assert throttle.waited < 0.05
+    time.sleep(0.2)  # a chunk of 0.2 s
+    throttle.wait(1)
+    assert throttle.waited >= 0.4
+    other = threading.Thread(target=throttle.wait, args=(1,))  # another thread's first chunk: no pause
+    before = throttle.waited
+    other.start()
+    other.join()
+    assert throttle.waited - before < 0.2

@@ -18,6 +18,7 @@ from tests.harness.worker_support import worker_node
 
 class TestHttpStore(StoreContract):
     far_float = -1.5e18
+    weighs_shards = False  # a client of a worker node plans no rebalance: the nodes' own stores do
 
     @pytest.fixture
     def url(self, sqlite_url: str) -> Iterator[str]:

@@ -43,7 +43,14 @@ from logstore.backends.mysql.pool import Connection, Pool, ReadFallback, Stateme
 from logstore.backends.mysql.target import MySQLTarget
 from logstore.cell import AnyCell, Cell, PackedCell
 from logstore.config import StoreOptions
-from logstore.errors import ConfigurationError, CorruptCellError, ShardMovedError, StorageError, StoreNotFoundError
+from logstore.errors import (
+    ConfigurationError,
+    CorruptCellError,
+    InvalidArgumentError,
+    ShardMovedError,
+    StorageError,
+    StoreNotFoundError,
+)
 from logstore.offsets import ConsumerOffsets, OffsetRecord, move_old_offsets
 from logstore.persistence import (
     FORMAT_VERSION,
@@ -908,6 +915,19 @@ class MySQLRecorder(NodeRecorder):
         rows = self._read("SELECT COALESCE(SUM(data_length + index_length), 0) FROM information_schema.TABLES"
                           " WHERE table_schema = DATABASE()", ())
         return int(rows[0][0]) if rows else None
+
+    def shard_weights(self, by: str, window: float) -> dict[int, int] | None:
+        args: tuple[int, ...] = ()
+        if by == "bytes":
+            # The fixed columns (shard, ids, row key, ref key, time) are 44 bytes a cell besides the name.
+            sql = "SELECT shard, SUM(LENGTH(body) + LENGTH(column_name) + 44) FROM cells GROUP BY shard"
+        elif by == "writes":
+            sql = ("SELECT shard, COUNT(*) FROM cells WHERE created_at >= UTC_TIMESTAMP(6) - INTERVAL %s"
+                   " MICROSECOND GROUP BY shard")
+            args = (int(window * 1_000_000),)
+        else:
+            raise InvalidArgumentError(f"shards are weighed by cells, bytes or writes, not {by!r}")
+        return {int(shard): int(weight) for shard, weight in self._read(sql, args)}
 
     def read_map(self) -> tuple[int, str] | None:
         return self._call("read shard map", mysql_map.read_newest, read=True, policy=self._glance)

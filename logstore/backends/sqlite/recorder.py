@@ -28,7 +28,14 @@ from logstore.backends.sqlite.index_tables import SQLiteIndexRecorder
 from logstore.backends.sqlite.target import SQLiteTarget
 from logstore.cell import AnyCell, Cell, PackedCell
 from logstore.config import StoreOptions
-from logstore.errors import ConfigurationError, CorruptCellError, LogstoreError, StorageError, StorageUnavailableError
+from logstore.errors import (
+    ConfigurationError,
+    CorruptCellError,
+    InvalidArgumentError,
+    LogstoreError,
+    StorageError,
+    StorageUnavailableError,
+)
 from logstore.files import create_private_file, private_dir
 from logstore.offsets import ConsumerOffsets, OffsetRecord, move_old_offsets
 from logstore.persistence import (
@@ -395,6 +402,19 @@ class SQLiteRecorder(NodeRecorder):
                 "SELECT MIN(added_id) FROM cells WHERE shard = ? AND created_at >= ?", (shard, _micros(when))
             ).fetchone()
         return None if row[0] is None else int(row[0])
+
+    def shard_weights(self, by: str, window: float) -> dict[int, int] | None:
+        args: tuple[int, ...] = ()
+        if by == "bytes":
+            # The fixed columns (shard, ids, row key, ref key, time) are 44 bytes a cell besides the name.
+            sql = "SELECT shard, SUM(LENGTH(body) + LENGTH(column_name) + 44) FROM cells GROUP BY shard"
+        elif by == "writes":
+            since = _micros(dt.datetime.now(dt.UTC)) - int(window * 1_000_000)
+            sql, args = "SELECT shard, COUNT(*) FROM cells WHERE created_at >= ? GROUP BY shard", (since,)
+        else:
+            raise InvalidArgumentError(f"shards are weighed by cells, bytes or writes, not {by!r}")
+        with self._errors("read log"):
+            return {int(shard): int(weight) for shard, weight in self._conn().execute(sql, args)}
 
     def head(self, shard: int) -> int:
         with self._errors("read log"):
