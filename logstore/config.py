@@ -70,6 +70,10 @@ class StoreOptions(BaseModel):
     buffer_after: float | None = Field(
         2.0, gt=0, description="seconds a write waits for an unavailable primary before it is buffered on "
         "another storage node that can hold it (a MySQL node); None: never buffer")
+    durable_writes: bool = Field(
+        False, description="acknowledge a write to a MySQL node once its primary and another MySQL node both hold "
+        "it (that node keeps a copy until the primary's replicas have the cell): a primary lost before its "
+        "replicas loses nothing acknowledged; costs a second write")
 
     @property
     def inflate_limit(self) -> int:

@@ -189,3 +189,36 @@ class JobLeaseLostError(JobStateError):
 class UnknownJobKindError(ConfigurationError):
     """The job's kind is not in the registry of this process (a job made by a newer cellstream, or a kind whose
     package is not installed): nothing was run."""
+
+
+class BackupError(LogstoreError):
+    """Root of the errors of backups and restores (:mod:`logstore.backup`)."""
+
+
+class BackupNotFoundError(BackupError):
+    """No backup (or no file of one) by that name at the destination; the message names what was looked for."""
+
+
+class CorruptBackupError(BackupError):
+    """A backup file is missing, truncated or does not match its checksum: ``name`` names it. A restore refuses
+    the whole backup before writing anything."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        self.name = name
+        self.problem = problem
+        super().__init__(f"backup file {name}: {problem}")
+
+
+class PromotionError(StorageError):
+    """A replica could not be made its node's primary (its replication failed, or it did not catch up in the
+    time given): nothing was switched, and the message says what the replica reported."""
+
+
+class RestoreTargetNotEmptyError(BackupError):
+    """A restore's target holds cells in the shards to restore (or consumer offsets): a restore writes the
+    backup's added_ids, which only an empty instance can take. Nothing was written."""
+
+
+class ReadOnlyStoreError(ConfigurationError):
+    """The store is a standby mirror of another instance (``cellstream mirror run``): only the mirror writes to
+    it until ``cellstream mirror promote`` makes it writable. Nothing was written."""

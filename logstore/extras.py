@@ -21,6 +21,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "parquet": ("pyarrow",),
     "postgres": ("psycopg",),
     "iceberg": ("pyiceberg", "sqlalchemy", "pyarrow"),
+    "backup": ("boto3",),
 }
 
 

@@ -61,8 +61,29 @@ def list_nodes(store: Store) -> list[NodeInfo]:
                 health = "ok"
             except StorageUnavailableError as exc:
                 health = str(exc)
+            health += "".join(f"; former primary {_shown(url)} answers: its writes are refused (fenced)"
+                              for url in _fence_returned(store, entry, recorder))
         out.append(NodeInfo(entry.name, entry.state, _shown(entry.url), [_shown(u) for u in entry.replicas],
                             len(shards), sum(counts.get(s, 0) for s in shards), size, health))
+    return out
+
+
+def _fence_returned(store: Store, entry: MapNode, recorder: NodeRecorder) -> list[str]:
+    """The former primaries of ``entry`` (a replica promoted) that answer again, each fenced now."""
+    from logstore.backends.mysql.promotion import fence_former
+    from logstore.backends.mysql.recorder import MySQLRecorder
+    from logstore.backends.mysql.target import MySQLTarget
+
+    if not entry.fenced or not isinstance(recorder, MySQLRecorder):
+        return []
+    out = []
+    for url in entry.fenced:
+        try:
+            target = store.node_config(entry.model_copy(update={"url": url, "replicas": []})).target
+        except ConfigurationError:
+            continue
+        if isinstance(target, MySQLTarget) and fence_former(recorder, target, entry.name):
+            out.append(url)
     return out
 
 
@@ -212,3 +233,100 @@ def _live(doc: ShardMapDoc, name: str) -> MapNode:
         names = ", ".join(n.name for n in doc.live)
         raise InvalidArgumentError(f"no storage node {name!r} in the instance (nodes: {names})")
     return entry
+
+
+class Promotion(NamedTuple):
+    """What ``cellstream nodes promote`` did."""
+
+    node: str
+    primary: str  # the new primary (a URL without its password)
+    former: str  # the former primary, fenced in the map
+    former_fenced: bool  # it answered, and refuses writes now (else: fenced if it ever answers to `nodes list`)
+    burnt_shards: int  # shards whose next ids skip ``burn`` ids
+    burn: int
+    restored: int  # acknowledged cells the replica lacked, written from their durable copies with their ids
+    replayed: int  # cells buffered for the node while its primary was down, written to the new one
+
+
+def _match(entry: MapNode, replica: str) -> str:
+    """The map's URL of ``entry``'s replica (or primary) named ``replica`` (its URL, or host:port)."""
+    from logstore.registry import parse_node_url
+
+    for url in [*entry.replicas, entry.url]:
+        target = parse_node_url(url)
+        if replica in (url, _shown(url), f"{getattr(target, 'host', '')}:{getattr(target, 'port', '')}"):
+            return url
+    known = ", ".join(_shown(u) for u in entry.replicas) or "none"
+    raise InvalidArgumentError(f"node {entry.name} has no replica {replica!r} (its replicas: {known})")
+
+
+def _restore_copies(store: Store, name: str, config: NodeConfig) -> int:
+    """The durable copies the promoted replica lacks, written into it on a recorder of its own."""
+    from logstore.durable import restore_copies
+    from logstore.opening import open_recorder
+
+    recorder = open_recorder(config, store.options)
+    try:
+        return restore_copies(store, name, recorder)
+    finally:
+        recorder.close()
+
+
+def promote_node(store: Store, name: str, replica: str, *, wait: float = 60.0, burn: int | None = None) -> Promotion:
+    """Make a replica of node ``name`` its primary (:mod:`logstore.backends.mysql.promotion`): it applies what it
+    received, stops replicating and takes writes; its shards' next ids skip ``burn`` ids; a new map version
+    names it the node's primary and fences the former one, which every process follows at its next refresh
+    (and at once on a write refused by the former one); the durable copies of acknowledged cells it lacks
+    (durable buffered writes) are written to it with their ids, and the cells buffered for the node go to it.
+
+    Args:
+        name: the node.
+        replica: its replica to promote: the URL as ``nodes list`` shows it, or ``host:port``.
+        wait: seconds the replica may take to apply what it received.
+        burn: ids skipped per shard (default :data:`~logstore.backends.mysql.promotion.BURN`).
+
+    Raises:
+        ConfigurationError: a single-node store, or a node that is not MySQL/MariaDB.
+        InvalidArgumentError: no such node, or no such replica of it.
+        PromotionError: the replica cannot apply what it received, or not within ``wait``.
+        StorageUnavailableError: the replica does not answer.
+    """
+    from logstore.backends.mysql.promotion import BURN, fence_former, make_primary
+    from logstore.backends.mysql.recorder import MySQLRecorder
+    from logstore.backends.mysql.target import MySQLTarget
+    _check_grows(store)
+    store.refresh_map()
+    entry = _live(store.shard_map, name)
+    url = _match(entry, replica)
+    if url == entry.url:  # promoted already (the command run again)
+        return Promotion(name, _shown(url), _shown(entry.fenced[-1]) if entry.fenced else "", False, 0, 0, 0, 0)
+    recorder = store.node_recorder(name)
+    if not isinstance(recorder, MySQLRecorder):
+        raise ConfigurationError(f"node {name} is not open here as a MySQL/MariaDB node: it cannot be promoted")
+    promoted = entry.model_copy(update={"url": url, "replicas": [u for u in entry.replicas if u != url],
+                                        "fenced": [*entry.fenced, entry.url]})
+    config = store.node_config(promoted)
+    new, former = config.target, store.node_config(entry).target
+    if not isinstance(new, MySQLTarget) or not isinstance(former, MySQLTarget):
+        raise ConfigurationError(f"node {name} is not a MySQL/MariaDB node: it cannot be promoted")
+    burn = BURN if burn is None else burn
+    if burn < 0:
+        raise InvalidArgumentError(f"burn must be 0 or more ids, got {burn}")
+    burnt = make_primary(recorder, new, wait=wait, burn=burn)
+    # Nothing writes to it before the copies are in: no process has it as the node's primary yet.
+    restored = _restore_copies(store, name, config)
+    store.reopen_node(name, config)
+
+    def change(doc: ShardMapDoc, placement: list[str]) -> ShardMapDoc:
+        now = _live(doc, name)
+        if now.url == url:
+            return doc  # promoted already (this command run again)
+        done = now.model_copy(update={"url": url, "replicas": [u for u in now.replicas if u != url],
+                                      "fenced": [*now.fenced, now.url]})
+        return doc.model_copy(update={"nodes": [done if n.name == name else n for n in doc.nodes]})
+
+    store.publish_map(change)
+    fenced = fence_former(recorder, former, name)
+    replayed = store.replay_pending().replayed if store.buffers_writes else 0
+    logger.warning("node %s promoted: primary %s (was %s)", name, _shown(url), _shown(entry.url))
+    return Promotion(name, _shown(url), _shown(entry.url), fenced, burnt, burn, restored, replayed)

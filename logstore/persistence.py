@@ -60,6 +60,19 @@ class PendingRecord(NamedTuple):
     failed: str | None
 
 
+class RestoredCell(NamedTuple):
+    """A cell of a backup on its way back in (:mod:`logstore.backup.restore`): its coordinates, stored bytes
+    (``blob``, as :class:`PendingCell`'s), and the ``added_id`` and ``created_at`` it had in the source."""
+
+    shard: int
+    added_id: int
+    row_key: uuid.UUID
+    column: str
+    ref_key: int
+    blob: bytes
+    created_at: dt.datetime
+
+
 class NodeMeta(NamedTuple):
     """What a node records about the instance it belongs to."""
 
@@ -106,6 +119,19 @@ class NodeRecorder(ABC):
     def insert(self, cells: Sequence[PendingCell], retry: RetryPolicy | None = None) -> list[Cell]:
         """Store ``cells`` atomically; return the stored cell for each, in order. ``retry`` replaces the
         store's policy for this call (a write about to be buffered elsewhere waits less)."""
+
+    def restore_cells(self, cells: Sequence[RestoredCell]) -> None:
+        """Write ``cells`` with their given ``added_id`` and ``created_at`` (a restore, :mod:`logstore.backup`),
+        atomically, and move each shard's counter past them so later writes continue above. Each cell's id must
+        be above its shard's head: a restore writes a shard's cells in id order into a shard that holds none
+        below them, so no id ever names two cells.
+
+        Raises:
+            StorageError: an id not above its shard's head, or coordinates already stored (nothing written).
+            ConfigurationError: the backend cannot restore cells.
+        """
+        raise ConfigurationError(f"storage node {getattr(self, 'name', '?')} cannot restore cells: restore into "
+                                 "a SQLite or MySQL/MariaDB instance")
 
     # -- shard moves (logstore.backends.mysql.moves): only nodes that can give and take shards override these --
     supports_moves = False
@@ -155,6 +181,53 @@ class NodeRecorder(ABC):
     def pending_counts(self) -> dict[str, tuple[int, int]]:
         """(waiting, failed) buffered cells by the node they belong to."""
         return {}
+
+    def burn_ids(self, burn: int) -> int:
+        """Make each shard the node holds skip ``burn`` ids from its head on (its ``id_floor``); the shards
+        changed.
+
+        Raises:
+            ConfigurationError: the backend cannot skip ids (SQLite numbers cells per node, not per shard).
+        """
+        raise ConfigurationError(f"storage node {getattr(self, 'name', '?')} cannot skip ids: its cells are "
+                                 "numbered per node, not per shard")
+
+    # -- markers: a named value kept with the node's metadata (a standby mirror's ``mirror_of``) --------
+    def read_marker(self, name: str) -> str | None:
+        """The node's marker ``name``; None when it has none."""
+        return None
+
+    def write_marker(self, name: str, value: str | None) -> None:
+        """Set the node's marker ``name`` (None: remove it)."""
+        raise ConfigurationError(f"storage node {getattr(self, 'name', '?')} keeps no markers")
+
+    # -- durable copies (durable buffered writes): only nodes that can hold them override these --------
+    @property
+    def replicated(self) -> bool:
+        """Whether the node has replicas: only then are its writes held as durable copies (a node without one
+        has no replica to promote)."""
+        return False
+
+    def hold_copies(self, home: str, cells: Sequence[RestoredCell]) -> None:
+        """Keep copies of ``cells``, acknowledged by node ``home``'s primary, until its replicas hold them."""
+        raise StorageError(f"storage node {getattr(self, 'name', '?')} cannot hold other nodes' copies")
+
+    def trim_copies(self, home: str, heads: Mapping[int, int]) -> int:
+        """Drop the copies of ``home``'s cells up to ``heads`` (shard -> id its replicas hold); the count."""
+        return 0
+
+    def copies_above(self, home: str, heads: Mapping[int, int]) -> list[RestoredCell]:
+        """The copies of ``home``'s cells above ``heads``, by shard and id."""
+        return []
+
+    def copy_counts(self) -> dict[str, int]:
+        """Copies held, by home node."""
+        return {}
+
+    def replica_heads(self) -> dict[int, int] | None:
+        """Each shard's counter as every replica of the node holds it (the lowest of them); None when the node
+        has no replica. Raises StorageUnavailableError when a replica does not answer."""
+        return None
 
     @abstractmethod
     def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None: ...
@@ -242,6 +315,16 @@ class NodeRecorder(ABC):
 
     @abstractmethod
     def read_offsets(self, consumer: str) -> list[OffsetRecord]: ...
+
+    def consumers(self) -> list[str]:
+        """The names of the consumers with offsets on this node, sorted (a backup takes every one's).
+
+        Raises:
+            ConfigurationError: the backend cannot list them (a worker node: back up through the store's URL
+                or cluster file).
+        """
+        raise ConfigurationError(f"storage node {getattr(self, 'name', '?')} cannot list its consumers: back up "
+                                 "and restore through the store's URL or cluster file")
 
     @abstractmethod
     def close(self) -> None: ...

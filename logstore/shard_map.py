@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from logstore.config import ClusterConfig, NodeConfig
 from logstore.errors import ConfigurationError
-from logstore.registry import without_password
+from logstore.registry import url_password, with_password, without_password
 
 NodeState = Literal["active", "draining", "removed"]
 Range = tuple[int, int, str]  # first shard, last shard, node
@@ -39,6 +39,32 @@ class MapNode(BaseModel):
     password_file: str | None = None
     home: str | None = None  # the range it was created with; None: it joined a running instance
     state: NodeState = "active"  # draining: its shards are moving away; removed: it holds nothing, not used
+    fenced: list[str] = Field(default_factory=list)  # its former primaries (a replica promoted): never opened
+
+    @property
+    def where(self) -> tuple[str, tuple[str, ...]]:
+        """Its primary's and replicas' URLs (without passwords): what a process connects to."""
+        return self.url, tuple(self.replicas)
+
+    def config_over(self, file_node: NodeConfig | None) -> NodeConfig:
+        """How a process opens the node: the cluster file's entry (``file_node``) while the map names the same
+        URLs; once they differ (a replica promoted), the map's URLs with the passwords the file gives them
+        (a replica's own, else the primary's, else its password_env or password_file); the map's entry alone
+        for a node the file does not name.
+
+        Raises:
+            ConfigurationError: the entry does not make a valid node here.
+        """
+        if file_node is None:
+            return self.config()
+        if where_of(file_node) == self.where:
+            return file_node
+        known = {without_password(u): u for u in (file_node.url, *file_node.replicas)}
+        password = url_password(file_node.url)
+
+        def full(url: str) -> str:
+            return known.get(url) or (with_password(url, password) if password else url)
+        return file_node.model_copy(update={"url": full(self.url), "replicas": [full(u) for u in self.replicas]})
 
     def config(self) -> NodeConfig:
         """The node as the cluster file would give it (its password read from where the entry says).
@@ -61,6 +87,11 @@ class MapNode(BaseModel):
                    replicas=[without_password(u) for u in node.replicas], password_env=node.password_env,
                    password_file=str(node.password_file) if node.password_file is not None else None,
                    home=node.shards)
+
+
+def where_of(node: NodeConfig) -> tuple[str, tuple[str, ...]]:
+    """A cluster file node's primary and replica URLs, without passwords (:attr:`MapNode.where`)."""
+    return without_password(node.url), tuple(without_password(u) for u in node.replicas)
 
 
 class ShardMapDoc(BaseModel):

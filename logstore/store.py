@@ -30,6 +30,8 @@ from logstore.errors import (
     CorruptCellError,
     InvalidArgumentError,
     InvalidCellError,
+    LogstoreError,
+    ReadOnlyStoreError,
     ShardMovedError,
     StorageError,
     StorageUnavailableError,
@@ -47,11 +49,12 @@ from logstore.persistence import (
     ReadBudget,
     UndecodedPages,
 )
-from logstore.shard_map import ShardMapDoc, ranges, seed
+from logstore.shard_map import MapNode, ShardMapDoc, ranges, seed, where_of
 
 logger = logging.getLogger(__name__)
 MAX_PAGE = 100_000
 _MOVE_HOPS = 40  # a write meeting a moved shard reloads the map and tries again, this many times at most
+DOWN_RECHECK = 1.0  # seconds between the background checks of a node known down (Store.known_down)
 
 
 class PendingReport(NamedTuple):
@@ -108,6 +111,11 @@ class Store:
         self._recorders = recorders
         self._connect = connect  # opens a node the shard map names and the cluster file does not
         self._file_nodes = {node.name: node for node in cluster.nodes}
+        # Where each open node's recorder connects: a promotion changes it in the map, and the node is reopened.
+        self._opened_at = {node.name: where_of(node) for node in cluster.nodes}
+        self._pinned: set[str] = set()  # reopened ahead of the map (reopen_node): kept until the map agrees
+        self._mirror: str | None = None  # the instance this one mirrors (read-only), as last read
+        self._mirror_read = float("-inf")
         self._doc = seed(cluster)
         self._base = self._doc.base(cluster.shards)  # each shard's node by the map's version, before moves
         self._node_of: list[str] = list(self._base)
@@ -119,10 +127,18 @@ class Store:
         self._map_lock = threading.Lock()
         self._movable = any(r.supports_moves for r in recorders.values())  # else the map never changes
         self._closed = False
+        self._closing = threading.Event()  # wakes the background checks of down nodes at close
+        # Nodes known down (name -> since, monotonic): their writes are buffered at once, not after buffer_after
+        # again each, until a background check finds the primary answering (:meth:`known_down`).
+        self._down: dict[str, float] = {}
+        self._down_lock = threading.Lock()
+        self.down_recheck = DOWN_RECHECK
+        self._refreshing = False  # a write started a read of the shard map on a thread of its own
         self._indexes: IndexStore | None = None
         self.refresh_map()
         after = options.buffer_after
         self._buffer_retry = options.retry.model_copy(update={"deadline": after}) if after is not None else None
+        self._one_try = options.retry.model_copy(update={"max_attempts": 1})  # a node known down: asked once
 
     # -- instance ---------------------------------------------------------
     @property
@@ -149,6 +165,15 @@ class Store:
         """Log reads worth running at once from one process (the least any node gains from): the default
         read-ahead of the readers that tail the store."""
         return min(r.parallel_reads for r in self._recorders.values())
+
+    def node_config(self, entry: MapNode) -> NodeConfig:
+        """How this process opens the node of a shard map entry (:meth:`MapNode.config_over` the cluster
+        file's entry of that name, which gives the passwords).
+
+        Raises:
+            ConfigurationError: the entry does not make a valid node here.
+        """
+        return entry.config_over(self._file_nodes.get(entry.name))
 
     def node_recorder(self, name: str) -> NodeRecorder | None:
         """The recorder of storage node ``name`` (None when the cluster has no such node): for
@@ -224,12 +249,15 @@ class Store:
             self._map_read = time.monotonic()
             newest: tuple[int, str] | None = None
             held: dict[str, int] = {}
+            marks: list[str | None] = []
             for name, recorder in self._recorders.items():
-                if not recorder.supports_moves or self._silent.get(name, 0.0) > self._map_read:
+                # A node known down is not asked: a write that found the map due must not wait for it.
+                if not recorder.supports_moves or self._silent.get(name, 0.0) > self._map_read or name in self._down:
                     continue
                 try:
                     found = recorder.read_map()
                     self._moves[name] = recorder.moves()
+                    marks.append(recorder.read_marker("mirror_of"))
                 except StorageUnavailableError as exc:
                     # Asked again after two refreshes: meanwhile no read or write that finds the map due waits
                     # for it (its replicas, if any, answered for it already: read_map falls back to them).
@@ -240,6 +268,8 @@ class Store:
                 held[name] = found[0] if found else 0
                 if found is not None and (newest is None or found[0] > newest[0]):
                     newest = found
+            if marks:  # every node of a mirror is marked: those that answered tell
+                self._mirror, self._mirror_read = next((m for m in marks if m), None), self._map_read
             changed = False
             if newest is not None and newest[0] > self._doc.version:
                 self._doc = ShardMapDoc.from_json(newest[1])
@@ -271,19 +301,57 @@ class Store:
             self._moves.pop(name, None)
             logger.info("storage node %s was removed from the shard map: no longer used", name)
         for name, entry in live.items():
-            if name in recorders:
+            if name in self._pinned:
+                if self._opened_at.get(name) != entry.where:
+                    continue
+                self._pinned.discard(name)
+            promoted = name in recorders and self._opened_at.get(name, entry.where) != entry.where
+            if name in recorders and not promoted:
                 continue
             if self._connect is None:
                 logger.warning("storage node %s of the shard map cannot be opened: this store opens no nodes", name)
                 continue
             try:
-                recorders[name] = self._connect(self._file_nodes.get(name) or entry.config())
+                recorder = self._connect(entry.config_over(self._file_nodes.get(name)))
             except (ConfigurationError, StorageError) as exc:
                 logger.error("storage node %s of the shard map cannot be opened here: %s", name, exc)
                 continue
-            logger.info("storage node %s joined the shard map: opened", name)
-        if recorders.keys() != self._recorders.keys():
+            if promoted:  # a replica promoted: the former primary is never written again by this process
+                self._retired.append(recorders[name])
+                self._silent.pop(name, None)  # the old primary's silence is not the new one's
+                self._mark_up(name)
+                logger.warning("storage node %s has a new primary (%s): reopened there", name, entry.url)
+            else:
+                logger.info("storage node %s joined the shard map: opened", name)
+            recorders[name] = recorder
+            self._opened_at[name] = entry.where
+        if recorders != self._recorders:
             self._recorders = recorders
+
+    def reopen_node(self, name: str, config: NodeConfig) -> None:
+        """Open node ``name`` at ``config``'s URLs in this process now, before the shard map says so (the
+        process promoting a replica records the new version through it). The former recorder is closed with
+        the store.
+
+        Raises:
+            InvalidArgumentError: no node ``name`` is open.
+            ConfigurationError: this store opens no nodes.
+            StorageError: the node cannot be opened there.
+        """
+        if name not in self._recorders:
+            raise InvalidArgumentError(f"no storage node {name!r} is open in this store")
+        if self._connect is None:
+            raise ConfigurationError("this store opens no nodes")
+        recorder = self._connect(config)
+        with self._map_lock:
+            recorders = dict(self._recorders)
+            self._retired.append(recorders[name])
+            recorders[name] = recorder
+            self._recorders = recorders
+            self._opened_at[name] = where_of(config)
+            self._pinned.add(name)
+            self._silent.pop(name, None)
+        self._mark_up(name)  # the new primary answers (it was just opened)
 
     def _catch_up(self, held: dict[str, int]) -> None:
         """Write the newest version to the nodes that answered with an older one (down when it was written, or
@@ -414,9 +482,34 @@ class Store:
                 raise InvalidCellError(exc.field, exc.problem, index=index) from None
         return out
 
+    def mirror_of(self) -> str | None:
+        """The instance this store is a standby mirror of (``cellstream mirror run`` marks its nodes), read
+        afresh; None when it is writable. A node that does not answer, or known down, is passed over."""
+        for name, recorder in sorted(self._recorders.items()):
+            if name in self._down:
+                continue
+            try:
+                if value := recorder.read_marker("mirror_of"):
+                    return value
+            except StorageUnavailableError:
+                continue
+        return None
+
+    def _check_writable(self) -> None:
+        """Refuse a write to a standby mirror: its mark as the last map read found it (a multi-node store reads
+        it with the map, off the write path); a single-node store reads it every ``map_refresh`` seconds."""
+        now = time.monotonic()
+        if not self._movable and now - self._mirror_read > self._options.map_refresh:
+            self._mirror, self._mirror_read = self.mirror_of(), now
+        if self._mirror:
+            raise ReadOnlyStoreError(f"this instance is a standby mirror of {self._mirror}: only the mirror writes "
+                                     "to it (`cellstream mirror promote --to URL` makes it writable); nothing was "
+                                     "written")
+
     def _put(self, pending: list[PendingCell]) -> list[Cell]:
         if not pending:
             return []
+        self._check_writable()
         # The same coordinates twice in one batch: one write if the bodies agree, a conflict if not.
         unique: dict[Coordinates, PendingCell] = {}
         for cell in pending:
@@ -425,8 +518,7 @@ class Store:
                 raise CellConflictError(cell.row_key, cell.column, cell.ref_key)
         stored: dict[Coordinates, Cell] = {}
         todo = list(unique.values())
-        if self._movable and time.monotonic() - self._map_read > self._options.map_refresh:
-            self.refresh_map()
+        self._refresh_soon()
         for attempt in range(_MOVE_HOPS):
             moved: list[PendingCell] = []
             by_node: dict[str, list[PendingCell]] = {}
@@ -438,8 +530,13 @@ class Store:
                 group = by_node[name]
                 buffers = self._buffers_for(name)
                 try:
+                    if buffers and (since := self._down.get(name)) is not None:
+                        raise StorageUnavailableError(f"storage node {name} is down (for {time.monotonic() - since:.0f}"
+                                                      f" s; checked again every {self.down_recheck:g} s)")
                     results = self._named(name).insert(group, self._buffer_retry if buffers else None)
                 except StorageUnavailableError as exc:
+                    if buffers:
+                        self._mark_down(name, exc)
                     results = self._buffer(name, group, buffers, exc)
                 except ShardMovedError as exc:
                     if attempt == _MOVE_HOPS - 1:
@@ -447,6 +544,9 @@ class Store:
                     logger.info("%s: reloading the shard map", exc)
                     moved.extend(group)  # nothing of the group was written: the node refused it whole
                     continue
+                else:
+                    if self._options.durable_writes:
+                        self._hold(name, group, results)
                 for cell, result in zip(group, results, strict=True):
                     stored[cell.coordinates] = result
             if not moved:
@@ -455,12 +555,65 @@ class Store:
             todo = moved
         return [stored[c.coordinates] for c in pending]
 
+    def _refresh_soon(self) -> None:
+        """Read the shard map again, when due, on a thread of its own: a write does not wait for it, as reading it
+        asks every node, and one that does not answer held every write that found the map due (for seconds, each
+        map_refresh). A write that meets a moved shard still reads it at once (:meth:`_follow_moves`)."""
+        if not self._movable or time.monotonic() - self._map_read <= self._options.map_refresh:
+            return
+        with self._down_lock:
+            if self._refreshing:
+                return
+            self._refreshing = True
+        threading.Thread(target=self._refresh_in_background, name="logstore-map-refresh", daemon=True).start()
+
+    def _refresh_in_background(self) -> None:
+        try:
+            if not self._closed:
+                self.refresh_map()
+        except LogstoreError as exc:  # the next write that finds it due tries again
+            if not self._closed:
+                logger.warning("cannot read the shard map: %s", exc)
+        finally:
+            self._refreshing = False
+
     def _follow_moves(self, attempt: int) -> None:
         """Before trying again what met a moved shard: read the map (after a moment, from the second try on:
         the move's switch is under way, and its record lands in a moment)."""
         if attempt:
             time.sleep(0.05 * attempt)
         self.refresh_map()
+
+    def _hold(self, home: str, group: list[PendingCell], results: list[Cell]) -> None:
+        """Durable buffered writes (:mod:`logstore.durable`): a copy of what ``home``'s primary just stored, on
+        another MySQL node, before the write is acknowledged; nothing when ``home`` has no replica to promote.
+
+        Raises:
+            StorageUnavailableError: no other node took the copy (the write is on the primary, not
+                acknowledged: a retry is safe, as every put is).
+        """
+        from logstore.durable import copies_of
+
+        if not self._named(home).replicated:
+            return
+        copies = copies_of(group, results)
+        if not copies:
+            return
+        failed: StorageUnavailableError | None = None
+        names = sorted(self._recorders)
+        after = names.index(home) + 1 if home in names else 0
+        for name in names[after:] + names[:after]:  # the next node after home first: copies spread over a ring
+            recorder = self._recorders[name]
+            if name == home or not recorder.supports_pending or name in self._down:
+                continue
+            try:
+                recorder.hold_copies(home, copies)
+                return
+            except StorageUnavailableError as exc:
+                failed = exc
+        raise StorageUnavailableError(f"node {home}'s primary stored {len(copies)} cells but no other node holds "
+                                      f"their durable copy ({failed or 'no other MySQL node'}): not acknowledged; "
+                                      "a retry is safe")
 
     # -- buffered writes ----------------------------------------------------
     @property
@@ -474,6 +627,54 @@ class Store:
         if self._options.buffer_after is None:
             return []
         return [n for n in sorted(self._recorders) if n != node and self._recorders[n].supports_pending]
+
+    def known_down(self) -> dict[str, float]:
+        """The nodes a write found unavailable (after ``buffer_after``) and that have not answered since, with
+        the seconds since: writes to them are buffered at once and the shard map is not read from them, until
+        a background check (every :attr:`down_recheck` seconds, on its own thread) or a replayed write finds
+        the primary answering."""
+        now = time.monotonic()
+        with self._down_lock:
+            return {name: now - since for name, since in sorted(self._down.items())}
+
+    def _mark_down(self, name: str, failure: StorageUnavailableError) -> None:
+        with self._down_lock:
+            if name in self._down or self._closed:
+                return
+            self._down[name] = time.monotonic()
+        logger.warning("storage node %s is down (%s): its writes are buffered at once until it answers again",
+                       name, failure)
+        threading.Thread(target=self._recheck, args=(name,), name=f"logstore-recheck-{name}", daemon=True).start()
+
+    def _mark_up(self, name: str) -> None:
+        with self._down_lock:
+            since = self._down.pop(name, None)
+        if since is not None:
+            logger.info("storage node %s answers again after %.1f s: writes go to it again", name,
+                        time.monotonic() - since)
+
+    def _recheck(self, name: str) -> None:
+        """Ask a node known down, every ``down_recheck`` seconds, until its primary answers (or the store closes,
+        or the node leaves the map). No write waits for this."""
+        while name in self._down and not self._closing.wait(self.down_recheck):
+            recorder = self._recorders.get(name)
+            if recorder is None:  # removed from the map meanwhile
+                break
+            try:
+                # The primary itself, not a replica: what a write needs. Without a pending table, the read of the
+                # node's metadata.
+                if recorder.supports_pending:
+                    recorder.pending_counts()
+                else:
+                    recorder.read_meta(self._one_try)
+            except StorageError as exc:
+                logger.debug("storage node %s is still down: %s", name, exc)
+                continue
+            except ConfigurationError as exc:  # it came back as something else: writes find out and say so
+                logger.error("storage node %s answers, but: %s", name, exc)
+            break
+        if not self._closing.is_set():
+            self._mark_up(name)
 
     def _buffer(self, node: str, group: list[PendingCell], buffers: list[str],
                 failure: StorageUnavailableError) -> list[Cell]:
@@ -501,6 +702,9 @@ class Store:
         for name, holder in sorted(self._recorders.items()):
             if not holder.supports_pending:
                 continue
+            if name in self._down:  # asked by the background check, not by every pass
+                unreachable.append(name)
+                continue
             try:
                 done, bad = self._replay_from(holder, limit)
                 waiting += sum(w for w, _ in holder.pending_counts().values())
@@ -509,6 +713,10 @@ class Store:
                 unreachable.append(name)
                 continue
             replayed, failed = replayed + done, failed + bad
+        if len(self._recorders) > 1 and any(r.supports_pending for r in self._recorders.values()):
+            from logstore.durable import trim_copies
+
+            trim_copies(self)  # durable copies the home's replicas hold now (durable buffered writes)
         return PendingReport(replayed, failed, waiting, unreachable)
 
     def _replay_from(self, holder: NodeRecorder, limit: int) -> tuple[int, int]:
@@ -521,7 +729,13 @@ class Store:
             if home is None:
                 continue  # not open here (yet): the next pass
             try:
-                home.insert([r.cell for r in records], self._buffer_retry)
+                # A home known down is asked once: for many passes it answers with a refusal.
+                cells = [r.cell for r in records]
+                stored = home.insert(cells, self._one_try if node in self._down else self._buffer_retry)
+                if self._options.durable_writes and home.replicated:  # held here until its replicas have it
+                    from logstore.durable import copies_of
+
+                    holder.hold_copies(node, copies_of(cells, stored))
             except StorageUnavailableError:
                 continue  # still down: next time
             except ShardMovedError:
@@ -531,6 +745,7 @@ class Store:
                 done, bad = self._replay_one_by_one(home, holder, records)
                 replayed, failed = replayed + done, failed + bad
                 continue
+            self._mark_up(node)
             holder.drop_pending([r.id for r in records])
             replayed += len(records)
         return replayed, failed
@@ -929,6 +1144,7 @@ class Store:
         if self._closed:
             return
         self._closed = True
+        self._closing.set()
         for recorder in [*self._recorders.values(), *self._retired]:
             recorder.close()
 

@@ -6,6 +6,8 @@
 #                    is missing)
 #   Maven jars:      Kafka 3.9 + ZooKeeper from scripts/kafka/pom.xml into .services/kafka/lib
 #                    (cached in ~/.m2; fetched again only when the pom changes)
+#                    S3Proxy (an S3-compatible server, for the object-storage backup tests) into
+#                    .services/s3proxy/lib: one self-contained jar, its SHA-256 pinned here
 #
 # The servers themselves are started and stopped from Python (tests/harness/servers.py): by the test
 # session's fixtures, or `python -m tests.harness.servers up|down|run -- CMD`. Idempotent.
@@ -52,4 +54,22 @@ if [ "$(cat "$LIB/.pom.sha256" 2>/dev/null)" != "$stamp" ] || ! compgen -G "$LIB
     { tail -n 20 "$ROOT/.services/mvn.log" >&2; rm -rf "$tmp"; die "maven failed (log: .services/mvn.log)"; }
   printf '%s\n' "$stamp" >"$tmp/.pom.sha256"
   rm -rf "$LIB" && mv "$tmp" "$LIB"  # in one step: a half-copied lib dir never looks complete
+fi
+
+# S3Proxy: Maven Central's jar-with-dependencies (runs on Java 17), checked by Maven (-C: strict checksums)
+# and against the pin below; kept out of the Kafka lib dir, whose classpath is `lib/*`.
+S3PROXY_VERSION=4.1.0
+S3PROXY_SHA256=a4d025969aaf796616ed4b1e2491d87d455ce84bb28cb9db086b2e6aaa68b48d
+S3PROXY_JAR="$ROOT/.services/s3proxy/lib/s3proxy-$S3PROXY_VERSION-jar-with-dependencies.jar"
+if ! echo "$S3PROXY_SHA256  $S3PROXY_JAR" | sha256sum -c --status 2>/dev/null; then
+  tmp="$ROOT/.services/s3proxy/lib.tmp.$$"
+  rm -rf "$tmp" && mkdir -p "$tmp"
+  log "maven: fetching S3Proxy $S3PROXY_VERSION into $(dirname "$S3PROXY_JAR")"
+  mvn -q -B -C org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy \
+    -Dartifact="org.gaul:s3proxy:$S3PROXY_VERSION:jar:jar-with-dependencies" -DoutputDirectory="$tmp" \
+    >"$ROOT/.services/mvn-s3proxy.log" 2>&1 </dev/null ||
+    { tail -n 20 "$ROOT/.services/mvn-s3proxy.log" >&2; rm -rf "$tmp"; die "maven failed (log: .services/mvn-s3proxy.log)"; }
+  echo "$S3PROXY_SHA256  $tmp/$(basename "$S3PROXY_JAR")" | sha256sum -c --status ||
+    { rm -rf "$tmp"; die "S3Proxy $S3PROXY_VERSION: SHA-256 differs from the pin in scripts/install.sh"; }
+  rm -rf "$(dirname "$S3PROXY_JAR")" && mv "$tmp" "$(dirname "$S3PROXY_JAR")"
 fi

@@ -1,12 +1,12 @@
-"""Fixtures: a fresh SQLite directory, MariaDB database, PostgreSQL database, ZooKeeper chroot or
-Kafka topic prefix per test; and the service markers, put on every test from what it uses.
+"""Fixtures: a fresh SQLite directory, MariaDB database, PostgreSQL database, ZooKeeper chroot,
+Kafka topic prefix or S3 bucket per test; and the service markers, put on every test from what it uses.
 
 The servers are the real ones: the session starts those its selected tests need (``shared_servers``, from
 tests/harness/servers.py; their addresses are in tests/harness/shared_servers.py), after
 scripts/install.sh installed them (`make test` runs both). A server that cannot start fails the tests,
 with CI=true or not; nothing here skips or mocks it. `make unit` deselects the tests marked with a service instead.
 
-A test is marked ``mysql``, ``postgres``, ``kafka`` or ``zookeeper`` (pyproject.toml declares them) when
+A test is marked ``mysql``, ``postgres``, ``kafka``, ``zookeeper`` or ``s3`` (pyproject.toml declares them) when
   - it uses a fixture of SERVICE_FIXTURES, directly or through other fixtures;
   - one of its parameters is a service's name: a fixture or test parametrized over backends
     (``params=["sqlite", "mysql"]``) gets the service fixture with ``request.getfixturevalue`` for that
@@ -25,6 +25,7 @@ import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -36,12 +37,16 @@ from tests.harness.shared_servers import (
     MYSQL_REPLICA,
     MYSQL_SERVER,
     POSTGRES_SERVER,
+    S3_CREDENTIAL,
+    S3_ENDPOINT,
+    S3_IDENTITY,
     ZOOKEEPER,
     mysql_admin,
     postgres_admin,
+    s3_admin,
 )
 
-SERVICES = ("mysql", "postgres", "kafka", "zookeeper")
+SERVICES = ("mysql", "postgres", "kafka", "zookeeper", "s3")
 SERVICE_FIXTURES = {
     "mysql_database": "mysql",
     "replicated_database": "mysql",
@@ -49,10 +54,11 @@ SERVICE_FIXTURES = {
     "postgres_database": "postgres",
     "zk_chroot": "zookeeper",
     "topic_prefix": "kafka",
+    "s3_destination": "s3",
 }
 # The environment variables that point the suite at servers of one's own (tests/harness/shared_servers.py).
 OVERRIDES = {"mysql": "CELLSTREAM_TEST_MYSQL", "postgres": "CELLSTREAM_TEST_POSTGRES", "kafka": "CELLSTREAM_TEST_KAFKA",
-             "zookeeper": "CELLSTREAM_TEST_ZOOKEEPER"}
+             "zookeeper": "CELLSTREAM_TEST_ZOOKEEPER", "s3": "CELLSTREAM_TEST_S3"}
 PRIVATE_SERVERS: dict[type, str] = {PrivateMariaDB: "mysql", PrivatePostgreSQL: "postgres", PrivateKafka: "kafka",
                                     PrivateZooKeeper: "zookeeper"}
 
@@ -218,3 +224,33 @@ def topic_prefix(request: pytest.FixtureRequest) -> Iterator[str]:
     prefix = f"t{uuid.uuid4().hex[:10]}"
     yield prefix
     delete_topics(KAFKA, prefix)
+
+
+# -- S3-compatible object storage (S3Proxy, where object-storage backups are tested) --------
+class S3Destination(NamedTuple):
+    """A backup destination in a fresh bucket: its ``s3://bucket/prefix`` URL and the environment that gives
+    its endpoint and credentials (what ``logstore.backup.storage.open_storage(url, env=env)`` reads)."""
+
+    url: str
+    env: dict[str, str]
+    bucket: str
+
+
+@pytest.fixture
+def s3_destination(request: pytest.FixtureRequest) -> Iterator[S3Destination]:
+    """``s3://cst-<hex>/backups`` in a new bucket of the shared S3Proxy; the bucket and all in it are deleted
+    after the test."""
+    _needs(request, "s3")
+    admin = s3_admin()
+    bucket = f"cst-{uuid.uuid4().hex[:12]}"
+    admin.create_bucket(Bucket=bucket)
+    env = {"AWS_ACCESS_KEY_ID": S3_IDENTITY, "AWS_SECRET_ACCESS_KEY": S3_CREDENTIAL,
+           "CELLSTREAM_S3_ENDPOINT": S3_ENDPOINT}
+    try:
+        yield S3Destination(f"s3://{bucket}/backups", env, bucket)
+    finally:
+        for page in admin.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+            if keys:
+                admin.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+        admin.delete_bucket(Bucket=bucket)

@@ -69,6 +69,8 @@ REVIEWED_FLOORS: dict[str, tuple[str | None, str]] = {
     "types-pymysql": (None, "typing stubs, never run"),
     "types-pyyaml": (None, "typing stubs, never run"),
     "types-tqdm": (None, "typing stubs, never run"),
+    "boto3": ("1.34", "no advisory found (boto3, botocore, s3transfer)"),
+    "boto3-stubs": (None, "typing stubs, never run"),
     "psutil": ("5.9", "CVE-2019-18874 / PYSEC-2019-41 fixed in 5.6.6"),
     "duckdb": ("1.4.2", "CVE-2024-41672 / GHSA-w2gf-jxc9-pf2q (1.1.0), CVE-2025-64429 / GHSA-vmp8-hg63-v2hp "
                "(1.4.0 and 1.4.1)"),

@@ -54,7 +54,14 @@ def _rebalance(store: Store) -> JobKind:
     return Rebalance(store)
 
 
-KIND_FACTORIES: dict[str, Callable[[Store], JobKind]] = {"compact": _compaction, "rebalance": _rebalance}
+def _backup(store: Store) -> JobKind:
+    from logstore.backup.job import BackupJob
+
+    return BackupJob(store)
+
+
+KIND_FACTORIES: dict[str, Callable[[Store], JobKind]] = {"compact": _compaction, "rebalance": _rebalance,
+                                                         "backup": _backup}
 
 
 def known_kinds(store: Store) -> KindRegistry:

@@ -17,13 +17,27 @@ import sys
 from collections.abc import Sequence
 
 from cellstream import __version__
-from cellstream.cli import apps, cells, connect, console, demo, indexes, jobs, logsetup, nodes, serve, tail
+from cellstream.cli import (
+    apps,
+    backup,
+    cells,
+    connect,
+    console,
+    demo,
+    indexes,
+    jobs,
+    logsetup,
+    mirror,
+    nodes,
+    serve,
+    tail,
+)
 from cellstream.cli.common import Output, Parser, common_options, store_with_password
 from cellstream.cli.exits import Exit, fail
 from cellstream.errors import UsageError
 from logstore.errors import CellstreamError
 
-COMMANDS = (cells, nodes, tail, apps, indexes, connect, jobs, serve, console, demo)
+COMMANDS = (cells, nodes, tail, apps, indexes, connect, jobs, serve, console, demo, backup, mirror)
 
 
 def build_parser() -> argparse.ArgumentParser:

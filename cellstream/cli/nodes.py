@@ -7,6 +7,7 @@ shards rebalance --apply``::
                               [--max-latency MS] [--detach]
   cellstream nodes split NAME --into NEW [the same options]
   cellstream nodes remove NAME
+  cellstream nodes promote NAME --replica URL|HOST:PORT [--wait S] [--burn N]
 
 A drain, a split and a rebalance run as a job (``cellstream jobs``) in the foreground with a progress bar;
 ``--detach`` records it for ``cellstream jobs resume ID --run``. While a rebalance job is unfinished (its
@@ -53,6 +54,14 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     a = actions.add_parser("remove", parents=[common], help="take a node that holds nothing out of the instance")
     a.add_argument("name")
     a.set_defaults(run=cmd_remove)
+    a = actions.add_parser("promote", parents=[common], help="make a replica the node's primary (its primary lost)")
+    a.add_argument("name")
+    a.add_argument("--replica", required=True, metavar="URL|HOST:PORT", help="the replica (`nodes list` shows them)")
+    a.add_argument("--wait", type=float, default=60.0, metavar="S",
+                   help="seconds the replica may take to apply what it received (60)")
+    a.add_argument("--burn", type=int, default=None, metavar="N",
+                   help="ids each shard skips: more than the cells of one shard the replica may lack (1,000,000)")
+    a.set_defaults(run=cmd_promote)
 
 
 def weigh_options(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +123,19 @@ def cmd_remove(store: Store, args: argparse.Namespace, out: Output) -> int:
     out.emit({"node": args.name, "removed": True, "version": store.shard_map.version},
              f"node {args.name} removed (shard map version {store.shard_map.version}); its database is left "
              "as it is")
+    return Exit.OK
+
+
+def cmd_promote(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from logstore.nodes import promote_node
+
+    done = promote_node(store, args.name, args.replica, wait=args.wait, burn=args.burn)
+    former = ("answered and now refuses writes" if done.former_fenced else
+              "does not answer: fenced in the shard map, and its writes refused if it comes back (`nodes list`)")
+    out.emit(done._asdict(), f"node {done.node}: primary {done.primary} (shard map version "
+                             f"{store.shard_map.version}); the former primary {done.former} {former}; "
+                             f"{done.burnt_shards} shards skip {done.burn:,} ids; {done.restored} acknowledged cells "
+                             f"written from their durable copies, {done.replayed} buffered cells written to it")
     return Exit.OK
 
 

@@ -37,6 +37,7 @@ from logstore.net import is_loopback
 from logstore.node import openapi, wire
 from logstore.node.connections import Connection, Limits, protocol_factory
 from logstore.node.guard import AuthLimits, AuthThrottle, HostAllowList, check_token, cross_site, retry_after
+from logstore.node.health import CachedCollector, NodeHealth
 from logstore.node.models import models
 from logstore.node.routes import ROUTES, Route
 from logstore.persistence import TruncatedPage
@@ -61,6 +62,10 @@ class ServerConfig(BaseModel):
     max_body_bytes: int = Field(8 << 20, ge=1024, description="larger request bodies get 413")
     threads: int = Field(8, ge=1, le=512, description="blocking store calls at once (the MySQL pool holds 8)")
     replay_interval: float = Field(1.0, gt=0, description="seconds between passes of the buffered-write replayer")
+    health_interval: float = Field(1.0, gt=0, description="seconds between the background checks of the storage "
+                                                          "nodes that /readyz and /metrics report")
+    health_timeout: float = Field(0.5, gt=0, le=5.0, description="a storage node whose check has not answered in "
+                                  "this many seconds is reported down; the longest /readyz waits for one")
     header_timeout: float = Field(10.0, gt=0, description="seconds for a request's head (and a TLS handshake)")
     body_timeout: float = Field(30.0, gt=0, description="seconds for a request's body")
     idle_timeout: float = Field(60.0, gt=0, description="seconds a kept-alive connection may idle")
@@ -108,8 +113,9 @@ class _Metrics:
                              "buffered cells waiting for their primary, after the last replay pass", registry=registry)
         self.connections = Gauge("cellstream_worker_connections", "client connections open", registry=registry)
         self.storage_up = Gauge("cellstream_worker_storage_node_up",
-                                "1 when the storage node answered the node's last check (each /readyz and each "
-                                "scrape of /metrics)", ["node"], registry=registry)
+                                "1 when the storage node answered the worker node's last check (made in the "
+                                "background every second, and by each /readyz) within its timeout", ["node"],
+                                registry=registry)
         self.node_shards = Gauge("cellstream_worker_storage_node_shards",
                                  "shards the shard map places on each storage node, as this node last read it",
                                  ["node"], registry=registry)
@@ -151,8 +157,12 @@ class WorkerNode:
         if registry is None:
             register_build_info(self.metrics.registry, "worker-node")
         # The store's jobs, as their records have them: a job whose runner died is seen here, where an
-        # operator's Prometheus already scrapes (the alerts on failed and runner-less jobs read these).
-        self.metrics.registry.register(JobRecordsCollector(JobStore(store)))
+        # operator's Prometheus already scrapes (the alerts on failed and runner-less jobs read these). Read in
+        # the background: the jobs shard's node may be the one that does not answer.
+        jobs = CachedCollector(JobRecordsCollector(JobStore(store)))
+        self.metrics.registry.register(jobs)
+        self.health = NodeHealth(store, interval=self.config.health_interval, timeout=self.config.health_timeout,
+                                 on_round=self._report_nodes, cached=[jobs])
         self.metrics.connections.set_function(self._open_connections)
         self._pool: ThreadPoolExecutor | None = None
         self._runner: web.AppRunner | None = None
@@ -228,6 +238,7 @@ class WorkerNode:
         self._runner = runner
         self._port = self._server.sockets[0].getsockname()[1]  # the port bound when 0 was asked for
         await self._warm()
+        await self.health.start()
         if self.store.buffers_writes:
             self._replayer = asyncio.create_task(self._replay(), name="worker-node-replayer")
         access = ("token required" + (", admin token for system cells" if self.config.admin_token else "")
@@ -273,6 +284,7 @@ class WorkerNode:
                             report.failed, report.waiting)
 
     async def stop(self) -> None:
+        await self.health.stop()
         replayer, self._replayer = self._replayer, None
         if replayer is not None:
             replayer.cancel()
@@ -392,7 +404,7 @@ class WorkerNode:
         return _json({"status": "ok"})
 
     async def readyz(self, got: Got) -> web.Response:
-        nodes = await self._check_nodes()
+        nodes = await self.health.check()  # at most health_timeout: a node that has not answered by then is down
         ready = all(v == "ok" for v in nodes.values())
         if not self._holds_a_token(got.request):  # an open route: what a storage node answered names its host
             nodes = {node: "ok" if answer == "ok" else "unavailable" for node, answer in nodes.items()}
@@ -414,35 +426,25 @@ class WorkerNode:
         """A shard of each storage node that holds one, by the shard map as it is now (nodes join and leave)."""
         return {node: shard for shard, node in reversed(list(enumerate(self.store.placement())))}
 
-    async def _check_nodes(self) -> dict[str, str]:
-        """Ask every storage node for one shard's head (its metadata when it holds none yet): ``{node: "ok" or
-        the error}``, also in the metrics, where a node that left the map is dropped."""
-        nodes: dict[str, str] = {}
-        first = self._first_shards()
+    def _report_nodes(self, nodes: dict[str, str]) -> None:
+        """The gauges of the storage nodes, from their checks' answers (``{node: "ok" or why not}``); a node that
+        left the map is dropped from them."""
         shards: dict[str, int] = {}
         for holder in self.store.placement():
             shards[holder] = shards.get(holder, 0) + 1
-        for node in self.store.nodes:
-            try:
-                if node in first:
-                    await self._call(self.store.head, first[node])
-                elif (recorder := self.store.node_recorder(node)) is not None:
-                    await self._call(recorder.read_meta)
-                nodes[node] = "ok"
-            except LogstoreError as exc:
-                nodes[node] = str(exc)
-            self.metrics.storage_up.labels(node).set(int(nodes[node] == "ok"))
+        for node, answer in nodes.items():
+            self.metrics.storage_up.labels(node).set(int(answer == "ok"))
             self.metrics.node_shards.labels(node).set(shards.get(node, 0))
         for gone in self._reported - set(nodes):
             self.metrics.storage_up.remove(gone)
             self.metrics.node_shards.remove(gone)
         self._reported = set(nodes)
         self.metrics.map_version.set(self.store.shard_map.version)
-        return nodes
 
     async def prometheus(self, got: Got) -> web.Response:
-        await self._check_nodes()  # so that an alert on a storage node needs no prober of its own
-        body = await self._call(generate_latest, self.metrics.registry)  # reads the jobs' records
+        # On the event loop, not the request threads (all of them may wait on a node that hangs): every value is
+        # in memory, kept by the background checks (NodeHealth).
+        body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def openapi(self, got: Got) -> web.Response:

@@ -17,6 +17,7 @@ class TcpProxy:
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
         self._cut = False
+        self._stalled = False
         self._closed = False
         threading.Thread(target=self._accept, name="tcp-proxy", daemon=True).start()
 
@@ -28,6 +29,10 @@ class TcpProxy:
                 return
             if self._cut:
                 client.close()
+                continue
+            if self._stalled:  # accepted, and never answered
+                with self._lock:
+                    self._open.append(client)
                 continue
             try:
                 server = socket.create_connection(self.target, timeout=5)
@@ -43,7 +48,8 @@ class TcpProxy:
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(65536):
-                sink.sendall(data)
+                if not self._stalled:
+                    sink.sendall(data)
         except OSError:
             pass
         finally:
@@ -61,7 +67,15 @@ class TcpProxy:
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
 
+    def stall(self) -> None:
+        """Stop forwarding, every connection left open: the server hangs as its clients see it (a partition, no
+        reset). New connections are accepted and hang too. restore() closes them all."""
+        self._stalled = True
+
     def restore(self) -> None:
+        if self._stalled:  # what was sent meanwhile is lost: the connections that carried it are closed
+            self.cut()
+            self._stalled = False
         self._cut = False
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """The suite's shared servers, started and stopped from Python: MariaDB (3306) with its replica (3307),
-PostgreSQL (5432), ZooKeeper (2181) and Kafka (9092), at the addresses of tests/harness/shared_servers.py.
+PostgreSQL (5432), ZooKeeper (2181), Kafka (9092) and S3Proxy (8333, an S3-compatible object store), at the
+addresses of tests/harness/shared_servers.py.
 
 The test session starts the ones its tests need (tests/conftest.py) and stops, at its end, exactly those
 it started. A server that already answers with the test credentials is reused and left running: one
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,6 +41,7 @@ from tests.harness import REPO
 from tests.harness.private_mariadb import PrivateMariaDB
 from tests.harness.private_postgres import PrivatePostgreSQL
 from tests.harness.services import HOST, PrivateKafka, PrivateZooKeeper, _JavaServer, kafka_brokers, zk_four_letter
+from tests.harness.shared_servers import S3_CREDENTIAL, S3_IDENTITY, S3_PORT
 
 DIR = REPO / ".services"
 USER = PASSWORD = "cellstream"
@@ -272,13 +275,66 @@ class Kafka(_Java):
         return _listening(self.port) and bool(kafka_brokers(f"{HOST}:{self.port}", timeout=5))
 
 
+class S3Proxy(Server):
+    """S3Proxy (the jar scripts/install.sh fetches) on 8333: an S3-compatible server keeping its buckets as
+    directories under ``.services/s3proxy/data``, taking AWS v2/v4 signatures of one identity (S3_IDENTITY,
+    S3_CREDENTIAL). The test fixture makes its bucket (tests/conftest.py)."""
+
+    name = "s3proxy"
+    port = S3_PORT
+
+    def answers(self) -> bool:
+        import boto3
+        import botocore.config
+        import botocore.exceptions
+
+        client = boto3.client("s3", endpoint_url=f"http://{HOST}:{self.port}", region_name="us-east-1",
+                              aws_access_key_id=S3_IDENTITY, aws_secret_access_key=S3_CREDENTIAL,
+                              config=botocore.config.Config(connect_timeout=2, read_timeout=5,
+                                                            retries={"max_attempts": 1}))
+        with contextlib.suppress(botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
+            client.list_buckets()  # signed: a server taking other credentials refuses it
+            return True
+        return False
+
+    def _start(self) -> None:
+        jars = sorted((self.dir / "lib").glob("s3proxy-*-jar-with-dependencies.jar"))
+        if not jars:
+            raise RuntimeError(f"{self.name}: no jar in {self.dir / 'lib'}; run scripts/install.sh (`make test` does)")
+        java = shutil.which("java")
+        if java is None:
+            raise RuntimeError("java is not installed; run scripts/install.sh (`make test` does)")
+        data = self.dir / "data"
+        data.mkdir(exist_ok=True)
+        properties = self.dir / "s3proxy.properties"
+        properties.write_text(
+            f"s3proxy.endpoint=http://{HOST}:{self.port}\n"
+            "s3proxy.authorization=aws-v2-or-v4\n"
+            f"s3proxy.identity={S3_IDENTITY}\n"
+            f"s3proxy.credential={S3_CREDENTIAL}\n"
+            "jclouds.provider=filesystem\n"
+            f"jclouds.filesystem.basedir={data}\n")
+        log_path = self.dir / "s3proxy.log"
+        with log_path.open("ab") as out:
+            self._proc = subprocess.Popen(
+                [java, "-Xmx256m", "-DLOG_LEVEL=warn", "-jar", str(jars[-1]), "--properties", str(properties)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=self.dir, start_new_session=True)
+        self.pidfile.write_text(str(self._proc.pid))
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self.answers():
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                why = f"exited with code {self._proc.returncode}" if self._proc.poll() is not None else "not ready"
+                raise RuntimeError(f"{self.name}: {why} (log {log_path}):\n{_tail(log_path)}")
+            time.sleep(0.25)
+
+
 SERVERS: dict[str, type[Server]] = {
     "mariadb": MariaDB, "mariadb-replica": MariaDBReplica, "postgresql": PostgreSQL, "zookeeper": ZooKeeper,
-    "kafka": Kafka,
+    "kafka": Kafka, "s3proxy": S3Proxy,
 }
 # What each pytest marker needs (tests/conftest.py); the replica needs its primary first.
 BY_MARKER = {"mysql": ("mariadb", "mariadb-replica"), "postgres": ("postgresql",), "zookeeper": ("zookeeper",),
-             "kafka": ("kafka",)}
+             "kafka": ("kafka",), "s3": ("s3proxy",)}
 
 
 def up(names: Iterable[str]) -> list[Server]:

@@ -21,6 +21,11 @@ MYSQL_REPLICA = os.environ.get("CELLSTREAM_TEST_MYSQL_REPLICA", "mysql://cellstr
 POSTGRES_SERVER = os.environ.get("CELLSTREAM_TEST_POSTGRES", "postgresql://cellstream:cellstream@127.0.0.1:5432")
 KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
 ZOOKEEPER = os.environ.get("CELLSTREAM_TEST_ZOOKEEPER", "127.0.0.1:2181")
+# The S3-compatible object store (S3Proxy) the object-storage backup tests write to, and its one identity.
+S3_PORT = 8333
+S3_ENDPOINT = os.environ.get("CELLSTREAM_TEST_S3", f"http://127.0.0.1:{S3_PORT}")
+S3_IDENTITY = os.environ.get("CELLSTREAM_TEST_S3_ACCESS_KEY", "cellstream")
+S3_CREDENTIAL = os.environ.get("CELLSTREAM_TEST_S3_SECRET_KEY", "cellstream-secret")
 
 
 def mysql_admin(server: str = MYSQL_SERVER) -> pymysql.connections.Connection:
@@ -46,3 +51,21 @@ def postgres_admin() -> Any:
     except psycopg.OperationalError as exc:
         pytest.fail(f"PostgreSQL is not reachable at {POSTGRES_SERVER.split('@')[-1]} ({exc}); run the suite "
                     "with `make test`, which installs and starts it", pytrace=False)
+
+
+def s3_admin() -> Any:
+    """A boto3 S3 client of the shared S3Proxy (S3_ENDPOINT), with its identity; fails the test, naming the
+    server, when it does not answer."""
+    import boto3
+    import botocore.config
+    import botocore.exceptions
+
+    client = boto3.client("s3", endpoint_url=S3_ENDPOINT, region_name="us-east-1", aws_access_key_id=S3_IDENTITY,
+                          aws_secret_access_key=S3_CREDENTIAL,
+                          config=botocore.config.Config(connect_timeout=5, s3={"addressing_style": "path"}))
+    try:
+        client.list_buckets()
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+        pytest.fail(f"S3Proxy is not reachable at {S3_ENDPOINT} with {S3_IDENTITY!r} ({exc}); run the suite with "
+                    "`make test`, which installs and starts it", pytrace=False)
+    return client

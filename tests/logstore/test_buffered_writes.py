@@ -36,6 +36,22 @@ def open_store(cluster: Path) -> logstore.Store:
                          connect_timeout=1.0, read_timeout=5.0)
 
 
+def assert_tailed(topics: Path, acked: list[logstore.Cell], background: Background) -> None:
+    """Every acknowledged cell published on ``cells.BASE`` (waited for, then the tailer stopped), each shard's
+    cells in added_id order: the order held through the crash."""
+    wanted = {str(c.row_key) for c in acked}
+    deadline = time.monotonic() + 60
+    while not wanted <= (published := {r["value"]["row_key"] for _, r in read_topic(topics, "cells.BASE")}):
+        assert time.monotonic() < deadline, f"{len(wanted - published)} acknowledged cells never tailed"
+        time.sleep(0.2)
+    background.close()
+    by_shard: dict[int, list[int]] = {}
+    for _, record in read_topic(topics, "cells.BASE"):
+        by_shard.setdefault(record["value"]["shard"], []).append(record["value"]["added_id"])
+    for ids in by_shard.values():
+        assert ids == sorted(ids)
+
+
 class Background:
     """The tailer on its own event loop, publishing to topic files, until stopped."""
 
@@ -104,18 +120,7 @@ def test_a_primary_sigkilled_during_writes_loses_no_acknowledged_cell(mysql_data
                 stored = store.get_cell(cell.row_key, "BASE", 1)
                 assert stored is not None and stored.body == cell.body and stored.added_id > 0
 
-            wanted = {str(c.row_key) for c in acked}
-            deadline = time.monotonic() + 60
-            while not wanted <= (published := {r["value"]["row_key"] for _, r in read_topic(tmp_path / "topics",
-                                                                                            "cells.BASE")}):
-                assert time.monotonic() < deadline, f"{len(wanted - published)} acknowledged cells never tailed"
-                time.sleep(0.2)
-            background.close()
-            by_shard: dict[int, list[int]] = {}
-            for _, record in read_topic(tmp_path / "topics", "cells.BASE"):
-                by_shard.setdefault(record["value"]["shard"], []).append(record["value"]["added_id"])
-            for ids in by_shard.values():  # per-shard order held through the crash and the replay
-                assert ids == sorted(ids)
+            assert_tailed(tmp_path / "topics", acked, background)
         finally:
             store.close()
 
@@ -129,6 +134,10 @@ def test_a_buffered_cell_that_conflicts_at_home_is_kept_failed_not_dropped(mysql
         buffered = store.put_cell(key, "BASE", 1, {"v": "buffered"})
         assert buffered.added_id == 0 and store.pending_stats() == {"a": (1, 0)}
         db.start()
+        deadline = time.monotonic() + 30  # known down until the store's background check finds it answering
+        while "a" in store.known_down():
+            assert time.monotonic() < deadline, "node a was never found answering again"
+            time.sleep(0.1)
         # Before the replayer runs, the same coordinates get another body at home: cells are immutable.
         assert store.put_cell(key, "BASE", 1, {"v": "direct"}).added_id > 0
         report = store.replay_pending()
@@ -171,12 +180,12 @@ def test_a_worker_node_buffers_and_its_replayer_writes_home(mysql_database: str,
             assert [store.put_cell(k, "BASE", 1, {"via": "store"}).added_id for k in keys[3:]] == [0, 0]
             capsys.readouterr()
             # While node a is down: what waits for it, where, and that a itself could not be asked.
-            assert main(["pending", "--store", str(cluster), "--json"]) == 0
+            assert main(["pending", "--store", str(cluster), "--json"]) == 5  # cells wait: not OK
             assert json.loads(capsys.readouterr().out) == {
                 "homes": {"a": {"waiting": 2, "failed": 0, "held_on": {"b": {"waiting": 2, "failed": 0}}}},
                 "unreachable": ["a"]}
             db.start()
-            assert main(["pending", "--store", str(cluster), "--json"]) == 0
+            assert main(["pending", "--store", str(cluster), "--json"]) == 5
             assert json.loads(capsys.readouterr().out) == {
                 "homes": {"a": {"waiting": 2, "failed": 0, "held_on": {"b": {"waiting": 2, "failed": 0}}}},
                 "unreachable": []}

@@ -15,6 +15,7 @@ import logstore
 from cellstream.console.server import ConsoleMetrics
 from indexer.runtime.metrics import AppMetrics
 from logstore.jobs import JobMetrics, JobStore
+from logstore.mirror import MirrorMetrics
 from logstore.node.server import _Metrics as WorkerMetrics
 from tailer.metrics import TailerMetrics
 
@@ -27,7 +28,7 @@ def exported() -> set[str]:
     runners', and their records' as read from a store) expose."""
     jobs = JobMetrics()
     registries = [TailerMetrics("t").registry, AppMetrics("a").registry, WorkerMetrics(CollectorRegistry()).registry,
-                  ConsoleMetrics(CollectorRegistry()).registry, jobs.registry]
+                  ConsoleMetrics(CollectorRegistry()).registry, jobs.registry, MirrorMetrics().registry]
     names: set[str] = set()
     with tempfile.TemporaryDirectory() as directory, logstore.open(f"sqlite:///{directory}/store", shards=4) as store:
         jobs.watch(JobStore(store))
@@ -64,7 +65,7 @@ def test_the_alerts_cover_what_an_operator_is_woken_for() -> None:
     by_name = {r["alert"]: r for r in rules}
     for name in ("CellstreamHandlerStalled", "CellstreamTailerLagGrowing", "CellstreamDeadLettersGrowing",
                  "CellstreamTailerLeaseLost", "CellstreamWorkerNodeNotReady", "CellstreamJobFailed",
-                 "CellstreamJobWithoutRunner"):
+                 "CellstreamJobWithoutRunner", "CellstreamMirrorLagging", "CellstreamMirrorStalled"):
         rule = by_name[name]
         assert rule["labels"]["severity"] in ("warning", "critical") and rule["annotations"]["summary"]
         assert rule.get("for"), f"{name} fires on one scrape"
@@ -75,7 +76,7 @@ def test_the_dashboard_has_a_section_per_component_and_every_panel_a_query() -> 
     assert dashboard["uid"] == "cellstream-overview" and dashboard["schemaVersion"] >= 36
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
     assert rows == ["Tailers", "Apps and connectors", "Secondary indexes", "Worker nodes", "Dead-letter console",
-                    "Jobs"]
+                    "Jobs", "Standby mirror"]
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for panel in dashboard["panels"]:

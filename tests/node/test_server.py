@@ -296,7 +296,10 @@ def test_metrics_show_the_store_jobs_a_dead_runner_left(node: NodeThread) -> Non
     waiting = jobs.create("compact", {}, [StepRecord(name="BASE/date=2026-11-25", total=4)], unit="files")
     failed = jobs.create("compact", {}, [StepRecord(name="FARE/date=2026-11-25")], unit="files")
     jobs.change(failed.id, lambda record: setattr(record, "state", "failed"))
-    text = metrics_of(node.url)
+    deadline = time.monotonic() + 10  # the records are read in the background (every health_interval), not by a scrape
+    while f'cellstream_job_failed{{job_id="{failed.id}",kind="compact"}} 1.0' not in (text := metrics_of(node.url)):
+        assert time.monotonic() < deadline, "the node's metrics never showed the jobs"
+        time.sleep(0.1)
     assert f'cellstream_job_failed{{job_id="{failed.id}",kind="compact"}} 1.0' in text
     assert f'cellstream_job_lease_lapsed_seconds{{job_id="{waiting.id}",kind="compact"}}' in text
     assert 'cellstream_jobs{kind="compact",state="planned"} 1.0' in text

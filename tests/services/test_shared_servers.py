@@ -39,6 +39,7 @@ def test_a_fresh_postgres_database_is_empty_and_writable(postgres_database: str)
 @pytest.mark.postgres
 @pytest.mark.kafka
 @pytest.mark.zookeeper
+@pytest.mark.s3
 def test_up_reuses_every_server_that_answers_and_starts_none() -> None:
     """The session started (or reused) every server its tests need; another `up` finds each answering, so it
     starts nothing and has nothing of its own to stop. The replica replicates."""

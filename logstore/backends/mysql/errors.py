@@ -28,6 +28,7 @@ SSL_REQUIRED_UNSUPPORTED = 2026  # pymysql: TLS required but the server offers n
 NO_TABLE = 1146
 DUPLICATE = 1062
 DUPLICATE_COLUMN = 1060
+BAD_FIELD = 1054  # an unknown column (a replica behind a column's creation)
 NULL_COLUMN = 1048  # a NULL into a NOT NULL column: a one-shard write that found no counter to take ids from
 
 

@@ -54,7 +54,7 @@ CAUGHT_UP = 200  # a copy pass that finds fewer new cells than this ends the cat
 Progress = Callable[[int, int], None]  # (shard, cells copied so far by this call)
 Pace = Callable[[int], None]  # given the rows of a page before it is copied or deleted; may block (a throttle)
 _QUICK = RetryPolicy(deadline=2.0)  # for nodes a move only looks at: one that does not answer is passed over
-_ROW = "SELECT last_id, fence, moved_to, moved_at FROM cellstream_shards WHERE shard = %s"
+_ROW = "SELECT last_id, fence, moved_to, moved_at, id_floor FROM cellstream_shards WHERE shard = %s"
 # Tests only: called with the name of each step a move or an abort has just taken.
 step_hook: Callable[[str], None] | None = None
 
@@ -84,6 +84,7 @@ class _Row(NamedTuple):
     fence: str | None
     moved_to: str | None
     moved_at: dt.datetime | None
+    id_floor: int = 0  # ids below it are burnt (a promotion): the shard's next id is above it
 
     def holds(self) -> bool:
         return self.fence is None
@@ -418,7 +419,7 @@ class _Move:
         # rest only.
         if not _update(self.target, "record checked copy", "UPDATE cellstream_shards SET last_id = %s WHERE"
                        " shard = %s AND fence = %s AND moved_to = fence AND moved_at IS NULL",
-                       (last, self.shard, self.source.name)) and _row(self.target, self.shard) != _Row(
+                       (last, self.shard, self.source.name)) and (_row(self.target, self.shard) or ())[:4] != (
                            last, self.source.name, self.source.name, None):
             raise StorageError(f"shard {self.shard}: node {self.target.name} is no longer being filled")
         _at("prechecked")
@@ -449,11 +450,12 @@ class _Move:
                                    "nothing was switched. Abort the move (abort_move) and move the shard again")
             s = _row(source, shard)
             head = max(s.last_id if s is not None else 0, want[1], boundary)
+            floor = s.id_floor if s is not None else 0
             _at("checked")
             consumers = _carry_offsets(source, target, shard)
             entries = _carry_indexes(source, target, shard, self.pace)
             _at("carried")
-            self._switch(head)
+            self._switch(head, floor)
         except BaseException:
             self._back_to_copying()
             raise
@@ -463,8 +465,9 @@ class _Move:
         cells = None if before is None else before + have[0]
         return self._done(found, started, cells)
 
-    def _switch(self, head: int) -> None:
-        """The target takes the shard's counter and loses its fence: writes land there from now on.
+    def _switch(self, head: int, floor: int = 0) -> None:
+        """The target takes the shard's counter (and its floor of burnt ids) and loses its fence: writes land
+        there from now on.
 
         The target is switched before the source records the move, so every state between holds: until the
         record, the map still sends writes to the source, whose fence refuses them (a write waits and
@@ -474,9 +477,10 @@ class _Move:
         in a loop (T to S to T) when the shard comes back. A move killed between the two writes is found
         *switched* and only the record is left to write.
         """
-        if not _update(self.target, "switch shard", "UPDATE cellstream_shards SET last_id = %s, fence = NULL,"
-                       " moved_to = NULL, moved_at = NULL WHERE shard = %s AND fence = %s AND moved_to = fence"
-                       " AND moved_at IS NULL", (head, self.shard, self.source.name)):
+        if not _update(self.target, "switch shard", "UPDATE cellstream_shards SET last_id = %s, id_floor ="
+                       " GREATEST(id_floor, %s), fence = NULL, moved_to = NULL, moved_at = NULL WHERE shard = %s"
+                       " AND fence = %s AND moved_to = fence AND moved_at IS NULL",
+                       (head, floor, self.shard, self.source.name)):
             found = _row(self.target, self.shard)
             if found is None or not found.holds():
                 raise StorageError(f"shard {self.shard}: node {self.target.name} is no longer being filled")

@@ -14,6 +14,7 @@ import datetime as dt
 import logging
 import operator
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -25,9 +26,11 @@ import pymysql
 from pymysql.constants import CLIENT, FIELD_TYPE
 from pymysql.converters import conversions
 
+from logstore.backends.mysql import durable as mysql_durable
 from logstore.backends.mysql import pending as mysql_pending
 from logstore.backends.mysql import shard_map as mysql_map
 from logstore.backends.mysql.errors import (
+    BAD_FIELD,
     DUPLICATE,
     DUPLICATE_COLUMN,
     NO_TABLE,
@@ -41,7 +44,7 @@ from logstore.backends.mysql.errors import (
 from logstore.backends.mysql.index_tables import MySQLIndexRecorder, add_locator_shard_keys
 from logstore.backends.mysql.pool import Connection, Pool, ReadFallback, Statement, run_script
 from logstore.backends.mysql.target import MySQLTarget
-from logstore.cell import AnyCell, Cell, PackedCell
+from logstore.cell import AnyCell, Cell, PackedCell, check_column
 from logstore.config import StoreOptions
 from logstore.errors import (
     ConfigurationError,
@@ -61,6 +64,7 @@ from logstore.persistence import (
     PendingCell,
     PendingRecord,
     ReadBudget,
+    RestoredCell,
     check_meta,
     concat_counts,
     decode_pages,
@@ -86,6 +90,12 @@ LAYOUT = 2  # the version of the table layout above; layout 1 had a table per sh
 # Added to layout 2 in place: a node created before it gets the column at its next open.
 _TOUCHED_COLUMN = "touched TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6)"
 _TOUCHED_KEY = "KEY shards_touched (touched, last_id)"
+# The ids below it are burnt (a promotion: the lost primary may have shown them to consumers, see
+# logstore.backends.mysql.promotion): a shard's next id is above both it and last_id. Added in place.
+_FLOOR_COLUMN = "id_floor BIGINT NOT NULL DEFAULT 0"
+# Each held shard's next ids skip the given count (its floor raised above its head; a no-op when it is).
+BURN_IDS = ("UPDATE cellstream_shards SET id_floor = GREATEST(id_floor, last_id + %s)"
+            " WHERE fence IS NULL AND id_floor < last_id + %s")
 # A row's ``touched`` is its writing statement's start; the transaction commits later. A count poll reads the
 # rows touched since the previous poll's start less this margin, so a counter committed up to this long
 # after it was moved is still seen; one committed later is left to the reader's next complete count. The
@@ -99,7 +109,7 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS cellstream_shards ("
     " shard INT NOT NULL PRIMARY KEY, last_id BIGINT NOT NULL DEFAULT 0,"
     " fence VARCHAR(64) CHARACTER SET ascii NULL, moved_to VARCHAR(64) CHARACTER SET ascii NULL,"
-    f" moved_at DATETIME(6) NULL, {_TOUCHED_COLUMN}, {_TOUCHED_KEY}) ENGINE=InnoDB",
+    f" moved_at DATETIME(6) NULL, {_TOUCHED_COLUMN}, {_FLOOR_COLUMN}, {_TOUCHED_KEY}) ENGINE=InnoDB",
     "CREATE TABLE IF NOT EXISTS cells ("
     " shard INT NOT NULL,"
     " added_id BIGINT NOT NULL,"
@@ -264,19 +274,21 @@ def _mark_of(since: object) -> tuple[int, Decimal] | None:
 
 
 def _add_touched(cur: pymysql.cursors.Cursor) -> None:
-    """Give a node created before ``touched`` the column (MySQL has no ADD COLUMN IF NOT EXISTS). Of two
-    processes opening the node at once, the second is told the column exists."""
-    cur.execute("SELECT COUNT(*) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()"
-                " AND TABLE_NAME = 'cellstream_shards' AND COLUMN_NAME = 'touched'")
-    [[present]] = cur.fetchall()
-    if present:
-        return
-    try:
-        cur.execute(f"ALTER TABLE cellstream_shards ADD COLUMN {_TOUCHED_COLUMN}, ADD {_TOUCHED_KEY}")
-    except pymysql.err.OperationalError as exc:
-        if code(exc) != DUPLICATE_COLUMN:
-            raise
-    logger.info("added the touched column to cellstream_shards")
+    """Give a node created before ``touched`` or ``id_floor`` the column (MySQL has no ADD COLUMN IF NOT
+    EXISTS). Of two processes opening the node at once, the second is told the column exists."""
+    for column, alter in (("touched", f"ADD COLUMN {_TOUCHED_COLUMN}, ADD {_TOUCHED_KEY}"),
+                          ("id_floor", f"ADD COLUMN {_FLOOR_COLUMN}")):
+        cur.execute("SELECT COUNT(*) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()"
+                    " AND TABLE_NAME = 'cellstream_shards' AND COLUMN_NAME = %s", (column,))
+        [[present]] = cur.fetchall()
+        if present:
+            continue
+        try:
+            cur.execute(f"ALTER TABLE cellstream_shards {alter}")
+        except pymysql.err.OperationalError as exc:
+            if code(exc) != DUPLICATE_COLUMN:
+                raise
+        logger.info("added the %s column to cellstream_shards", column)
 
 
 def _check_layout(node: str, meta: dict[str, str]) -> None:
@@ -322,6 +334,11 @@ class MySQLRecorder(NodeRecorder):
         self._initializing: int | None = None  # the thread running the deferred initialization
         self.indexes = MySQLIndexRecorder(name, self._call, run_script, options.max_statement_bytes)
         self._max_body = options.inflate_limit
+        # Shards whose ids have holes below a floor (a promotion's burnt ids, cells restored with gaps): read
+        # with a LIMIT below it, not as a dense id range. Read again every map_refresh (a move carries floors).
+        self._floors: dict[int, int] = {}
+        self._floors_at = float("-inf")
+        self._floors_lock = threading.Lock()
 
     # -- connections and errors -----------------------------------------------------
     def _raw_connect(self, database: str | None, target: MySQLTarget | None = None,
@@ -462,7 +479,7 @@ class MySQLRecorder(NodeRecorder):
         def run(cur: pymysql.cursors.Cursor) -> None:
             # A node of another layout is refused before anything is created in it.
             _check_layout(self.name, _read_meta(cur) or {})
-            for statement in (*_SCHEMA, mysql_pending.SCHEMA, mysql_map.SCHEMA):
+            for statement in (*_SCHEMA, mysql_pending.SCHEMA, mysql_map.SCHEMA, mysql_durable.SCHEMA):
                 cur.execute(statement)
             _add_touched(cur)
             add_locator_shard_keys(cur)
@@ -560,7 +577,8 @@ class MySQLRecorder(NodeRecorder):
         rows = [_values(shard, f"@cs_b + {i}", c) for i, c in enumerate(cells, 1)]
         results = self._run_write(cur, [
             ("SET @cs_b = NULL", ()), ("START TRANSACTION", ()),
-            ("UPDATE cellstream_shards SET last_id = (@cs_b := last_id) + %s WHERE shard = %s AND fence IS NULL",
+            ("UPDATE cellstream_shards SET last_id = (@cs_b := GREATEST(last_id, id_floor)) + %s"
+             " WHERE shard = %s AND fence IS NULL",
              (len(cells), shard)),
             (f"SELECT @cs_b, {_TIMESTAMP}", ()),
             *self._inserts(rows)], [shard])
@@ -601,7 +619,7 @@ class MySQLRecorder(NodeRecorder):
         listed = ", ".join(map(str, shards))
         moved = run_script(cur, [
             ("START TRANSACTION", ()),
-            (f"UPDATE cellstream_shards SET last_id = last_id + {_increments(counts)}"
+            (f"UPDATE cellstream_shards SET last_id = GREATEST(last_id, id_floor) + {_increments(counts)}"
              f" WHERE shard IN ({listed}) AND fence IS NULL", ()),
             # ROW_COUNT(): the rows the UPDATE moved; every row it matched moved (by one cell at least).
             (f"SELECT ROW_COUNT(), GROUP_CONCAT(last_id ORDER BY shard), {_TIMESTAMP}"
@@ -632,7 +650,8 @@ class MySQLRecorder(NodeRecorder):
         # fraction of a row per shard to fetch.
         locked = run_script(cur, [
             ("START TRANSACTION", ()),
-            ("SELECT COUNT(*), GROUP_CONCAT(last_id ORDER BY shard), GROUP_CONCAT(CONCAT(shard, ' ', fence))"
+            ("SELECT COUNT(*), GROUP_CONCAT(GREATEST(last_id, id_floor) ORDER BY shard),"
+             " GROUP_CONCAT(CONCAT(shard, ' ', fence))"
              f" FROM cellstream_shards WHERE shard IN ({', '.join(map(str, shards))}) FOR UPDATE", ()),
             (f"SELECT {_TIMESTAMP}", ())])
         [[count, counters, fences]] = locked[1].rows or ()
@@ -658,7 +677,7 @@ class MySQLRecorder(NodeRecorder):
         written = sorted(counts)
         statements = self._inserts(rows)
         if written:  # the rows are locked: the counters move by the cells written
-            counter = (f"UPDATE cellstream_shards SET last_id = last_id + {_increments(counts)}"
+            counter = (f"UPDATE cellstream_shards SET last_id = GREATEST(last_id, id_floor) + {_increments(counts)}"
                        f" WHERE shard IN ({', '.join(map(str, written))})")
             statements.append(((counter, ()), len(counter)))
         self._run_write(cur, statements, written)
@@ -697,6 +716,56 @@ class MySQLRecorder(NodeRecorder):
 
         return self._call("write", run, policy=retry)
 
+    def restore_cells(self, cells: Sequence[RestoredCell]) -> None:
+        """As a move's copy writes them (:mod:`logstore.backends.mysql.moves`), in one transaction holding the
+        shards' counter rows, each counter then set to its shard's highest restored id (ids stay dense when
+        the restored ids are, as a backup's are)."""
+        if not cells:
+            return
+        highest: dict[int, tuple[int, int]] = {}  # shard -> (lowest, highest) id restored
+        for cell in cells:
+            low, high = highest.get(cell.shard, (cell.added_id, cell.added_id))
+            highest[cell.shard] = (min(low, cell.added_id), max(high, cell.added_id))
+        shards = sorted(highest)
+
+        def run(cur: pymysql.cursors.Cursor) -> None:
+            cur.execute("START TRANSACTION")
+            try:
+                # Ascending, as writers lock them: no deadlock with a writer.
+                cur.execute(f"SELECT shard, last_id, fence FROM cellstream_shards WHERE shard IN"
+                            f" ({', '.join(['%s'] * len(shards))}) ORDER BY shard FOR UPDATE", shards)
+                rows = {int(shard): (int(last), fence) for shard, last, fence in cur.fetchall()}
+                for shard in shards:
+                    last, fence = rows.get(shard, (None, None))
+                    if last is None or fence is not None:
+                        raise StorageError(f"storage node {self.name} does not hold shard {shard}")
+                    if highest[shard][0] <= last:
+                        raise StorageError(f"storage node {self.name}: shard {shard} holds cells up to added_id "
+                                           f"{last}; a restore cannot write added_id {highest[shard][0]} there")
+                # As a write's SQL is built (_values): hex literals, no escaping by the driver, which cost
+                # several times the server's work. The column is checked here, where it becomes SQL text.
+                for statement, _ in self._inserts([
+                        f"({c.shard}, {c.added_id}, X'{c.row_key.bytes.hex()}', "
+                        f"'{check_column(c.column, allow_reserved=True)}', {c.ref_key}, X'{c.blob.hex()}', "
+                        f"'{c.created_at.astimezone(dt.UTC).replace(tzinfo=None).isoformat(sep=' ')}')"
+                        for c in cells]):
+                    cur.execute(statement[0])
+                # Ids restored with holes (copies of a lost primary's acknowledged cells, a source's burnt
+                # ids) are read with a LIMIT up to the highest of them: the shard's floor.
+                count = {s: 0 for s in shards}
+                for c in cells:
+                    count[c.shard] += 1
+                cur.executemany("UPDATE cellstream_shards SET last_id = %s, id_floor = GREATEST(id_floor, %s)"
+                                " WHERE shard = %s",
+                                [(highest[s][1], highest[s][1] if (highest[s][0] != rows[s][0] + 1 or highest[s][1]
+                                  - highest[s][0] + 1 != count[s]) else 0, s) for s in shards])
+                cur.execute("COMMIT")
+            except BaseException:
+                with suppress(pymysql.Error, OSError):
+                    cur.execute("ROLLBACK")
+                raise
+        self._call("restore", run)  # a duplicate key (coordinates stored already) is a StorageError
+
     # -- reads ----------------------------------------------------------------------
     def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None:
         rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE row_key = %s AND column_name = %s AND ref_key = %s",
@@ -715,6 +784,25 @@ class MySQLRecorder(NodeRecorder):
             " ORDER BY column_name", (row_key.bytes,))
         return [_row_to_cell(r, self._max_body) for r in rows]
 
+    def _gappy(self, locations: Sequence[tuple[int, int]]) -> set[int]:
+        """The shards of ``locations`` read from below their floor: ids there may have holes."""
+        now = time.monotonic()
+        if now - self._floors_at > self._options.map_refresh:
+            with self._floors_lock:
+                if now - self._floors_at > self._options.map_refresh:
+                    def run(cur: pymysql.cursors.Cursor) -> dict[int, int]:
+                        try:
+                            cur.execute("SELECT shard, id_floor FROM cellstream_shards WHERE id_floor > 0")
+                        except pymysql.Error as exc:
+                            if code(exc) != BAD_FIELD:  # a replica behind the column's creation
+                                raise
+                            return {}
+                        return {int(shard): int(floor) for shard, floor in cur.fetchall()}
+                    self._floors = self._call("read id floors", run, read=True)
+                    self._floors_at = now
+        floors = self._floors
+        return {shard for shard, location in locations if location < floors.get(shard, 0)} if floors else set()
+
     def _log_rows(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Any]:
         where, extra = _after(columns)
         return list(self._read(f"SELECT {LOG_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s",
@@ -731,11 +819,16 @@ class MySQLRecorder(NodeRecorder):
             rows = {shard: self._log_rows(shard, location, limit, columns) for shard, location in locations}
             return partial(decode_pages, rows, to_cell, _ADDED_ID, self._max_body, budget)
         args: Sequence[object]
-        if columns:  # the cells of some columns are not dense: each shard's page needs its own LIMIT
+        gappy = set() if columns else self._gappy(locations)
+        if columns or gappy:  # the cells of some columns, or below a floor, are not dense: a LIMIT each
             where, extra = _after(columns)
+            limited = [(s, loc) for s, loc in locations if columns or s in gappy]
             sql = " UNION ALL ".join(
-                [f"(SELECT {LOG_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s)"] * len(locations))
-            args = [a for shard, location in locations for a in (shard, location, *extra, limit)]
+                [f"(SELECT {LOG_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s)"] * len(limited))
+            args = [a for shard, location in limited for a in (shard, location, *extra, limit)]
+            if dense := [(s, loc) for s, loc in locations if not columns and s not in gappy]:
+                more, more_args = _dense_pages(dense, limit)
+                sql, args = f"{sql} UNION ALL {more}", [*args, *more_args]
         else:
             sql, args = _dense_pages(locations, limit)
         by_shard: dict[int, list[tuple[Any, ...]]] = {shard: [] for shard, _ in locations}
@@ -744,7 +837,7 @@ class MySQLRecorder(NodeRecorder):
         return partial(decode_pages, by_shard, to_cell, _ADDED_ID, self._max_body, budget)
 
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
-        if not columns:  # dense ids: the cells after a location are the ids up to the head
+        if not columns and not self._gappy([(shard, location)]):  # dense ids: the ids up to the head
             return max(0, self.head(shard) - location)
         where, extra = _after(columns)
         rows = self._read(f"SELECT COUNT(*) FROM cells WHERE {where}", [shard, location, *extra])
@@ -752,11 +845,14 @@ class MySQLRecorder(NodeRecorder):
 
     def counts_after(self, locations: Sequence[tuple[int, int]],
                      columns: Sequence[str] | None = None) -> dict[int, int]:
-        if not columns:  # dense ids: the heads tell
-            heads = self.heads([shard for shard, _ in locations])
-            return {shard: max(0, heads.get(shard, 0) - location) for shard, location in locations}
-        where, extra = _after(columns)
+        gappy = set() if columns else self._gappy(locations)
         out: dict[int, int] = {}
+        if not columns:  # dense ids: the heads tell, but below a floor
+            heads = self.heads([shard for shard, _ in locations])
+            out = {shard: max(0, heads.get(shard, 0) - location) for shard, location in locations
+                   if shard not in gappy}
+            locations = [(shard, location) for shard, location in locations if shard in gappy]
+        where, extra = _after(columns)
         for start in range(0, len(locations), 500):  # a UNION of 500 counts a statement
             group = locations[start:start + 500]
             sql = " UNION ALL ".join([f"SELECT %s, COUNT(*) FROM cells WHERE {where}"] * len(group))
@@ -865,6 +961,29 @@ class MySQLRecorder(NodeRecorder):
                 raise
         return self._call(what, run)
 
+    def consumers(self) -> list[str]:
+        return [str(c) for (c,) in self._read("SELECT consumer FROM cellstream_consumers ORDER BY consumer", ())]
+
+    def burn_ids(self, burn: int) -> int:
+        return int(self._call("burn ids", lambda cur: cur.execute(BURN_IDS, (burn, burn))))
+
+    def read_marker(self, name: str) -> str | None:
+        def run(cur: pymysql.cursors.Cursor) -> str | None:
+            cur.execute("SELECT value FROM cellstream_meta WHERE name = %s", (f"marker.{name}",))
+            row = cur.fetchone()
+            return None if row is None else str(row[0])
+        # Read with the map, every map_refresh: a node that does not answer at once is passed over.
+        return self._call("read marker", run, read=True, policy=self._glance)
+
+    def write_marker(self, name: str, value: str | None) -> None:
+        if value is None:
+            self._call("write marker", lambda cur: cur.execute("DELETE FROM cellstream_meta WHERE name = %s",
+                                                               (f"marker.{name}",)))
+        else:
+            self._call("write marker", lambda cur: cur.execute(
+                "INSERT INTO cellstream_meta (name, value) VALUES (%s, %s) ON DUPLICATE KEY UPDATE value = %s",
+                (f"marker.{name}", value[:255], value[:255])))
+
     def read_offsets(self, consumer: str) -> list[OffsetRecord]:
         def run(cur: pymysql.cursors.Cursor) -> list[OffsetRecord]:
             cur.execute(_OFFSETS, (consumer,))
@@ -876,6 +995,27 @@ class MySQLRecorder(NodeRecorder):
     def run(self, what: str, fn: Callable[[pymysql.cursors.Cursor], T], policy: RetryPolicy | None = None) -> T:
         """``fn`` on a connection to the primary, driver errors translated and retried (used by moves)."""
         return self._call(what, fn, policy=policy)
+
+    @property
+    def replica_targets(self) -> list[MySQLTarget]:
+        """Where its replicas are (with their passwords: never to be logged)."""
+        return list(self._replica_targets)
+
+    def on_server(self, target: MySQLTarget, what: str, fn: Callable[[pymysql.cursors.Cursor], T],
+                  timeout: float | None = None) -> T:
+        """``fn`` once, on a connection of its own to ``target`` (this node's primary or one of its replicas),
+        outside the pool; driver errors translated (used by promotions, which stop a replica's replication)."""
+        try:
+            conn = self._raw_connect(target.database, target, timeout)
+        except pymysql.Error as exc:
+            raise translate(exc, f"{self.name} ({target.host}:{target.port})") from exc
+        try:
+            with conn.cursor() as cur:
+                return fn(cur)
+        except pymysql.Error as exc:
+            raise translate(exc, f"{self.name} ({target.host}:{target.port})") from exc
+        finally:
+            Pool.discard(conn)
 
     @contextmanager
     def named_lock(self, name: str) -> Iterator[bool]:
@@ -957,6 +1097,34 @@ class MySQLRecorder(NodeRecorder):
 
     def pending_counts(self) -> dict[str, tuple[int, int]]:
         return mysql_pending.counts(self._quick)
+
+    # -- durable copies (logstore.backends.mysql.durable) ---------------------------------------
+    @property
+    def replicated(self) -> bool:
+        return bool(self._replicas)
+
+    def hold_copies(self, home: str, cells: Sequence[RestoredCell]) -> None:
+        mysql_durable.hold(self._quick, home, cells)
+
+    def trim_copies(self, home: str, heads: Mapping[int, int]) -> int:
+        return mysql_durable.trim(self._quick, home, heads)
+
+    def copies_above(self, home: str, heads: Mapping[int, int]) -> list[RestoredCell]:
+        return mysql_durable.above(self._quick, home, heads)
+
+    def copy_counts(self) -> dict[str, int]:
+        return mysql_durable.counts(self._quick)
+
+    def replica_heads(self) -> dict[int, int] | None:
+        if not self._replicas:
+            return None
+
+        def run(cur: pymysql.cursors.Cursor) -> dict[int, int]:
+            cur.execute("SELECT shard, last_id FROM cellstream_shards WHERE fence IS NULL")
+            return {int(shard): int(last) for shard, last in cur.fetchall()}
+        found = [self._on(pool, f"{self.name} replica {i}", "read replica heads", run)
+                 for i, pool in enumerate(self._replicas)]
+        return {s: min(heads.get(s, 0) for heads in found) for s in found[0]}
 
     def close(self) -> None:
         self._pool.close()

@@ -46,6 +46,7 @@ from logstore.persistence import (
     NodeRecorder,
     PendingCell,
     ReadBudget,
+    RestoredCell,
     check_meta,
     concat_counts,
     decode_pages,
@@ -333,6 +334,34 @@ class SQLiteRecorder(NodeRecorder):
                 self.before_commit(sorted(counts))
         return ordered_result(cells, stored)
 
+    def restore_cells(self, cells: Sequence[RestoredCell]) -> None:
+        """The given ids go in as the rowid; the node's later writes take the next rowid, above them all."""
+        if not cells:
+            return
+        with self._write() as conn:
+            lowest: dict[int, int] = {}
+            for cell in cells:
+                lowest[cell.shard] = min(cell.added_id, lowest.get(cell.shard, cell.added_id))
+            for shard, first in lowest.items():
+                head = int(conn.execute("SELECT COALESCE(MAX(added_id), 0) FROM cells WHERE shard = ?",
+                                        (shard,)).fetchone()[0])
+                if first <= head:
+                    raise StorageError(f"storage node {self.name}: shard {shard} holds cells up to added_id {head};"
+                                       f" a restore cannot write added_id {first} there")
+            try:
+                conn.executemany(
+                    f"INSERT INTO cells ({_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    [(c.added_id, c.shard, c.row_key.bytes, c.column, c.ref_key, c.blob, _micros(c.created_at))
+                     for c in cells])
+            except sqlite3.IntegrityError as exc:
+                # SQLite's ids are the node's, not a shard's: another shard of the node may hold the id.
+                raise StorageError(f"storage node {self.name}: restored cells collide with stored ones ({exc})"
+                                   ) from None
+            counts: dict[int, int] = {}
+            for cell in cells:
+                counts[cell.shard] = counts.get(cell.shard, 0) + 1
+            conn.executemany(_COUNT, [(n, shard) for shard, n in counts.items()])
+
     # -- reads ------------------------------------------------------------
     def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None:
         with self._errors("read"):
@@ -471,6 +500,25 @@ class SQLiteRecorder(NodeRecorder):
     def read_offsets(self, consumer: str) -> list[OffsetRecord]:
         with self._errors("read offsets"):
             return self._offsets(self._conn(), consumer).records()
+
+    def read_marker(self, name: str) -> str | None:
+        with self._errors("read metadata"):
+            row = self._conn().execute("SELECT value FROM cellstream_meta WHERE name = ?", (f"marker.{name}",)
+                                       ).fetchone()
+        return None if row is None else str(row[0])
+
+    def write_marker(self, name: str, value: str | None) -> None:
+        with self._write() as conn:
+            if value is None:
+                conn.execute("DELETE FROM cellstream_meta WHERE name = ?", (f"marker.{name}",))
+            else:
+                conn.execute("INSERT INTO cellstream_meta (name, value) VALUES (?, ?) ON CONFLICT (name) DO UPDATE"
+                             " SET value = excluded.value", (f"marker.{name}", value))
+
+    def consumers(self) -> list[str]:
+        with self._errors("read offsets"):
+            return [str(c) for (c,) in self._conn().execute("SELECT consumer FROM cellstream_consumers"
+                                                             " ORDER BY consumer")]
 
     def _offsets(self, conn: sqlite3.Connection, consumer: str) -> ConsumerOffsets:
         row = conn.execute(_OFFSETS, (consumer,)).fetchone()

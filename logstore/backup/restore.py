@@ -1,0 +1,213 @@
+"""``cellstream restore``: a backup (and the chain of backups it continues) written into an empty instance with
+the same shard count and the same added_ids, so consumer offsets, index positions and dead-letter coordinates
+stay valid.
+
+Everything is checked before anything is written: the whole chain's files (:mod:`logstore.backup.verify`) and
+the target's emptiness. Cells go in shard by shard in id order (:meth:`NodeRecorder.restore_cells
+<logstore.persistence.NodeRecorder.restore_cells>`), then the consumers' offsets, then the index versions'
+tables (empty: they are rebuilt from the restored cells, see docs/operations.md "Backup and restore").
+
+``until`` keeps exactly the cells created at or before it: ``created_at`` never decreases along a shard's ids,
+so what is kept is a prefix of each shard's log, and ids stay dense. An offset beyond what a shard then holds is
+brought back to the shard's restored head: the cells above it are new ones, which its consumer must not skip.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from logstore.backup.chunks import micros, unpack, unpack_rows
+from logstore.backup.manifest import Manifest, backup_ids
+from logstore.backup.state import index_specs
+from logstore.backup.storage import BackupStorage
+from logstore.backup.verify import verify_chain
+from logstore.cell import compress
+from logstore.errors import (
+    BackupError,
+    BackupNotFoundError,
+    CorruptBackupError,
+    InvalidArgumentError,
+    RestoreTargetNotEmptyError,
+)
+from logstore.index_tables.persistence import IndexSpec
+from logstore.persistence import RestoredCell
+from logstore.store import Store
+
+logger = logging.getLogger(__name__)
+BATCH = 5000  # cells a transaction
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+class RestoreProgress(NamedTuple):
+    """Cells restored so far, and the cells of the files read so far (an upper bound of the total)."""
+
+    files_done: int
+    files: int
+    cells: int
+
+
+class RestoreReport(NamedTuple):
+    """What a restore did."""
+
+    backup_id: str
+    chain: list[str]  # the backups read, full root first
+    cells: int
+    heads: dict[int, int]  # each restored shard's head
+    consumers: int
+    offsets_lowered: int  # offsets brought back to a shard's restored head (``until``)
+    indexes: list[IndexSpec]  # versions whose tables were created, to rebuild
+
+
+def verified_chain(storage: BackupStorage, backup_id: str | None = None) -> list[Manifest]:
+    """The chain a restore of ``backup_id`` (default: the newest finished backup) reads, root first, every file
+    of it read and checked: what a restore checks before it opens its target.
+
+    Raises:
+        BackupNotFoundError: no such backup, or a parent of it is missing.
+        CorruptBackupError: a file of the chain is missing, truncated or damaged (the first one named).
+    """
+    if backup_id is None:
+        finished, _ = backup_ids(storage)
+        if not finished:
+            raise BackupNotFoundError(f"no finished backup in {storage.where}")
+        backup_id = finished[-1]
+    manifests, problems = verify_chain(storage, backup_id)
+    if problems:
+        more = f" (and {len(problems) - 1} more damaged files: run backup verify)" if len(problems) > 1 else ""
+        raise CorruptBackupError(problems[0].name, f"{problems[0].problem}; nothing was restored{more}")
+    return manifests
+
+
+def restore(storage: BackupStorage, target: Store, *, backup_id: str | None = None,
+            verified: list[Manifest] | None = None, until: dt.datetime | None = None,
+            shards: tuple[int, int] | None = None,
+            progress: Callable[[RestoreProgress], None] | None = None) -> RestoreReport:
+    """Restore a backup into ``target``.
+
+    Args:
+        storage: where the backup is.
+        target: an empty instance of the backup's shard count (same added_ids: its cells must be none).
+        backup_id: the backup (default: the newest finished one); an incremental one brings its chain.
+        verified: the backup's chain as :func:`verified_chain` gave it (its files are then not read twice).
+        until: keep only the cells with ``created_at <= until`` (timezone-aware).
+        shards: restore only shards ``first``..``last`` (inclusive).
+        progress: called after each file.
+
+    Returns:
+        The report.
+
+    Raises:
+        BackupNotFoundError: no such backup, or a parent of it is missing.
+        CorruptBackupError: a file of the chain is missing, truncated or damaged (nothing written).
+        RestoreTargetNotEmptyError: the target holds cells in the shards to restore, or offsets (nothing
+            written).
+        BackupError: the target's shard count is not the backup's (nothing written).
+        InvalidArgumentError: a naive ``until``, or a shard range outside the instance.
+    """
+    if until is not None and (until.tzinfo is None or until.utcoffset() is None):
+        raise InvalidArgumentError("until must be a timezone-aware time")
+    manifests = verified if verified is not None else verified_chain(storage, backup_id)
+    newest = manifests[-1]
+    backup_id = newest.backup_id
+    n = newest.shard_count
+    if target.shard_count != n:
+        raise BackupError(f"backup {backup_id} is of {n} shards; the target has {target.shard_count}")
+    first, last = shards if shards is not None else (0, n - 1)
+    if not 0 <= first <= last < n:
+        raise InvalidArgumentError(f"shards {first}-{last} are not a range of the instance's 0-{n - 1}")
+    state: dict[str, Any] = unpack(f"{newest.backup_id}/{newest.state.name}",
+                                   storage.get(f"{newest.backup_id}/{newest.state.name}"))
+    _check_empty(target, first, last, whole=shards is None)
+
+    level = target.options.compression_level
+    heads: dict[int, int] = dict.fromkeys(range(first, last + 1), 0)
+    wanted = [(m, f) for m in manifests for f in m.files
+              if f.first_shard is not None and f.last_shard is not None
+              and f.first_shard <= last and f.last_shard >= first]
+    restored = 0
+    for done, (manifest, entry) in enumerate(wanted, 1):
+        restored += _restore_file(storage, target, manifest, entry.name, first, last, until, level, heads)
+        if progress is not None:
+            progress(RestoreProgress(done, len(wanted), restored))
+    consumers, lowered = _restore_offsets(target, state, heads)
+    specs = index_specs(state)
+    for spec in specs:
+        target.indexes.create(spec)
+    logger.info("restored backup %s (%d in its chain): %d cells in shards %d-%d, %d consumers' offsets, %d index "
+                "versions to rebuild", backup_id, len(manifests), restored, first, last, consumers, len(specs))
+    return RestoreReport(backup_id, [m.backup_id for m in manifests], restored, heads, consumers, lowered, specs)
+
+
+def _check_empty(target: Store, first: int, last: int, whole: bool) -> None:
+    heads = target.heads(range(first, last + 1))
+    full = [s for s, h in heads.items() if h]
+    if full:
+        raise RestoreTargetNotEmptyError(f"the target holds cells in {len(full)} of the shards to restore (shard "
+                                         f"{full[0]} up to added_id {heads[full[0]]}): restore into an empty "
+                                         "instance; nothing was written")
+    if whole:
+        names = {c for node in target.nodes if (r := target.node_recorder(node)) is not None for c in r.consumers()}
+        if names:
+            raise RestoreTargetNotEmptyError(f"the target holds the offsets of {len(names)} consumers (such as "
+                                             f"{sorted(names)[0]!r}): restore into an empty instance; nothing was "
+                                             "written")
+
+
+def _restore_file(storage: BackupStorage, target: Store, manifest: Manifest, name: str, first: int, last: int,
+                  until: dt.datetime | None, level: int, heads: dict[int, int]) -> int:
+    where = f"{manifest.backup_id}/{name}"
+    rows = unpack_rows(where, storage.get(where))  # checked whole by the verification: nothing fails here
+    cutoff = None if until is None else micros(until)
+    node_of = target.placement()
+    batches: dict[str, list[RestoredCell]] = {}
+    written = 0
+
+    def flush(node: str) -> None:
+        nonlocal written
+        batch = batches.pop(node, [])
+        if batch:
+            recorder = target.node_recorder(node)
+            if recorder is None:  # the map names it: it is open
+                raise BackupError(f"storage node {node} of the target is not open")
+            recorder.restore_cells(batch)
+            written += len(batch)
+
+    for shard, added_id, key, column, ref_key, packed, created in rows:
+        if not first <= shard <= last or (cutoff is not None and created > cutoff):
+            continue
+        node = node_of[shard]
+        batch = batches.setdefault(node, [])
+        batch.append(RestoredCell(shard, added_id, uuid.UUID(bytes=key), column, ref_key, compress(packed, level),
+                                  _EPOCH + dt.timedelta(microseconds=created)))
+        heads[shard] = added_id
+        if len(batch) >= BATCH:
+            flush(node)
+    for node in list(batches):
+        flush(node)
+    return written
+
+
+def _restore_offsets(target: Store, state: dict[str, Any], heads: dict[int, int]) -> tuple[int, int]:
+    """Each consumer's offsets of the restored shards, with their owners and docs; an offset past its shard's
+    restored head lowered to it. Returns (consumers, offsets lowered)."""
+    consumers = lowered = 0
+    for consumer, records in sorted(state.get("consumers", {}).items()):
+        by_owner: dict[str, dict[int, tuple[int | None, dict[str, Any]]]] = {}
+        for shard, location, owner, doc in records:
+            if shard not in heads:
+                continue
+            if location is not None and location > heads[shard]:
+                location, lowered = heads[shard], lowered + 1
+            by_owner.setdefault(owner, {})[shard] = (location, json.loads(doc))
+        for owner, offsets in sorted(by_owner.items()):
+            target.claim_offsets(consumer, owner, sorted(offsets))
+            committed = {s: (loc, doc) for s, (loc, doc) in offsets.items() if loc is not None}
+            if committed:
+                target.commit_offsets(consumer, owner, committed)
+        consumers += bool(by_owner)
+    return consumers, lowered
