@@ -1,10 +1,11 @@
-"""Durable buffered writes (``durable_writes``, logstore.durable): a primary SIGKILLed while its replica is
-behind, during a stream of writes, then its replica promoted. Every acknowledged cell is there with the id it
-was acknowledged with, no id names two cells, and a running tailer delivers every one of them in per-shard
-order."""
+"""Durable buffered writes (``durable_writes``, logstore.durable): a primary SIGKILLed while its replica is behind (its
+replication delayed by a second, then cut), during a stream of writes, then its replica promoted. Every acknowledged
+cell is there with the id it was acknowledged with, no id names two cells, and a running tailer delivers every one
+of them in per-shard order."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -21,8 +22,13 @@ from tailer.config import TailerConfig
 from tailer.coordinators.local import LocalCoordinator
 from tailer.publishers.directory import DirectoryPublisher
 from tailer.worker import Tailer
+from tests.harness.index_support import trip
+from tests.harness.kafka_support import assert_shard_order, wait_for
 from tests.harness.replica_pair import ReplicaPair
+from tests.harness.shared_servers import KAFKA
 from tests.logstore.test_buffered_writes import Background, assert_tailed
+from tests.logstore.test_grow_end_to_end import CITIES, DRIVERS, PARTITIONS, Consumers
+from tests.logstore.test_grow_end_to_end import consumers as consumers  # a fixture
 from tests.logstore.test_promotion import cluster_file
 
 SHARDS = 64
@@ -35,7 +41,7 @@ def open_store(cluster: Path, durable: bool = True) -> logstore.Store:
 
 @pytest.fixture
 def pair(tmp_path: Path) -> Any:
-    with ReplicaPair(tmp_path / "pair") as pair:
+    with ReplicaPair(tmp_path / "pair", delay=1) as pair:  # replication delayed on purpose: a replica behind
         yield pair
 
 
@@ -118,3 +124,56 @@ def test_without_durable_writes_nothing_is_held(pair: ReplicaPair, mysql_databas
         assert b is not None and b.copy_counts() == {"a": on_a}  # only a has a replica to promote
         pair.wait_caught_up()
         assert trim_copies(store) == on_a and b.copy_counts() == {}
+
+
+def test_separate_tailer_and_app_processes_follow_the_promotion(pair: ReplicaPair, mysql_database: str,
+                                                                 zk_chroot: str, topic_prefix: str, tmp_path: Path,
+                                                                 consumers: list[Consumers]) -> None:
+    """A `cellstream tail` process (to Kafka) and a `cellstream run` app process, started on the cluster file
+    that names the lost primary, follow the shard map to the promoted replica without a restart: every
+    acknowledged cell is delivered by both, the tailer's first deliveries of a shard in added_id order."""
+    cluster = cluster_file(tmp_path / "cluster.toml", pair, mysql_database)
+    store = open_store(cluster)
+    try:
+        running = Consumers(tmp_path, cluster, zk_chroot, topic_prefix)
+        consumers.append(running)
+        acked: list[logstore.Cell] = []
+        writing = threading.Event()
+        writing.set()
+
+        def write() -> None:
+            while writing.is_set():
+                with contextlib.suppress(logstore.StorageUnavailableError):  # not acknowledged: allowed
+                    acked.append(store.put_cell(uuid.uuid4(), "BASE", 1, trip(DRIVERS[0], CITIES[0], 1)))
+                time.sleep(0.01)
+
+        writers = [threading.Thread(target=write) for _ in range(2)]
+        for writer in writers:
+            writer.start()
+        time.sleep(2.0)
+        pair.cut()
+        time.sleep(1.0)
+        pair.primary.kill()
+        time.sleep(1.0)
+        assert promote_node(store, "a", f"127.0.0.1:{pair.replica.port}", burn=1000).restored > 0
+        time.sleep(2.0)
+        writing.clear()
+        for writer in writers:
+            writer.join(60)
+        deadline = time.monotonic() + 60
+        while (report := store.replay_pending()).waiting or report.unreachable:
+            assert time.monotonic() < deadline, f"the replayer did not drain: {report}"
+            time.sleep(0.2)
+        stored = [store.get_cell(c.row_key, "BASE", 1) for c in acked]
+        assert all(s is not None for s in stored)
+        ids = {(s.shard, s.added_id) for s in stored if s is not None}
+        running.check_alive()
+        assert_shard_order(wait_for(KAFKA, f"{topic_prefix}.BASE", ids, timeout=120), PARTITIONS)
+        deadline = time.monotonic() + 120
+        while not ids <= running.handled():
+            assert time.monotonic() < deadline, f"{len(ids - running.handled())} cells never handled" + \
+                running.tail("app")
+            time.sleep(0.5)
+        running.check_alive()
+    finally:
+        store.close()
