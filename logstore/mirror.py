@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from logstore.cell import PackedCell, compress
-from logstore.errors import ConfigurationError, CorruptCellError, InvalidArgumentError
+from logstore.errors import ConfigurationError, CorruptCellError, InvalidArgumentError, StorageUnavailableError
 from logstore.persistence import RestoredCell, TruncatedPage
 from logstore.store import Store
 
@@ -168,8 +168,6 @@ class Mirror:
             on_pass: Callable[[MirrorPass], None] | None = None) -> None:
         """Copy until ``stop`` is set: a pass, then a pause of ``interval`` when it found nothing to copy.
         A node that does not answer is waited for (logged), not a reason to stop."""
-        from logstore.errors import StorageUnavailableError
-
         while not stop.is_set():
             try:
                 done = self.copy()

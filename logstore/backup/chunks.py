@@ -19,8 +19,8 @@ from logstore.errors import CorruptBackupError
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _COLUMN = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # logstore.cell.check_column's, reserved ones included
-# Level 1: cell files (bodies repeating their field names) come out about as small as at level 6, in a
-# quarter of the time (docs/benchmarks.md, "Backup and restore").
+# Level 1: cell files (bodies repeating their field names) come out about as small as at level 6, much
+# faster (docs/benchmarks.md, "Backup and restore").
 _LEVEL = 1
 
 

@@ -61,10 +61,9 @@ class ThrottleSettings(BaseModel):
     # statements cost the same for 2 cells as for 200, which a rate of cells does not see).
     nice_ratio: float = Field(0.0, ge=0, description="after every chunk, a pause of this many times the time the "
                                                      "chunk took: 1 keeps the job at work half of the time")
-    # Back-off on the load of the nodes a chunk touched (logstore.jobs.load). 1 s of replica lag is
-    # pt-online-schema-change's and Vitess's throttler's default (gh-ost's is 1.5 s); 50 ms for a one-row
-    # durable write is the write p99 the project promises during a rebalance (issue 51), some 50 times the
-    # median of a healthy MariaDB on local disks.
+    # Back-off on the load of the nodes a chunk touched (logstore.jobs.load): the lag default is
+    # pt-online-schema-change's and Vitess's throttler's; the latency default is the write p99 the project
+    # promises during a rebalance (issue 51).
     max_lag_seconds: float | None = Field(1.0, gt=0, description="back off while a replica of a node the job "
                                           "touches lags more; None: never for lag")
     max_latency_ms: float | None = Field(50.0, gt=0, description="back off while a node's write latency (the "

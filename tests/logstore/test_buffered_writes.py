@@ -10,6 +10,7 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,44 @@ def assert_tailed(topics: Path, acked: list[logstore.Cell], background: Backgrou
         assert ids == sorted(ids)
 
 
+class PutWriters:
+    """Threads of one store, each putting a new cell at a time until stopped: what was acknowledged (and when),
+    and the refusals (StorageUnavailableError: not acknowledged, allowed, but counted)."""
+
+    def __init__(self, store: logstore.Store, n: int = 3, body: Callable[[int], dict[str, Any]] = lambda i: {"n": i},
+                 pause: float = 0.0) -> None:
+        self.acked: list[tuple[float, logstore.Cell]] = []
+        self.refused: list[BaseException] = []
+        self._store, self._body, self._pause = store, body, pause
+        self._writing = threading.Event()
+        self._writing.set()
+        self._threads = [threading.Thread(target=self._write) for _ in range(n)]
+        for thread in self._threads:
+            thread.start()
+
+    def _write(self) -> None:
+        n = 0
+        while self._writing.is_set():
+            try:
+                self.acked.append((time.monotonic(), self._store.put_cell(uuid.uuid4(), "BASE", 1, self._body(n))))
+            except logstore.StorageUnavailableError as exc:
+                self.refused.append(exc)
+            n += 1
+            if self._pause:
+                time.sleep(self._pause)
+
+    def stop(self) -> list[logstore.Cell]:
+        """Stop and join them; the cells acknowledged."""
+        self._writing.clear()
+        for thread in self._threads:
+            thread.join(60)
+        return self.cells
+
+    @property
+    def cells(self) -> list[logstore.Cell]:
+        return [cell for _, cell in self.acked]
+
+
 class Background:
     """The tailer on its own event loop, publishing to topic files, until stopped."""
 
@@ -78,37 +117,19 @@ def test_a_primary_sigkilled_during_writes_loses_no_acknowledged_cell(mysql_data
             tailer = Tailer(store, TailerConfig(name="t", partitions=4), LocalCoordinator(
                 tmp_path / "offsets.json", SHARDS), DirectoryPublisher(tmp_path / "topics"))
             background = Background(tailer)
-            acked: list[logstore.Cell] = []
-            refused: list[BaseException] = []
-            writing = threading.Event()
-            writing.set()
-
-            def write() -> None:
-                n = 0
-                while writing.is_set():
-                    try:
-                        acked.append(store.put_cell(uuid.uuid4(), "BASE", 1, {"n": n}))
-                    except logstore.StorageUnavailableError as exc:  # not acknowledged: allowed, but counted
-                        refused.append(exc)
-                    n += 1
-
-            writers = [threading.Thread(target=write) for _ in range(3)]
-            for writer in writers:
-                writer.start()
+            writers = PutWriters(store)
             time.sleep(1.5)
             db.kill()  # SIGKILL mid-stream: what it committed is on disk, the rest never was acknowledged
             time.sleep(3.0)
             db.start()
             time.sleep(1.0)
-            writing.clear()
-            for writer in writers:
-                writer.join(60)
+            acked = writers.stop()
 
             on_a = [c for c in acked if c.shard < SHARDS // 2]
             buffered = [c for c in acked if c.added_id == 0]
             assert buffered and all(c.shard < SHARDS // 2 for c in buffered), "no write was buffered while a was down"
             assert len(on_a) > len(buffered), "node a took no write directly"
-            assert not refused, refused[:3]
+            assert not writers.refused, writers.refused[:3]
 
             deadline = time.monotonic() + 60
             while (report := store.replay_pending()).waiting or report.unreachable:

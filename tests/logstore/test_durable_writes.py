@@ -5,8 +5,6 @@ of them in per-shard order."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -26,7 +24,7 @@ from tests.harness.index_support import trip
 from tests.harness.kafka_support import assert_shard_order, wait_for
 from tests.harness.replica_pair import ReplicaPair
 from tests.harness.shared_servers import KAFKA
-from tests.logstore.test_buffered_writes import Background, assert_tailed
+from tests.logstore.test_buffered_writes import Background, PutWriters, assert_tailed
 from tests.logstore.test_grow_end_to_end import CITIES, DRIVERS, PARTITIONS, Consumers
 from tests.logstore.test_grow_end_to_end import consumers as consumers  # a fixture
 from tests.logstore.test_promotion import cluster_file
@@ -52,23 +50,7 @@ def test_a_lost_primary_loses_no_acknowledged_cell(pair: ReplicaPair, mysql_data
         tailer = Tailer(store, TailerConfig(name="t", partitions=4), LocalCoordinator(
             tmp_path / "offsets.json", SHARDS), DirectoryPublisher(tmp_path / "topics"))
         background = Background(tailer)
-        acked: list[tuple[float, logstore.Cell]] = []
-        refused: list[BaseException] = []
-        writing = threading.Event()
-        writing.set()
-
-        def write() -> None:
-            n = 0
-            while writing.is_set():
-                try:
-                    acked.append((time.monotonic(), store.put_cell(uuid.uuid4(), "BASE", 1, {"n": n})))
-                except logstore.StorageUnavailableError as exc:  # not acknowledged: allowed, but counted
-                    refused.append(exc)
-                n += 1
-
-        writers = [threading.Thread(target=write) for _ in range(3)]
-        for writer in writers:
-            writer.start()
+        writers = PutWriters(store)
         time.sleep(1.0)
         pair.wait_caught_up()
         pair.cut()  # the replica receives nothing more: what node a acknowledges now only it and the copies hold
@@ -79,9 +61,8 @@ def test_a_lost_primary_loses_no_acknowledged_cell(pair: ReplicaPair, mysql_data
         promoted_at = time.monotonic()
         done = promote_node(store, "a", f"127.0.0.1:{pair.replica.port}", burn=1000)
         time.sleep(1.0)
-        writing.clear()
-        for writer in writers:
-            writer.join(60)
+        writers.stop()
+        acked, refused = writers.acked, writers.refused
 
         behind = [c for t, c in acked if c.shard < SHARDS // 2 and c.added_id and t < cut_at]
         assert done.restored > 0, "no acknowledged cell was missing on the replica: the test proves nothing"
@@ -137,19 +118,7 @@ def test_separate_tailer_and_app_processes_follow_the_promotion(pair: ReplicaPai
     try:
         running = Consumers(tmp_path, cluster, zk_chroot, topic_prefix)
         consumers.append(running)
-        acked: list[logstore.Cell] = []
-        writing = threading.Event()
-        writing.set()
-
-        def write() -> None:
-            while writing.is_set():
-                with contextlib.suppress(logstore.StorageUnavailableError):  # not acknowledged: allowed
-                    acked.append(store.put_cell(uuid.uuid4(), "BASE", 1, trip(DRIVERS[0], CITIES[0], 1)))
-                time.sleep(0.01)
-
-        writers = [threading.Thread(target=write) for _ in range(2)]
-        for writer in writers:
-            writer.start()
+        writers = PutWriters(store, 2, body=lambda _: trip(DRIVERS[0], CITIES[0], 1), pause=0.01)
         time.sleep(2.0)
         pair.cut()
         time.sleep(1.0)
@@ -157,9 +126,7 @@ def test_separate_tailer_and_app_processes_follow_the_promotion(pair: ReplicaPai
         time.sleep(1.0)
         assert promote_node(store, "a", f"127.0.0.1:{pair.replica.port}", burn=1000).restored > 0
         time.sleep(2.0)
-        writing.clear()
-        for writer in writers:
-            writer.join(60)
+        acked = writers.stop()
         deadline = time.monotonic() + 60
         while (report := store.replay_pending()).waiting or report.unreachable:
             assert time.monotonic() < deadline, f"the replayer did not drain: {report}"

@@ -11,6 +11,7 @@ has the cell). Unlike ``cellstream_pending``'s cells, these are home already; th
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -79,8 +80,6 @@ def above(call: Call[Any], home: str, heads: Mapping[int, int]) -> list[Restored
             if code(exc) == NO_TABLE:
                 return []
             raise
-        import datetime as dt
-
         out = []
         for shard, added_id, row_key, column, ref_key, body, created in cur.fetchall():
             if added_id > heads.get(int(shard), 0):
