@@ -93,6 +93,7 @@ bench-run:
 	$(BIN)/python bench/rebalance_bench.py
 	$(BIN)/python bench/mirror_bench.py
 	$(BIN)/python bench/durable_bench.py
+	$(BIN)/python bench/pending_bench.py
 	$(BIN)/python bench/backup_bench.py
 
 ## services-up / services-down: keep the shared servers running between test runs (the suite reuses them)

@@ -3,20 +3,25 @@ the same database to the same disk; an incremental backup of 10,000 new cells ov
 one; restore >= 0.5 of loading that dump with ``mariadb``).
 
     python bench/backup_bench.py [--server URL] [--shards 4096] [--cells 1000000] [--new 10000] [--rounds 2]
+                                 [--repeat 3]
 
 A fresh database of the MariaDB at ``--server``, an instance of ``--shards`` shards, seeded with ``--cells``
-cells (``put_cells`` batches of 2,000 over random keys, a 100-byte pad in each body). Each round then times:
+cells (``put_cells`` batches of 2,000 over random keys, a 100-byte pad in each body). Before each timing the
+server is let settle (its dirty pages flushed: a drop or a load just before leaves InnoDB busy for seconds,
+which would fall on whichever tool runs first). Each round then times:
 
-1. a full backup (:func:`create_backup` to a new directory under /tmp) and ``mariadb-dump --single-transaction``
-   of the same database to a file under /tmp (same disk), in alternating order (dump first in odd rounds);
-2. ``--new`` more cells, then an incremental backup over that round's full backup;
+1. a full backup as ``cellstream backup create`` takes it (a job of kind ``backup``, to a new directory under
+   /tmp) and ``mariadb-dump --single-transaction`` of the same database to a file under /tmp (same disk),
+   ``--repeat`` times each, alternating (dump first in odd rounds); the medians are compared;
+2. ``--new`` more cells, then an incremental backup over that round's last full backup (``--repeat`` times, each
+   over the same parent, the median kept);
 3. a restore of the full backup (what ``cellstream restore`` does: open the new instance, verify the chain, write
    the cells; no index, so no rebuild) into a fresh database, and ``mariadb DB < dump.sql`` into another fresh
    database, in alternating order (restore first in odd rounds).
 
-Ratios per round: time_dump / time_backup (the ratio of the rates, same data), time_incremental / time_backup,
-time_load / time_restore; printed with their means over the rounds (the rounds differ by the ``--new`` cells
-each adds) and written to ``bench/results/backup.json``. Every database and file made is removed at the end.
+Ratios per round: dump / backup (the ratio of the rates, same data), incremental / backup, load / restore;
+printed with their means over the rounds (the rounds differ by the ``--new`` cells each adds) and written to
+``bench/results/backup.json``. Every database and file made is removed at the end.
 """
 
 from __future__ import annotations
@@ -41,9 +46,11 @@ import pymysql
 
 import logstore
 from bench.scratch import drop_database
-from logstore.backup.create import create_backup
+from cellstream.cli.jobs import known_kinds
+from logstore.backup.job import KIND, job_params
 from logstore.backup.restore import restore, verified_chain
 from logstore.backup.storage import open_storage
+from logstore.jobs import JobRunner
 
 RESULTS = Path(__file__).resolve().parent / "results" / "backup.json"
 BATCH = 2000
@@ -86,8 +93,13 @@ def seed(store: logstore.Store, cells: int, start: int) -> None:
 
 
 def timed_backup(store: logstore.Store, dest: Path, incremental: bool) -> float:
+    """A backup as ``cellstream backup create`` takes it: a job of kind ``backup``, submitted and run here."""
     started = time.perf_counter()
-    create_backup(store, open_storage(str(dest)), incremental=incremental)
+    runner = JobRunner(store, known_kinds(store))
+    record = runner.submit(KIND, job_params(store, str(dest), incremental=incremental))
+    final = runner.run(record.id)
+    if final.state != "done":
+        raise RuntimeError(f"backup job {final.id} {final.state}: {final.error}")
     return time.perf_counter() - started
 
 
@@ -120,6 +132,27 @@ def timed_load(url: str, dump: Path) -> float:
     return time.perf_counter() - started
 
 
+def settle(url: str, timeout: float = 60.0) -> None:
+    """Wait until the server has flushed its dirty pages (or ``timeout`` passes)."""
+    t = server_of(url)
+    conn = pymysql.connect(host=t.host, port=t.port, user=t.user, password=t.password)
+    deadline = time.monotonic() + timeout
+    with conn.cursor() as cur:
+        while time.monotonic() < deadline:
+            cur.execute("SHOW GLOBAL STATUS LIKE 'Innodb_buffer_pool_pages_dirty'")
+            if int(cur.fetchall()[0][1]) < 100:
+                break
+            time.sleep(0.5)
+    conn.close()
+
+
+def timed_incremental(store: logstore.Store, parent: Path, increments: Path) -> float:
+    """An incremental backup over a copy of ``parent`` (a full backup's folder): each timing over the same one."""
+    shutil.rmtree(increments, ignore_errors=True)
+    shutil.copytree(parent, increments / parent.name)
+    return timed_backup(store, increments, incremental=True)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:8]
     source = f"{args.server}/bench_backup_{tag}"
@@ -134,24 +167,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             total = args.cells
             for r in range(args.rounds):
                 dest, dump = work / f"backups-{r}", work / f"dump-{r}.sql"
-                if r % 2 == 0:
-                    t_dump = timed_dump(source, dump)
-                    t_full = timed_backup(store, dest, incremental=False)
-                else:
-                    t_full = timed_backup(store, dest, incremental=False)
-                    t_dump = timed_dump(source, dump)
+                settle(source)
+                t_full = t_dump = 0.0
+                for first in (("dump", "backup") if r % 2 == 0 else ("backup", "dump")):
+                    if first == "dump":
+                        t_dump = statistics.median([timed_dump(source, dump) for _ in range(args.repeat)])
+                    else:
+                        t_full = statistics.median([timed_backup(store, dest, incremental=False)
+                                                    for _ in range(args.repeat)])
                 full_id = sorted(p.name for p in dest.iterdir() if p.is_dir())[-1]
                 backup_bytes = sum(p.stat().st_size for p in (dest / full_id).iterdir())
                 seed(store, args.new, total)
-                t_incr = timed_backup(store, dest, incremental=True)
+                settle(source)
+                increments = dest.with_name(f"increments-{r}")
+                t_incr = statistics.median([timed_incremental(store, dest / full_id, increments)
+                                            for _ in range(args.repeat)])
                 restored_url = f"{args.server}/bench_restored_{tag}_{r}"
                 loaded_url = f"{args.server}/bench_loaded_{tag}_{r}"
                 made += [restored_url, loaded_url]
+                settle(source)
                 if r % 2 == 0:
                     t_restore, restored = timed_restore(dest, restored_url, args.shards, full_id)
+                    settle(source)
                     t_load = timed_load(loaded_url, dump)
                 else:
                     t_load = timed_load(loaded_url, dump)
+                    settle(source)
                     t_restore, restored = timed_restore(dest, restored_url, args.shards, full_id)
                 drop_database(restored_url)
                 drop_database(loaded_url)
@@ -162,12 +203,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                "restore_vs_load": t_load / t_restore})
                 total += args.new
                 shutil.rmtree(dest)
+                shutil.rmtree(increments, ignore_errors=True)
                 dump.unlink()
     finally:
         for url in made:
             drop_database(url)
         shutil.rmtree(work, ignore_errors=True)
-    return {"shards": args.shards, "cells": args.cells, "new": args.new, "seed_s": seeded, "rounds": rounds,
+    return {"shards": args.shards, "cells": args.cells, "new": args.new, "repeat": args.repeat, "seed_s": seeded,
+            "rounds": rounds,
             **{k: statistics.mean(r[k] for r in rounds) for k in ("backup_vs_dump", "incremental_share",
                                                                    "restore_vs_load")}}
 
@@ -179,6 +222,7 @@ def main() -> int:
     parser.add_argument("--cells", type=int, default=1_000_000, help="cells seeded before the first round")
     parser.add_argument("--new", type=int, default=10_000, help="cells added before each incremental backup")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3, help="timings of each backup and dump a round (median)")
     args = parser.parse_args()
     r = run(args)
     RESULTS.parent.mkdir(exist_ok=True)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import pymysql
 from kazoo.client import KazooClient
 
+from logstore.backends.mysql.target import MySQLTarget
 from logstore.config import parse_node_url
 from tailer.coordinators.zookeeper import tailer_path
 from tests.harness.kafka_support import delete_topics
@@ -28,10 +29,11 @@ class Scratch(NamedTuple):
 def drop_database(url: str) -> None:
     """Drop the database of a mysql:// URL, if it exists."""
     target = parse_node_url(url)
-    fields = target.model_dump()
-    conn = pymysql.connect(**{k: fields[k] for k in ("host", "port", "user", "password")})
+    if not isinstance(target, MySQLTarget):
+        raise ValueError(f"not a mysql:// URL: {url}")
+    conn = pymysql.connect(host=target.host, port=target.port, user=target.user, password=target.password)
     with conn.cursor() as cur:
-        cur.execute(f"DROP DATABASE IF EXISTS `{target.database}`")  # type: ignore[union-attr]
+        cur.execute(f"DROP DATABASE IF EXISTS `{target.database}`")
     conn.close()
 
 

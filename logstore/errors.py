@@ -199,6 +199,11 @@ class BackupNotFoundError(BackupError):
     """No backup (or no file of one) by that name at the destination; the message names what was looked for."""
 
 
+class CorruptBlockError(LogstoreError, ValueError):
+    """Bytes that are not a log block (:mod:`logstore.log_blocks`); the message names the offset where they
+    stop reading as one, and whoever read them names where they came from."""
+
+
 class CorruptBackupError(BackupError):
     """A backup file is missing, truncated or does not match its checksum: ``name`` names it. A restore refuses
     the whole backup before writing anything."""

@@ -34,6 +34,7 @@ from logstore.shard_map import ShardMapDoc
 from logstore.store import Store, node_meta
 
 logger = logging.getLogger(__name__)
+FIRST_LOOK = 0.25  # seconds the open waits for each node of several before opening without it
 
 
 def open(target: str | os.PathLike[str], shards: int | None = None, *,  # noqa: A001
@@ -169,7 +170,11 @@ def _initialize(text: str, cluster: ClusterConfig, recorders: dict[str, NodeReco
     is none). One node of several that does not answer soon is opened without: its writes are buffered on the
     others, its reads go to its replicas meanwhile; a store of one node must answer."""
     several = len(cluster.nodes) > 1
-    soon = options.retry.model_copy(update={"deadline": options.buffer_after or 2.0}) if several else None
+    # A short look: waiting longer (it was buffer_after) made every command on a cluster with a node down wait
+    # for it, and bought nothing: the node's first statement initializes it, under that statement's own policy
+    # (a write still waits buffer_after before it is buffered).
+    soon = options.retry.model_copy(update={"deadline": min(FIRST_LOOK, options.buffer_after or 2.0)}) \
+        if several else None
     removed = _removed(cluster, recorders) if several else set()
     if removed and removed >= set(recorders):
         raise ConfigurationError(f"every storage node of {text} was removed from the instance: name one in use "

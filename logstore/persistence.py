@@ -19,17 +19,21 @@ import datetime as dt
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import msgpack
 
-from logstore.cell import AnyCell, Cell, PackedCell, inflate_body, same_json, unpack_body, unpack_map
+from logstore.cell import AnyCell, Cell, PackedCell, compress, inflate_body, same_json, unpack_body, unpack_map
 from logstore.errors import CellConflictError, ConfigurationError, CorruptCellError, StorageError
 from logstore.index_tables.persistence import IndexRecorder
+from logstore.log_blocks import BlockCell, LogBlock, created_text
+from logstore.log_blocks import encode as encode_block
 from logstore.offsets import OffsetRecord
 from logstore.retry import RetryPolicy
 
 FORMAT_VERSION = 1
+_BLOCK_PAGE = 5000  # cells a page of the default read_blocks
+_BLOCK_LEVEL = 6  # zlib's default: the stored bytes of a backend that cannot give its own
 Coordinates = tuple[bytes, str, int]
 R = TypeVar("R")
 C = TypeVar("C", bound=AnyCell)
@@ -58,6 +62,28 @@ class PendingRecord(NamedTuple):
     node: str
     cell: PendingCell
     failed: str | None
+
+
+class PendingReport(NamedTuple):
+    """What one :meth:`Store.replay_pending` pass did."""
+
+    replayed: int
+    failed: int
+    waiting: int
+    unreachable: list[str]  # nodes holding buffered cells that did not answer: their cells wait too
+
+
+class PendingCounts(NamedTuple):
+    """Buffered cells by the node they belong to (their home) and the node holding them meanwhile:
+    ``held[home][holder] = (waiting, failed)``. A holder in ``unreachable`` did not answer: what it holds
+    is not counted."""
+
+    held: dict[str, dict[str, tuple[int, int]]]
+    unreachable: list[str]
+
+    def by_home(self) -> dict[str, tuple[int, int]]:
+        return {home: (sum(w for w, _ in holders.values()), sum(f for _, f in holders.values()))
+                for home, holders in self.held.items()}
 
 
 class RestoredCell(NamedTuple):
@@ -182,6 +208,29 @@ class NodeRecorder(ABC):
         """(waiting, failed) buffered cells by the node they belong to."""
         return {}
 
+    def held_pending(self, name: str) -> PendingCounts:
+        """The buffered cells this node can tell of, by home and holder: those it holds itself (as holder
+        ``name``, its name in the store), or, for a node in front of a whole store (a worker node), that
+        store's. One look, no waiting.
+
+        Raises:
+            StorageUnavailableError: the node does not answer.
+            ConfigurationError: the node cannot tell (a worker node of a version without the route).
+        """
+        if not self.supports_pending:
+            return PendingCounts({}, [])
+        return PendingCounts({home: {name: counts} for home, counts in self.pending_counts().items()}, [])
+
+    def replay_behind(self) -> PendingReport | None:
+        """For a node in front of a whole store (a worker node): one replay pass of that store's buffered
+        writes, run there (:meth:`Store.replay_pending`). None for a storage node: its buffered cells are
+        replayed by the store holding it.
+
+        Raises:
+            StorageUnavailableError: the node does not answer.
+        """
+        return None
+
     def burn_ids(self, burn: int) -> int:
         """Make each shard the node holds skip ``burn`` ids from its head on (its ``id_floor``); the shards
         changed.
@@ -263,6 +312,33 @@ class NodeRecorder(ABC):
             its CorruptCellError with the good cells before it in ``cells_before`` (the other pages still
             arrive). A backend that cannot read apart from decoding returns pages decoded already.
         """
+
+    def read_blocks(self, ranges: Sequence[tuple[int, int, int]]) -> list[LogBlock]:
+        """Each ``(shard, after, up_to)`` range's cells, ``after < added_id <= up_to``, as a log block
+        (:mod:`logstore.log_blocks`), read from the primary only: a backup must not take a replica's shorter
+        log for the whole. This default reads pages through :meth:`read_logs` and compresses each body again;
+        a backend that keeps the stored bytes at hand overrides it.
+
+        Raises:
+            CorruptCellError: a cell of a range cannot be read.
+            StorageUnavailableError: the node did not answer (retriable).
+        """
+        out: list[LogBlock] = []
+        for shard, after, up_to in ranges:
+            cells: list[BlockCell] = []
+            while after < up_to:
+                page = self.read_logs([(shard, after)], _BLOCK_PAGE, None, True, ReadBudget(1 << 62))()
+                found = page.get(shard, [])
+                if isinstance(found, CorruptCellError):
+                    raise found
+                kept = [c for c in cast("Sequence[PackedCell]", found) if c.added_id <= up_to]
+                cells += [BlockCell(c.added_id, created_text(c.created_at), c.ref_key, c.column, c.row_key.bytes,
+                                    compress(c.packed, _BLOCK_LEVEL)) for c in kept]
+                if len(kept) < len(found) or len(found) < _BLOCK_PAGE:
+                    break
+                after = found[-1].added_id
+            out.append(LogBlock(shard, len(cells), encode_block(cells)))
+        return out
 
     @abstractmethod
     def first_at(self, shard: int, when: dt.datetime) -> int | None:

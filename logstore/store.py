@@ -38,6 +38,7 @@ from logstore.errors import (
 )
 from logstore.index_tables.persistence import IndexRecorder
 from logstore.index_tables.store import IndexStore
+from logstore.log_blocks import LogBlock
 from logstore.offsets import OffsetRecord, offset_doc
 from logstore.persistence import (
     ChangedCounts,
@@ -45,7 +46,9 @@ from logstore.persistence import (
     NodeMeta,
     NodeRecorder,
     PendingCell,
+    PendingCounts,
     PendingRecord,
+    PendingReport,
     ReadBudget,
     UndecodedPages,
 )
@@ -55,28 +58,6 @@ logger = logging.getLogger(__name__)
 MAX_PAGE = 100_000
 _MOVE_HOPS = 40  # a write meeting a moved shard reloads the map and tries again, this many times at most
 DOWN_RECHECK = 1.0  # seconds between the background checks of a node known down (Store.known_down)
-
-
-class PendingReport(NamedTuple):
-    """What one :meth:`Store.replay_pending` pass did."""
-
-    replayed: int
-    failed: int
-    waiting: int
-    unreachable: list[str]  # nodes holding buffered cells that did not answer: their cells wait too
-
-
-class PendingCounts(NamedTuple):
-    """Buffered cells by the node they belong to (their home) and the node holding them meanwhile:
-    ``held[home][holder] = (waiting, failed)``. A holder in ``unreachable`` did not answer: what it holds
-    is not counted."""
-
-    held: dict[str, dict[str, tuple[int, int]]]
-    unreachable: list[str]
-
-    def by_home(self) -> dict[str, tuple[int, int]]:
-        return {home: (sum(w for w, _ in holders.values()), sum(f for _, f in holders.values()))
-                for home, holders in self.held.items()}
 
 
 class ShardInfo(NamedTuple):
@@ -700,6 +681,16 @@ class Store:
         replayed = failed = waiting = 0
         unreachable: list[str] = []
         for name, holder in sorted(self._recorders.items()):
+            try:
+                behind = holder.replay_behind()  # a worker node: its store's pass, run there
+            except StorageUnavailableError as exc:
+                logger.warning("cannot replay the buffered cells behind node %s: %s", name, exc)
+                unreachable.append(name)
+                continue
+            if behind is not None:
+                replayed, failed, waiting = replayed + behind.replayed, failed + behind.failed, waiting + behind.waiting
+                unreachable += behind.unreachable
+                continue
             if not holder.supports_pending:
                 continue
             if name in self._down:  # asked by the background check, not by every pass
@@ -774,21 +765,25 @@ class Store:
 
     def pending_counts(self) -> PendingCounts:
         """Buffered cells by home node and holder. Each node that can hold them is asked once, without
-        waiting for one that does not answer (it is named in ``unreachable``)."""
+        waiting for one that does not answer (it is named in ``unreachable``); a worker node answers for the
+        store behind it, its storage nodes as holders and the ones of them that did not answer as unreachable.
+
+        Raises:
+            ConfigurationError: a worker node that cannot tell (a version without ``GET /v1/pending``).
+        """
         held: dict[str, dict[str, tuple[int, int]]] = {}
         unreachable: list[str] = []
         for name, recorder in sorted(self._recorders.items()):
-            if not recorder.supports_pending:
-                continue
             try:
-                found = recorder.pending_counts()
+                found = recorder.held_pending(name)
             except StorageUnavailableError as exc:
                 logger.info("cannot count the buffered cells on node %s: %s", name, exc)
                 unreachable.append(name)
                 continue
-            for home, counts in found.items():
-                held.setdefault(home, {})[name] = counts
-        return PendingCounts(held, unreachable)
+            for home, holders in found.held.items():
+                held.setdefault(home, {}).update(holders)
+            unreachable += found.unreachable
+        return PendingCounts(held, sorted(set(unreachable)))
 
     # -- random access ----------------------------------------------------
     def get_cell(self, row_key: uuid.UUID | str, column: str, ref_key: int) -> Cell | None:
@@ -898,6 +893,29 @@ class Store:
         budget = ReadBudget(self._options.max_read_bytes)
         return UndecodedPages([recorder.read_logs(group, limit, names, packed, budget)
                                for recorder, group in self._locations_by_node(locations)])
+
+    def read_blocks(self, ranges: Mapping[int, tuple[int, int]]) -> dict[int, LogBlock]:
+        """Each shard's cells in an id range as one log block (:mod:`logstore.log_blocks`): what a backup
+        keeps, the stored bytes as they are, read from each node's primary (never a replica's shorter log).
+
+        Args:
+            ranges: shard -> ``(after, up_to)``, the cells with ``after < added_id <= up_to``.
+
+        Returns:
+            Each shard's block.
+
+        Raises:
+            InvalidArgumentError: a shard or bound that is not valid (nothing is read).
+            CorruptCellError: a cell cannot be read.
+            StorageUnavailableError: a node's primary did not answer (retriable).
+        """
+        for _, up_to in ranges.values():
+            if type(up_to) is not int or not 0 <= up_to < 1 << 63:
+                _bad_location(up_to)
+        out: dict[int, LogBlock] = {}
+        for recorder, group in self._locations_by_node({s: after for s, (after, _) in ranges.items()}):
+            out.update((b.shard, b) for b in recorder.read_blocks([(s, a, ranges[s][1]) for s, a in group]))
+        return out
 
     def get_cells_for_shards(
         self, locations: Mapping[int, int], limit: int = 1000, *, columns: Sequence[str] | None = None

@@ -36,7 +36,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     a.add_argument("dest", help="a directory or s3://bucket/prefix")
     a.add_argument("--incremental", action="store_true", help="only the cells above the newest backup's watermarks")
     a.add_argument("--rate", type=float, default=None, metavar="CELLS/S", help="cells read a second at most")
-    a.add_argument("--chunk-shards", type=int, default=256, metavar="N", help="shards a cell file (256)")
+    a.add_argument("--chunk-shards", type=int, default=None, metavar="N",
+                   help="shards a cell file (default: as many as make files of about 100,000 cells)")
     a.add_argument("--detach", action="store_true",
                    help="record the backup job and exit (`cellstream jobs resume ID --run` runs it)")
     a.set_defaults(run=cmd_create)

@@ -297,14 +297,8 @@ def cmd_shards_abort(store: Store, args: argparse.Namespace, out: Output) -> int
 def cmd_pending(store: Store, args: argparse.Namespace, out: Output) -> int:
     """Buffered writes per node; with --replay, write them home (until none waits, or --wait runs out).
     Exit UNAVAILABLE while cells wait or a node that may hold some does not answer, OK when none waits
-    (cells kept as failed wait for no one: they are listed for triage)."""
-    from logstore.backends.http.recorder import HttpRecorder
-    from logstore.errors import ConfigurationError
-
-    if any(isinstance(store.node_recorder(n), HttpRecorder) for n in store.nodes):
-        # A worker node's clients see no pending tables: "no buffered cells" would be a guess, not an answer.
-        raise ConfigurationError("a worker node does not list buffered writes: run `cellstream pending` with "
-                                 "--store CLUSTER, the cluster file of the storage nodes behind it")
+    (cells kept as failed wait for no one: they are listed for triage). Through a worker node (``--store
+    http://...``) the node answers for the storage nodes behind it, and runs the replay passes."""
     if args.replay:
         deadline = time.monotonic() + args.wait
         while True:

@@ -1,31 +1,25 @@
-"""The bytes of a backup's files: MessagePack compressed with zlib, a cell as a 7-item array.
+"""The bytes of a backup's files.
 
-A cell is ``[shard, added_id, row_key (16 bytes), column, ref_key, body (its MessagePack form), created_at
-(microseconds since the epoch, UTC)]``: what a restore needs to store it again with the same id and time.
+A cell file is its log blocks (:mod:`logstore.log_blocks`) one after another, each framed by a 16-byte header
+``>IIQ``: shard, cells, bytes. The bodies in a block are the stored ones, already compressed: the file is not
+compressed again, and a restore writes them back as they are. The state file is MessagePack compressed with
+zlib.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import re
+import struct
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 
-from logstore.cell import PackedCell
-from logstore.errors import CorruptBackupError
+from logstore.errors import CorruptBackupError, CorruptBlockError
+from logstore.log_blocks import BlockCell, LogBlock, decode
 
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-_COLUMN = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # logstore.cell.check_column's, reserved ones included
-# Level 1: cell files (bodies repeating their field names) come out about as small as at level 6, much
-# faster (docs/benchmarks.md, "Backup and restore").
-_LEVEL = 1
-
-
-def micros(when: dt.datetime) -> int:
-    return (when - _EPOCH) // dt.timedelta(microseconds=1)
+_FRAME = struct.Struct(">IIQ")
+_LEVEL = 1  # the state file is small: fast beats small
 
 
 def pack(value: Any) -> bytes:
@@ -45,30 +39,55 @@ def unpack(name: str, data: bytes) -> Any:
         raise CorruptBackupError(name, f"cannot be read ({exc})") from None
 
 
-def pack_cells(cells: Sequence[PackedCell]) -> bytes:
-    """A cell file of ``cells`` (in shard, then added_id order)."""
-    return pack([[c.shard, c.added_id, c.row_key.bytes, c.column, c.ref_key, c.packed, micros(c.created_at)]
-                 for c in cells])
+def cell_file(blocks: Sequence[LogBlock]) -> bytes:
+    """A cell file of ``blocks`` (in shard, then added_id order; the empty ones left out)."""
+    parts: list[bytes] = []
+    for b in blocks:
+        if b.cells:
+            parts += [_FRAME.pack(b.shard, b.cells, len(b.data)), b.data]
+    return b"".join(parts)
 
 
-def unpack_rows(name: str, data: bytes) -> list[list[Any]]:
-    """The cells of a cell file as its arrays, each checked for the types of its 7 items (a column as cells
-    name theirs), so that a restore that verified a file turns every row into a cell without failing.
+def frames(name: str, data: bytes) -> list[tuple[int, int, memoryview]]:
+    """The (shard, cells, block bytes) of each block of a cell file, read from their headers only.
 
     Raises:
-        CorruptBackupError: it does not read as a cell file.
+        CorruptBackupError: a header runs past the file's end.
     """
-    rows = unpack(name, data)
-    if type(rows) is not list:
-        raise CorruptBackupError(name, "is not a cell file")
-    columns: set[str] = set()
-    for row in rows:
-        if not (type(row) is list and len(row) == 7 and type(row[0]) is int and type(row[1]) is int
-                and type(row[2]) is bytes and len(row[2]) == 16 and type(row[3]) is str and type(row[4]) is int
-                and type(row[5]) is bytes and type(row[6]) is int):
-            raise CorruptBackupError(name, f"holds a cell that is not one: {str(row)[:100]}")
-        columns.add(row[3])
-    for column in columns:
-        if not _COLUMN.fullmatch(column):
-            raise CorruptBackupError(name, f"holds a cell of column {column[:80]!r}, not a column name")
-    return rows
+    out: list[tuple[int, int, memoryview]] = []
+    view, at, end = memoryview(data), 0, len(data)
+    while at < end:
+        if at + _FRAME.size > end:
+            raise CorruptBackupError(name, f"ends inside the header of a block at byte {at}")
+        shard, cells, size = _FRAME.unpack_from(data, at)
+        at += _FRAME.size
+        if at + size > end:
+            raise CorruptBackupError(name, f"the block of shard {shard} at byte {at} runs past the file's end")
+        out.append((shard, cells, view[at:at + size]))
+        at += size
+    return out
+
+
+def count_cells(name: str, data: bytes) -> int:
+    """The cells a cell file says it holds (its headers'). Raises CorruptBackupError as :func:`frames`."""
+    return sum(cells for _, cells, _ in frames(name, data))
+
+
+def read_cell_file(name: str, data: bytes) -> list[tuple[int, list[BlockCell]]]:
+    """Each block of a cell file as its shard and cells, every cell read and each block's count checked, so
+    that a restore that verified a file writes every cell of it without failing.
+
+    Raises:
+        CorruptBackupError: it does not read as a cell file (naming the shard where it stops).
+    """
+    out: list[tuple[int, list[BlockCell]]] = []
+    for shard, count, block in frames(name, data):
+        try:
+            cells = decode(bytes(block))
+        except CorruptBlockError as exc:
+            raise CorruptBackupError(name, f"the block of shard {shard}: {exc}") from None
+        if len(cells) != count:
+            raise CorruptBackupError(name, f"the block of shard {shard} holds {len(cells)} cells, its header "
+                                     f"says {count}")
+        out.append((shard, cells))
+    return out

@@ -16,9 +16,10 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
-from logstore.backup.chunks import pack, pack_cells, unpack, unpack_rows
+from logstore.backup.chunks import cell_file, count_cells, pack, unpack
 from logstore.backup.manifest import (
     MANIFEST,
     PLAN,
@@ -34,13 +35,14 @@ from logstore.backup.manifest import (
 )
 from logstore.backup.state import collect_state
 from logstore.backup.storage import BackupStorage
-from logstore.cell import PackedCell
-from logstore.errors import BackupError, BackupNotFoundError, CorruptCellError, InvalidArgumentError
+from logstore.errors import BackupError, BackupNotFoundError, InvalidArgumentError
+from logstore.log_blocks import LogBlock
 from logstore.store import Store
 
 logger = logging.getLogger(__name__)
-CHUNK_SHARDS = 256
-PAGE = 5000
+CELLS_A_FILE = 100_000  # what a cell file holds about, when its shards are not given: files of a few MB to
+# a few hundred, each a step of the job (a record written), and held whole in memory while written
+BLOCK_IDS = 4096  # ids of a shard read at a time: a block of them stays well under the server's packet
 
 
 class BackupProgress(NamedTuple):
@@ -53,7 +55,7 @@ class BackupProgress(NamedTuple):
 
 
 def create_backup(store: Store, storage: BackupStorage, *, incremental: bool = False,
-                  chunk_shards: int = CHUNK_SHARDS, rate: float | None = None,
+                  chunk_shards: int | None = None, rate: float | None = None,
                   progress: Callable[[BackupProgress], None] | None = None) -> Manifest:
     """Back ``store`` up to ``storage`` while writers go on (or finish the unfinished backup found there).
 
@@ -61,7 +63,8 @@ def create_backup(store: Store, storage: BackupStorage, *, incremental: bool = F
         store: the instance.
         storage: the destination (:func:`logstore.backup.storage.open_storage`).
         incremental: only the cells above the newest finished backup's watermarks.
-        chunk_shards: shards a cell file (a new backup's; a resumed one keeps its plan's).
+        chunk_shards: shards a cell file (a new backup's; a resumed one keeps its plan's); None: as many as
+            make files of about ``CELLS_A_FILE`` cells (:func:`chunk_shards_for`).
         rate: cells read a second at most (None: as fast as the nodes answer).
         progress: called after each cell file.
 
@@ -75,7 +78,7 @@ def create_backup(store: Store, storage: BackupStorage, *, incremental: bool = F
         CorruptCellError: a cell of the store cannot be read (the backup stops; resume once it is repaired).
         StorageUnavailableError: a storage node did not answer (retriable: run the command again to resume).
     """
-    if chunk_shards < 1:
+    if chunk_shards is not None and chunk_shards < 1:
         raise InvalidArgumentError(f"chunk_shards must be at least 1, got {chunk_shards}")
     plan = _resumed(storage, incremental) or start_backup(store, storage, incremental=incremental,
                                                           chunk_shards=chunk_shards)
@@ -84,11 +87,31 @@ def create_backup(store: Store, storage: BackupStorage, *, incremental: bool = F
                           f"{store.shard_count}")
     files: list[BackupFile] = []
     pace = _Pace(rate)
-    for first, last in file_ranges(plan):
-        files.append(write_cell_file(store, storage, plan, first, last, pace))
-        if progress is not None:
-            progress(BackupProgress(plan.backup_id, last + 1, plan.shard_count, sum(f.cells for f in files)))
+    ahead = None if rate else ReadAhead(store)
+    try:
+        for first, last in file_ranges(plan):
+            files.append(write_cell_file(store, storage, plan, first, last, pace, ahead))
+            if progress is not None:
+                progress(BackupProgress(plan.backup_id, last + 1, plan.shard_count, sum(f.cells for f in files)))
+    finally:
+        if ahead is not None:
+            ahead.close()
     return finish_backup(storage, plan, files)
+
+
+def chunk_shards_for(store: Store, storage: BackupStorage, incremental: bool) -> int:
+    """The shards a cell file of a new backup of ``store`` to take about ``CELLS_A_FILE`` cells (ids are dense
+    but for burnt ones: an estimate from the heads, and the newest backup's watermarks for an incremental one).
+    An incremental backup of a few cells is then one file, not one a fixed range of shards."""
+    n = store.shard_count
+    heads = store.heads()
+    parent = latest(storage) if incremental else None
+    bases = parent.watermarks if parent is not None and parent.shard_count == n else [0] * n
+    return _shards_a_file(n, sum(max(0, heads[s] - bases[s]) for s in range(n)))
+
+
+def _shards_a_file(shard_count: int, cells: int) -> int:
+    return max(1, min(shard_count, shard_count * CELLS_A_FILE // max(cells, 1)))
 
 
 def file_ranges(plan: Plan) -> list[tuple[int, int]]:
@@ -102,12 +125,13 @@ def cell_file_name(first: int, last: int) -> str:
 
 
 def write_cell_file(store: Store, storage: BackupStorage, plan: Plan, first: int, last: int,
-                    pace: Callable[[int], None] | None = None) -> BackupFile:
+                    pace: Callable[[int], None] | None = None, ahead: ReadAhead | None = None) -> BackupFile:
     """Write the cell file of shards ``first``..``last`` (kept as it is when a run before wrote it: the same
     watermarks make the same cells); return its manifest entry.
 
     Args:
-        pace: called with the cells of each page read (a throttle, a progress report).
+        pace: called with the cells of each round of blocks read (a throttle, a progress report).
+        ahead: reads the next file's blocks while this one is stored (and gives this one's, when it read them).
 
     Raises:
         CorruptCellError: a cell cannot be read. StorageUnavailableError: a node did not answer (retriable).
@@ -117,12 +141,60 @@ def write_cell_file(store: Store, storage: BackupStorage, plan: Plan, first: int
     where = f"{plan.backup_id}/{name}"
     if storage.exists(where):  # written before the backup was interrupted
         data = storage.get(where)
-        count = len(unpack_rows(where, data))
+        count = count_cells(where, data)
     else:
-        cells = _read_range(store, plan, first, last, pace or (lambda n: None))
-        data, count = pack_cells(cells), len(cells)
+        pace = pace or _no_pace
+        blocks = ahead.take(plan, first, last) if ahead is not None else None
+        if blocks is None:
+            blocks = _read_range(store, plan, first, last, pace)
+        else:
+            pace(sum(b.cells for b in blocks))  # the throttle waits now, before the next read starts
+        following = [r for r in file_ranges(plan) if r[0] == last + 1]
+        if ahead is not None and following and not storage.exists(f"{plan.backup_id}/"
+                                                                   f"{cell_file_name(*following[0])}"):
+            ahead.start(plan, *following[0])
+        data, count = cell_file(blocks), sum(b.cells for b in blocks)
         storage.put(where, data)
     return described(name, data, first_shard=first, last_shard=last, cells=count)
+
+
+class ReadAhead:
+    """Reads a backup's next cell file while the one before is written: the server builds the next blocks while
+    this process writes, hashes and syncs a file. One file ahead at most; a read no step takes is dropped.
+    Not for a throttled rate: the read ahead starts once the throttle has waited for the file before."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backup-read-ahead")
+        self._ahead: tuple[tuple[str, int, int], Future[list[LogBlock]]] | None = None
+
+    def start(self, plan: Plan, first: int, last: int) -> None:
+        """Read the blocks of shards ``first``..``last`` of ``plan`` on the read-ahead thread."""
+        self._drop()
+        self._ahead = ((plan.backup_id, first, last),
+                       self._thread.submit(_read_range, self.store, plan, first, last, _no_pace))
+
+    def take(self, plan: Plan, first: int, last: int) -> list[LogBlock] | None:
+        """The blocks read ahead for that file (raising what their read raised), or None when none were."""
+        if self._ahead is None or self._ahead[0] != (plan.backup_id, first, last):
+            self._drop()
+            return None
+        future, self._ahead = self._ahead[1], None
+        return future.result()
+
+    def close(self) -> None:
+        self._drop()
+        self._thread.shutdown(wait=True)
+
+    def _drop(self) -> None:
+        if self._ahead is not None:
+            future, self._ahead = self._ahead[1], None
+            if not future.cancel():
+                future.add_done_callback(lambda f: f.exception())  # a read no one takes: its error is not news
+
+
+def _no_pace(cells: int) -> None:
+    pass
 
 
 def finish_backup(storage: BackupStorage, plan: Plan, files: list[BackupFile] | None = None) -> Manifest:
@@ -139,7 +211,7 @@ def finish_backup(storage: BackupStorage, plan: Plan, files: list[BackupFile] | 
             name = cell_file_name(first, last)
             data = storage.get(f"{bid}/{name}")
             files.append(described(name, data, first_shard=first, last_shard=last,
-                                   cells=len(unpack_rows(f"{bid}/{name}", data))))
+                                   cells=count_cells(f"{bid}/{name}", data)))
     state = storage.get(f"{bid}/{STATE}")
     unpack(f"{bid}/{STATE}", state)  # a damaged state file is found now, not at restore
     total = sum(f.cells for f in files)
@@ -167,12 +239,13 @@ def _resumed(storage: BackupStorage, incremental: bool) -> Plan | None:
     return plan
 
 
-def start_backup(store: Store, storage: BackupStorage, *, incremental: bool, chunk_shards: int,
+def start_backup(store: Store, storage: BackupStorage, *, incremental: bool, chunk_shards: int | None,
                  backup_id: str | None = None) -> Plan:
     """The plan of a new backup, stored with its state file (or, when ``backup_id``'s plan is stored already,
     that plan: a job's first step run again).
 
     Args:
+        chunk_shards: shards a cell file; None: files of about ``CELLS_A_FILE`` cells.
         backup_id: the new backup's id (default: made from the time now).
 
     Raises:
@@ -198,6 +271,8 @@ def start_backup(store: Store, storage: BackupStorage, *, incremental: bool, chu
     if behind:
         raise BackupError(f"shard {behind[0]}'s head {watermarks[behind[0]]} is below the previous backup's "
                           f"watermark {bases[behind[0]]}: these backups are of another instance")
+    if chunk_shards is None:
+        chunk_shards = _shards_a_file(n, sum(w - b for w, b in zip(watermarks, bases, strict=True)))
     bid = backup_id or new_backup_id(started)
     plan = Plan(backup_id=bid, parent_id=parent.backup_id if parent else None, started_at=started,
                 shard_count=n, chunk_shards=chunk_shards, bases=bases, watermarks=watermarks)
@@ -226,23 +301,16 @@ class _Pace:
 
 
 def _read_range(store: Store, plan: Plan, first: int, last: int,
-                pace: Callable[[int], None]) -> list[PackedCell]:
-    """The cells of shards ``first``..``last`` in ``(base, watermark]``, by shard then added_id, read a page
-    of every shard at a time through the store's paged reads."""
+                pace: Callable[[int], None]) -> list[LogBlock]:
+    """The blocks of shards ``first``..``last`` in ``(base, watermark]``, by shard then added_id, read
+    ``BLOCK_IDS`` ids of every shard at a time."""
     todo = {s: plan.bases[s] for s in range(first, last + 1) if plan.watermarks[s] > plan.bases[s]}
-    out: dict[int, list[PackedCell]] = {s: [] for s in todo}
+    out: dict[int, list[LogBlock]] = {s: [] for s in todo}
     while todo:
-        pages = store.read_pages(todo, PAGE, packed=True).decode()
-        for shard in list(todo):
-            page = pages.get(shard, [])
-            if isinstance(page, CorruptCellError):
-                raise page
-            mark = plan.watermarks[shard]
-            cells = [c for c in page if c.added_id <= mark]
-            out[shard] += cells  # type: ignore[arg-type]
-            pace(len(cells))
-            if not page or page[-1].added_id >= mark:
-                del todo[shard]
-            else:
-                todo[shard] = page[-1].added_id
-    return [c for s in sorted(out) for c in out[s]]
+        ranges = {s: (after, min(plan.watermarks[s], after + BLOCK_IDS)) for s, after in todo.items()}
+        blocks = store.read_blocks(ranges)
+        for shard, block in blocks.items():
+            out[shard].append(block)
+        pace(sum(b.cells for b in blocks.values()))  # once a round, not once a shard: each call asks the throttle
+        todo = {s: up_to for s, (_, up_to) in ranges.items() if up_to < plan.watermarks[s]}
+    return [b for s in sorted(out) for b in out[s]]

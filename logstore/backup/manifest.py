@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from logstore.backup.storage import BackupStorage
 from logstore.errors import BackupNotFoundError, CorruptBackupError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: cell files of log blocks, the stored bodies as they are (1: MessagePack rows)
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 STATE = "state.bin"
@@ -136,9 +136,13 @@ def read_plan(storage: BackupStorage, backup_id: str) -> Plan:
     name = f"{backup_id}/{PLAN}"
     data = storage.get(name)
     try:
-        return Plan.model_validate_json(data)
+        plan = Plan.model_validate_json(data)
     except ValidationError as exc:
         raise CorruptBackupError(name, f"not a backup plan ({exc.errors()[0]['msg']})") from None
+    if plan.format_version != FORMAT_VERSION:
+        raise CorruptBackupError(name, f"unknown format version {plan.format_version}: delete the unfinished "
+                                 "backup's folder and take a new one")
+    return plan
 
 
 def backup_ids(storage: BackupStorage) -> tuple[list[str], list[str]]:

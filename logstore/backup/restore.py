@@ -19,14 +19,14 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from logstore.backup.chunks import micros, unpack, unpack_rows
+from logstore.backup.chunks import read_cell_file, unpack
 from logstore.backup.manifest import Manifest, backup_ids
 from logstore.backup.state import index_specs
 from logstore.backup.storage import BackupStorage
 from logstore.backup.verify import verify_chain
-from logstore.cell import compress
 from logstore.errors import (
     BackupError,
     BackupNotFoundError,
@@ -35,12 +35,12 @@ from logstore.errors import (
     RestoreTargetNotEmptyError,
 )
 from logstore.index_tables.persistence import IndexSpec
+from logstore.log_blocks import created_text, created_time
 from logstore.persistence import RestoredCell
 from logstore.store import Store
 
 logger = logging.getLogger(__name__)
 BATCH = 5000  # cells a transaction
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
 class RestoreProgress(NamedTuple):
@@ -124,16 +124,19 @@ def restore(storage: BackupStorage, target: Store, *, backup_id: str | None = No
                                    storage.get(f"{newest.backup_id}/{newest.state.name}"))
     _check_empty(target, first, last, whole=shards is None)
 
-    level = target.options.compression_level
     heads: dict[int, int] = dict.fromkeys(range(first, last + 1), 0)
     wanted = [(m, f) for m in manifests for f in m.files
               if f.first_shard is not None and f.last_shard is not None
               and f.first_shard <= last and f.last_shard >= first]
     restored = 0
-    for done, (manifest, entry) in enumerate(wanted, 1):
-        restored += _restore_file(storage, target, manifest, entry.name, first, last, until, level, heads)
-        if progress is not None:
-            progress(RestoreProgress(done, len(wanted), restored))
+    writers = _NodeWriters(target)
+    try:
+        for done, (manifest, entry) in enumerate(wanted, 1):
+            restored += _restore_file(storage, target, writers, manifest, entry.name, first, last, until, heads)
+            if progress is not None:
+                progress(RestoreProgress(done, len(wanted), restored))
+    finally:
+        writers.close()
     consumers, lowered = _restore_offsets(target, state, heads)
     specs = index_specs(state)
     for spec in specs:
@@ -158,37 +161,70 @@ def _check_empty(target: Store, first: int, last: int, whole: bool) -> None:
                                              "written")
 
 
-def _restore_file(storage: BackupStorage, target: Store, manifest: Manifest, name: str, first: int, last: int,
-                  until: dt.datetime | None, level: int, heads: dict[int, int]) -> int:
+class _NodeWriters:
+    """Each node's batches written by ``DEPTH`` threads of the node's own while the next batch is built: the
+    server inserts one batch while a thread builds the SQL of another and this process decodes (a thread
+    waiting on its socket lets go of the GIL). Batches sharing a shard are written one after the other, in
+    order: a shard's ids go in ascending."""
+
+    DEPTH = 2
+
+    def __init__(self, target: Store) -> None:
+        self.target = target
+        self.threads: dict[str, ThreadPoolExecutor] = {}
+        self.in_flight: dict[str, list[tuple[Future[None], set[int]]]] = {}
+
+    def write(self, node: str, batch: list[RestoredCell]) -> None:
+        """Queue ``batch`` for ``node``, once no batch in flight shares a shard with it and fewer than ``DEPTH``
+        are (raising what a batch waited for raised)."""
+        shards = {c.shard for c in batch}
+        flying = self.in_flight.setdefault(node, [])
+        while flying and (len(flying) >= self.DEPTH or any(shards & s for _, s in flying)):
+            flying.pop(0)[0].result()
+        recorder = self.target.node_recorder(node)
+        if recorder is None:  # the map names it: it is open
+            raise BackupError(f"storage node {node} of the target is not open")
+        if node not in self.threads:
+            self.threads[node] = ThreadPoolExecutor(max_workers=self.DEPTH, thread_name_prefix=f"restore-{node}")
+        flying.append((self.threads[node].submit(recorder.restore_cells, batch), shards))
+
+    def close(self) -> None:
+        """Wait for every batch in flight; raise the first error any of them met."""
+        try:
+            for flying in self.in_flight.values():
+                for future, _ in flying:
+                    future.result()
+        finally:
+            for thread in self.threads.values():
+                thread.shutdown(wait=True)
+
+
+def _restore_file(storage: BackupStorage, target: Store, writers: _NodeWriters, manifest: Manifest, name: str,
+                  first: int, last: int, until: dt.datetime | None, heads: dict[int, int]) -> int:
     where = f"{manifest.backup_id}/{name}"
-    rows = unpack_rows(where, storage.get(where))  # checked whole by the verification: nothing fails here
-    cutoff = None if until is None else micros(until)
+    blocks = read_cell_file(where, storage.get(where))  # checked whole by the verification: nothing fails here
+    cutoff = None if until is None else created_text(until)  # the texts sort as the times
     node_of = target.placement()
     batches: dict[str, list[RestoredCell]] = {}
     written = 0
-
-    def flush(node: str) -> None:
-        nonlocal written
-        batch = batches.pop(node, [])
-        if batch:
-            recorder = target.node_recorder(node)
-            if recorder is None:  # the map names it: it is open
-                raise BackupError(f"storage node {node} of the target is not open")
-            recorder.restore_cells(batch)
-            written += len(batch)
-
-    for shard, added_id, key, column, ref_key, packed, created in rows:
-        if not first <= shard <= last or (cutoff is not None and created > cutoff):
+    for shard, cells in blocks:
+        if not first <= shard <= last:
             continue
         node = node_of[shard]
         batch = batches.setdefault(node, [])
-        batch.append(RestoredCell(shard, added_id, uuid.UUID(bytes=key), column, ref_key, compress(packed, level),
-                                  _EPOCH + dt.timedelta(microseconds=created)))
-        heads[shard] = added_id
+        for c in cells:
+            if cutoff is not None and c.created > cutoff:
+                continue
+            batch.append(RestoredCell(shard, c.added_id, uuid.UUID(bytes=c.row_key), c.column, c.ref_key, c.blob,
+                                      created_time(c.created)))
+            heads[shard] = c.added_id
         if len(batch) >= BATCH:
-            flush(node)
-    for node in list(batches):
-        flush(node)
+            writers.write(node, batches.pop(node))
+            written += len(batch)
+    for node, batch in batches.items():
+        if batch:
+            writers.write(node, batch)
+            written += len(batch)
     return written
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from logstore.backup.chunks import unpack, unpack_rows
+from logstore.backup.chunks import read_cell_file, unpack
 from logstore.backup.manifest import BackupFile, Manifest, chain, sha256
 from logstore.backup.storage import BackupStorage
 from logstore.errors import BackupNotFoundError, CorruptBackupError
@@ -61,18 +61,20 @@ def _check_file(storage: BackupStorage, manifest: Manifest, entry: BackupFile) -
     if entry.first_shard is None or entry.last_shard is None:
         unpack(name, data)
         return
-    rows = unpack_rows(name, data)
-    if len(rows) != entry.cells:
-        raise CorruptBackupError(name, f"holds {len(rows)} cells, the manifest says {entry.cells}")
+    blocks = read_cell_file(name, data)
+    cells = sum(len(block) for _, block in blocks)
+    if cells != entry.cells:
+        raise CorruptBackupError(name, f"holds {cells} cells, the manifest says {entry.cells}")
     previous: tuple[int, int] = (-1, 0)
     bases, watermarks = manifest.bases, manifest.watermarks
-    for row in rows:
-        shard, added_id = row[0], row[1]
+    for shard, block in blocks:
         if not entry.first_shard <= shard <= entry.last_shard:
             raise CorruptBackupError(name, f"holds a cell of shard {shard}, outside its range")
-        if not bases[shard] < added_id <= watermarks[shard]:
-            raise CorruptBackupError(name, f"holds added_id {added_id} of shard {shard}, outside "
-                                     f"({bases[shard]}, {watermarks[shard]}]")
-        if (shard, added_id) <= previous:
-            raise CorruptBackupError(name, f"its cells are out of order at shard {shard} added_id {added_id}")
-        previous = (shard, added_id)
+        for cell in block:
+            added_id = cell.added_id
+            if not bases[shard] < added_id <= watermarks[shard]:
+                raise CorruptBackupError(name, f"holds added_id {added_id} of shard {shard}, outside "
+                                         f"({bases[shard]}, {watermarks[shard]}]")
+            if (shard, added_id) <= previous:
+                raise CorruptBackupError(name, f"its cells are out of order at shard {shard} added_id {added_id}")
+            previous = (shard, added_id)

@@ -41,6 +41,10 @@ _OFFSETS = {"type": "object", "required": ["offsets"], "properties": {"offsets":
         "properties": {"shard": {"type": "integer"}, "location": {"type": ["integer", "null"]},
                        "owner": {"type": "string"}, "doc": {"type": "object"}}}}}}
 _PROBE = {"type": "object"}
+_HOLDERS = {"type": "object", "additionalProperties": {
+    "type": "object", "required": ["waiting", "failed"], "additionalProperties": False,
+    "properties": {"waiting": {"type": "integer"}, "failed": {"type": "integer"}}}}
+_NODES = {"type": "array", "items": {"type": "string"}}
 
 ROUTES: list[Route] = [
     Route("GET", "/healthz", "healthz", "the process answers", _PROBE, access="open"),
@@ -106,6 +110,17 @@ ROUTES: list[Route] = [
         "type": "object", "required": ["pages"], "properties": {"pages": {
             "type": "object", "additionalProperties": {"oneOf": [_PAGE, ref("Error")]}}}},
           (413,), body_model="LogsQuery"),
+    Route("GET", "/v1/pending", "pending",
+          "writes buffered while a primary was down, by the storage node they belong to (their home) and the one "
+          "holding them meanwhile; `unreachable`: storage nodes that may hold some and did not answer", {
+              "type": "object", "required": ["held", "unreachable"], "additionalProperties": False,
+              "properties": {"held": {"type": "object", "additionalProperties": _HOLDERS}, "unreachable": _NODES}}),
+    Route("POST", "/v1/pending/replay", "replay_pending",
+          "one pass writing buffered cells home now (the node runs one every second anyway)", {
+              "type": "object", "required": ["replayed", "failed", "waiting", "unreachable"],
+              "additionalProperties": False,
+              "properties": {"replayed": {"type": "integer"}, "failed": {"type": "integer"},
+                             "waiting": {"type": "integer"}, "unreachable": _NODES}}),
     Route("GET", "/v1/offsets/{consumer}", "read_offsets", "a consumer's committed positions", _OFFSETS,
           path_model="Consumer"),
     Route("POST", "/v1/offsets/{consumer}/claim", "claim_offsets",

@@ -534,6 +534,21 @@ class WorkerNode:
                     out[str(shard)]["truncated"] = True
         return _json({"pages": out})
 
+    # -- buffered writes ----------------------------------------------------------------
+    async def pending(self, got: Got) -> web.Response:
+        # The clients of this node see no pending tables: what `cellstream pending --store http://...` shows.
+        counts = await self._call(self.store.pending_counts)
+        return _json({"held": {home: {holder: {"waiting": w, "failed": f} for holder, (w, f) in holders.items()}
+                               for home, holders in counts.held.items()},
+                      "unreachable": counts.unreachable})
+
+    async def replay_pending(self, got: Got) -> web.Response:
+        # A pass as the replayer's (the token suffices: it writes nothing the node would not write a second later).
+        report = await self._call(self.store.replay_pending)
+        self.metrics.replayed.inc(report.replayed)
+        self.metrics.pending.set(report.waiting)
+        return _json(report._asdict())
+
     # -- offsets --------------------------------------------------------------------
     async def read_offsets(self, got: Got) -> web.Response:
         records = await self._call(self.store.read_offsets, got.path.consumer)

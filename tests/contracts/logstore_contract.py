@@ -23,6 +23,8 @@ import pytest
 
 import logstore
 from logstore import CellConflictError, ConfigurationError, InvalidArgumentError, InvalidCellError
+from logstore.cell import decode_body
+from logstore.log_blocks import created_text, decode
 from tests.harness.stores import key_per_shard, keys_in_shard
 
 
@@ -193,6 +195,38 @@ class StoreContract:
             store.put_cell(uuid.uuid4(), "C", 1, {"x": "y" * 900})
 
     # -- batches ----------------------------------------------------------
+    def test_read_blocks_hold_each_range_of_stored_cells(self, store: logstore.Store) -> None:
+        keys = keys_in_shard(store, 1, 6)
+        written = store.put_cells([(k, col, ref, {"i": i, "s": "Århus ✓" * i})
+                                   for i, (k, col, ref) in enumerate(
+                                       [(keys[0], "BASE", 3), (keys[1], "a_b9", 2**63 - 1), (keys[2], "BASE", 0),
+                                        (keys[3], "X", 7), (keys[4], "BASE", 1), (keys[5], "y_", 5)])])
+        other = store.put_cell(key_per_shard(store, [2])[2], "BASE", 1, {"other": True})
+        ids = [c.added_id for c in written]
+        blocks = store.read_blocks({1: (ids[1], ids[4]), 2: (0, other.added_id), 3: (0, 10)})
+        assert sorted(blocks) == [1, 2, 3]
+        assert (blocks[3].cells, blocks[3].data) == (0, b"")
+        for shard, want in ((1, written[2:5]), (2, [other])):
+            block = blocks[shard]
+            assert block.shard == shard and block.cells == len(want)
+            cells = decode(block.data)
+            assert [(c.added_id, c.created, c.ref_key, c.column, c.row_key) for c in cells] == [
+                (w.added_id, created_text(w.created_at), w.ref_key, w.column, w.row_key.bytes) for w in want]
+            assert [decode_body(c.blob) for c in cells] == [w.body for w in want]
+        with pytest.raises(InvalidArgumentError):
+            store.read_blocks({store.shard_count: (0, 1)})
+
+    @pytest.mark.parametrize("start", [0, 10], ids=["from-the-start", "after-a-place"])
+    def test_read_blocks_of_a_long_range(self, store: logstore.Store, start: int) -> None:
+        written = store.put_cells([(k, "BASE", 1, {"i": i}) for i, k in enumerate(keys_in_shard(store, 1, 150))])
+        store.put_cells([(k, "BASE", 1, {"neighbour": True}) for k in keys_in_shard(store, 2, 150)])
+        ids = [c.added_id for c in written]
+        after = 0 if start == 0 else ids[start - 1]
+        block = store.read_blocks({1: (after, ids[139])})[1]
+        assert block.cells == 140 - start
+        assert [(c.added_id, decode_body(c.blob)) for c in decode(block.data)] == [
+            (w.added_id, w.body) for w in written[start:140]]
+
     def test_put_cells_returns_cells_in_input_order(self, store: logstore.Store) -> None:
         items = [(uuid.uuid4(), "BASE", i, {"i": i}) for i in range(60)]
         cells = store.put_cells(items)

@@ -78,9 +78,14 @@ class PrivateMariaDB:
         if self.running:
             return
         self._initialize()
+        # Its own tmpdir: a mariadbd deletes every #sql file of its tmpdir when it starts, so one sharing /tmp
+        # removes the on-disk temporary tables of the servers running queries meanwhile.
+        tmpdir = self.workdir / "tmp"
+        tmpdir.mkdir(exist_ok=True)
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(
-                [_binary("mariadbd", "mysqld"), "--no-defaults", f"--datadir={self.data}", f"--port={self.port}",
+                [_binary("mariadbd", "mysqld"), "--no-defaults", f"--datadir={self.data}", f"--tmpdir={tmpdir}",
+                 f"--port={self.port}",
                  f"--bind-address={HOST}", f"--socket={self.socket}", f"--log-error={self.log_path}",
                  "--skip-name-resolve", "--innodb-buffer-pool-size=64M", "--max-connections=200", *self.options,
                  *self._user()],

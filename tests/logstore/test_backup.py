@@ -10,20 +10,23 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 import logstore
 from cellstream.cli.main import main
-from logstore.backup.chunks import pack, unpack_rows
-from logstore.backup.create import BackupProgress, create_backup
+from logstore.backends.mysql.recorder import MySQLRecorder
+from logstore.backup.chunks import cell_file, read_cell_file
+from logstore.backup.create import BackupProgress, ReadAhead, create_backup, start_backup
 from logstore.backup.manifest import Manifest, backup_ids, read_manifest
 from logstore.backup.restore import restore
 from logstore.backup.storage import DirectoryStorage
 from logstore.backup.verify import verify_chain
 from logstore.errors import CorruptBackupError, RestoreTargetNotEmptyError
+from logstore.log_blocks import LogBlock, encode
+from logstore.persistence import RestoredCell
 from tests.harness.stores import two_nodes
 
 SHARDS = 16
@@ -204,10 +207,10 @@ def damage(storage: DirectoryStorage, manifest: Manifest, index: int, how: str) 
     elif how == "flip":  # the same size, one byte changed
         path.write_bytes(data[:-5] + bytes([data[-5] ^ 0xFF]) + data[-4:])
     else:  # a cell file that reads well, of the same size, every body changed: only its sha256 tells
-        rows = unpack_rows(name, data)
-        forged = pack([[*row[:5], b"\x80", row[6]] for row in rows])
-        assert len(forged) < len(data)
-        path.write_bytes(forged + bytes(len(data) - len(forged)))  # zlib ignores what follows its stream
+        forged = cell_file([LogBlock(shard, len(cells), encode([c._replace(blob=bytes(len(c.blob))) for c in cells]))
+                            for shard, cells in read_cell_file(name, data)])
+        assert len(forged) == len(data) and forged != data
+        path.write_bytes(forged)
     return name
 
 
@@ -290,7 +293,7 @@ def test_a_backup_holds_no_password(mysql_cluster: Path, tmp_path: Path) -> None
     for path in found:
         if path.is_file():
             data = path.read_bytes()
-            plain = zlib.decompress(data) if path.suffix == ".bin" else data
+            plain = zlib.decompress(data) if path.name == "state.bin" else data  # cell files are not deflated
             assert f":{password}@".encode() not in plain, path
             if path.name == "state.bin":
                 assert b"cellstream@127.0.0.1" in plain  # the nodes' URLs are there, without their password
@@ -406,3 +409,52 @@ def test_a_two_node_mysql_backup_restores_into_one_node(mysql_cluster: Path, mys
             restore(storage, target)
             assert_same(source, target, manifest.watermarks)
             assert target.cell_counts() == source.cell_counts()
+
+
+def test_batches_of_one_shard_are_written_in_order_while_others_overlap(
+        mysql_database_factory: Callable[[], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore writes two batches at once; a batch sharing a shard with one in flight waits for it, however
+    long that one takes (here the first, held back before it starts): a shard's ids go in ascending."""
+    storage = DirectoryStorage(tmp_path / "backups")
+    with logstore.open(mysql_database_factory(), shards=SHARDS) as source:
+        write(source, 80)
+        create_backup(source, storage, chunk_shards=SHARDS)  # one file, one batch: every shard
+        write(source, 80)
+        create_backup(source, storage, incremental=True, chunk_shards=SHARDS)  # the same shards again
+        real, calls = MySQLRecorder.restore_cells, []
+
+        def held_back_first(recorder: MySQLRecorder, cells: Sequence[RestoredCell]) -> None:
+            calls.append(len(cells))
+            if len(calls) == 1:
+                time.sleep(0.5)
+            real(recorder, cells)
+
+        monkeypatch.setattr(MySQLRecorder, "restore_cells", held_back_first)
+        with logstore.open(mysql_database_factory(), shards=SHARDS) as target:
+            assert restore(storage, target).cells == 160
+            assert calls == [80, 80]
+            for shard in range(SHARDS):
+                assert log(target, shard) == log(source, shard), f"shard {shard}"
+
+
+def test_read_ahead_gives_only_the_file_it_read(sqlite_instance: Callable[[], Path], tmp_path: Path) -> None:
+    """What was read ahead goes to the step of that file of that backup, never to another file's or backup's
+    (a runner that runs two backups, or a step skipped because its file is there, asks for another)."""
+    storage = DirectoryStorage(tmp_path / "backups")
+    with logstore.open(sqlite_instance(), shards=SHARDS) as store:
+        write(store, 100)
+        plan = start_backup(store, storage, incremental=False, chunk_shards=CHUNK)
+        other = plan.model_copy(update={"backup_id": "other"})
+        ahead = ReadAhead(store)
+        try:
+            ahead.start(plan, 5, 9)
+            assert ahead.take(plan, 0, 4) is None  # another file: dropped
+            assert ahead.take(plan, 5, 9) is None  # nothing is read ahead any more
+            ahead.start(plan, 5, 9)
+            assert ahead.take(other, 5, 9) is None
+            ahead.start(plan, 5, 9)
+            blocks = ahead.take(plan, 5, 9)
+        finally:
+            ahead.close()
+        assert blocks is not None and {b.shard for b in blocks} <= set(range(5, 10))
+        assert sum(b.cells for b in blocks) == sum(len(log(store, s)) for s in range(5, 10))

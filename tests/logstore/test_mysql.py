@@ -15,6 +15,7 @@ import pytest
 from pymysql.constants import SERVER_STATUS
 
 import logstore
+from logstore.backends.mysql import recorder as mysql_recorder
 from logstore.backends.mysql.recorder import TOUCH_MARGIN
 from logstore.backends.mysql.target import MySQLTarget
 from logstore.config import parse_node_url
@@ -384,3 +385,18 @@ def test_offsets_of_the_table_a_row_per_shard_move_to_a_row_per_consumer(mysql_d
             return bool(cur.fetchall())
 
     check_old_offsets_move(mysql_database, write_old, old_table_exists)
+
+
+def test_a_block_too_long_for_the_server_is_read_row_by_row(mysql_database: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """GROUP_CONCAT cuts a block at ``group_concat_max_len`` with only a warning: such a block is read again
+    by rows, and comes out byte for byte as the server builds a whole one."""
+    with logstore.open(mysql_database, shards=4) as store:
+        keys = keys_in_shard(store, 0, 40) + keys_in_shard(store, 1, 3)
+        store.put_cells([(k, "BASE", i, {"i": i, "pad": "p" * i}) for i, k in enumerate(keys)])
+        ranges = {0: (0, 40), 1: (0, 3), 2: (0, 5)}
+        whole = store.read_blocks(ranges)
+        assert [whole[s].cells for s in (0, 1, 2)] == [40, 3, 0]
+        monkeypatch.setattr(mysql_recorder, "_BLOCK_ROOM", len(whole[1].data) + 1)  # shard 0's block is longer
+        cut = store.read_blocks(ranges)
+    assert cut == whole

@@ -34,6 +34,8 @@ from logstore.persistence import (
     NodeMeta,
     NodeRecorder,
     PendingCell,
+    PendingCounts,
+    PendingReport,
     ReadBudget,
     TruncatedPage,
     check_meta,
@@ -220,6 +222,27 @@ class HttpRecorder(NodeRecorder):
             self._counts_route = False
         counts = {int(s["shard"]): int(s["cells"]) for s in self._request("GET", "/v1/shards")["shards"]}
         return ChangedCounts(counts, None, True)
+
+    # -- buffered writes of the store behind the node ----------------------------------
+    def held_pending(self, name: str) -> PendingCounts:
+        """The node's store's buffered cells (``GET /v1/pending``): its storage nodes are the holders."""
+        answer = self._request("GET", "/v1/pending", unknown_route_ok=True)
+        if answer is None:
+            raise ConfigurationError(f"worker node {self.target.url} does not list buffered writes (a version "
+                                     "without GET /v1/pending): run `cellstream pending` with --store CLUSTER, the "
+                                     "cluster file of the storage nodes behind it")
+        held = {home: {holder: (int(c["waiting"]), int(c["failed"])) for holder, c in holders.items()}
+                for home, holders in answer["held"].items()}
+        return PendingCounts(held, [str(n) for n in answer["unreachable"]])
+
+    def replay_behind(self) -> PendingReport:
+        """One replay pass run by the node (``POST /v1/pending/replay``), as it runs one every second."""
+        answer = self._request("POST", "/v1/pending/replay", unknown_route_ok=True)
+        if answer is None:
+            raise ConfigurationError(f"worker node {self.target.url} cannot be asked to replay buffered writes (a "
+                                     "version without POST /v1/pending/replay): it replays them every second itself")
+        return PendingReport(int(answer["replayed"]), int(answer["failed"]), int(answer["waiting"]),
+                             [str(n) for n in answer["unreachable"]])
 
     # -- offsets --------------------------------------------------------------------
     def claim_offsets(self, consumer: str, owner: str, shards: Sequence[int]) -> list[OffsetRecord]:

@@ -54,6 +54,8 @@ from logstore.errors import (
     StorageError,
     StoreNotFoundError,
 )
+from logstore.log_blocks import BlockCell, LogBlock
+from logstore.log_blocks import encode as encode_block
 from logstore.offsets import ConsumerOffsets, OffsetRecord, move_old_offsets
 from logstore.persistence import (
     FORMAT_VERSION,
@@ -176,6 +178,21 @@ def _dense_pages(locations: Sequence[tuple[int, int]], limit: int) -> tuple[str,
                      " AND added_id BETWEEN %s AND %s)")
         args += [*shards, location + 1, location + limit]
     return " UNION ALL ".join(parts), args
+
+
+# A cell of a log block (logstore.log_blocks): its ASCII head, row key and stored body.
+_BLOCK_CELL = ("CONCAT(CONCAT_WS(',', c.added_id, c.created_at, c.ref_key, c.column_name, LENGTH(c.body), ''),"
+               " c.row_key, c.body)")
+_BLOCK_RANGES = 256  # ranges a block query joins
+_BLOCK_POINTS = 64  # a range of at most so many ids is read as its ids
+_BLOCK_POINTS_A_QUERY = 20_000
+_BLOCK_ROOM = 1 << 26  # the longest block a server builds (its max_allowed_packet if smaller)
+
+
+def _block_rows(shard: int, after: int, up_to: int, cur: pymysql.cursors.Cursor) -> Rows:
+    cur.execute("SELECT added_id, CAST(created_at AS CHAR), ref_key, column_name, row_key, body FROM cells"
+                " WHERE shard = %s AND added_id > %s AND added_id <= %s ORDER BY added_id", (shard, after, up_to))
+    return tuple(cur.fetchall())
 
 
 def _utc_datetime(value: str | bytes) -> dt.datetime:
@@ -328,6 +345,13 @@ class MySQLRecorder(NodeRecorder):
         # The shard map's reads, every map_refresh seconds: one attempt, as a node that does not answer keeps its
         # last known map and moves, and the reader (maybe a write that found the map due) should not wait.
         self._glance = options.retry.model_copy(update={"deadline": 0.01})
+        # The count of buffered cells: `cellstream pending`, and the probe of a node known down. A few tries in a
+        # quarter second (an idle connection the server closed meanwhile is one), never buffer_after's wait: a
+        # node that refuses connections is reported unreachable at once.
+        self._look = options.retry.model_copy(update={"deadline": min(0.25, options.buffer_after or 2.0)})
+        # The deferred initialization, inside a statement's attempt: one try, as that statement retries under
+        # its own policy (a glance of the shard map stays a glance).
+        self._one_try = options.retry.model_copy(update={"max_attempts": 1})
         self._deferred: NodeMeta | None = None
         self._deferred_lock = threading.Lock()
         self._creating = False  # set by initialize(): only then may a connection create the database
@@ -466,9 +490,10 @@ class MySQLRecorder(NodeRecorder):
                 return
             self._initializing = threading.get_ident()
             try:
-                # Raises StorageUnavailableError while the primary is still down: soon, as the statement
-                # that brought it here retries under its own policy.
-                self.initialize(meta, self._quick_retry)
+                # Raises StorageUnavailableError while the primary is still down: at once, as the statement
+                # that brought it here retries under its own policy (with a policy of its own here, each of
+                # that statement's attempts waited buffer_after: a glance of the map took 2 s).
+                self.initialize(meta, self._one_try)
             finally:
                 self._initializing = None
             self._deferred = None
@@ -836,6 +861,56 @@ class MySQLRecorder(NodeRecorder):
             by_shard[row[0]].append(row)
         return partial(decode_pages, by_shard, to_cell, _ADDED_ID, self._max_body, budget)
 
+    def read_blocks(self, ranges: Sequence[tuple[int, int, int]]) -> list[LogBlock]:
+        """Each range's block built by the server in one ``GROUP_CONCAT``, so the driver parses a row per shard,
+        not per cell: short ranges by their ids, longer ones joined to their bounds, 256 a query (an ``OR`` of
+        ranges would cost MariaDB every term for every row). A block that reaches ``group_concat_max_len`` was
+        cut short by the server: that range is read again row by row."""
+        if not ranges:
+            return []
+
+        def run(cur: pymysql.cursors.Cursor) -> tuple[int, dict[int, tuple[int, bytes]]]:
+            cur.execute("SET SESSION group_concat_max_len = LEAST(@@max_allowed_packet, %s)", (_BLOCK_ROOM,))
+            cur.execute("SELECT @@group_concat_max_len")
+            room = int(cur.fetchall()[0][0])
+            found: dict[int, tuple[int, bytes]] = {}
+            # A short range (an incremental backup's) as its ids, looked up by key; from a shard's start, the
+            # shard's rows by its key (ref); after a place in it, a range per shard (without the equality the
+            # optimizer checks the range of each: "Range checked for each record").
+            short = [r for r in ranges if r[2] - r[1] <= _BLOCK_POINTS]
+            starts = [r for r in ranges if r[1] == 0 and r[2] - r[1] > _BLOCK_POINTS]
+            rest = [r for r in ranges if r[1] != 0 and r[2] - r[1] > _BLOCK_POINTS]
+            group_concat = f"SELECT c.shard, COUNT(*), GROUP_CONCAT({_BLOCK_CELL} ORDER BY c.added_id SEPARATOR '')"
+            points: list[str] = []
+            for shard, after, up_to in short:
+                points += [f"({shard},{i})" for i in range(after + 1, up_to + 1)]  # ints: no escaping needed
+            for at in range(0, len(points), _BLOCK_POINTS_A_QUERY):
+                cur.execute(f"{group_concat} FROM cells c WHERE (c.shard, c.added_id) IN"
+                            f" ({','.join(points[at:at + _BLOCK_POINTS_A_QUERY])}) GROUP BY c.shard")
+                for shard, count, data in cur.fetchall():
+                    had = found.get(int(shard), (0, b""))
+                    found[int(shard)] = (had[0] + int(count), had[1] + bytes(data))
+            for part, on in ((starts, "c.shard = m.shard"), (rest, "c.shard >= m.shard AND c.shard <= m.shard")):
+                for at in range(0, len(part), _BLOCK_RANGES):
+                    group = part[at:at + _BLOCK_RANGES]
+                    bounds = " UNION ALL ".join(["SELECT %s AS shard, %s AS lo, %s AS hi"] * len(group))
+                    cur.execute(f"{group_concat} FROM ({bounds}) m JOIN cells c ON {on} AND c.added_id > m.lo"
+                                " AND c.added_id <= m.hi GROUP BY c.shard", [a for r in group for a in r])
+                    found.update((int(shard), (int(count), bytes(data))) for shard, count, data in cur.fetchall())
+            return room, found
+
+        room, found = self._call("read blocks", run)
+        out = []
+        for shard, after, up_to in ranges:
+            count, data = found.get(shard, (0, b""))
+            if len(data) >= room:
+                rows = self._call("read block rows", partial(_block_rows, shard, after, up_to))
+                data = encode_block(BlockCell(int(i), str(t), int(r), str(c), bytes(k), bytes(b))
+                                    for i, t, r, c, k, b in rows)
+                count = len(rows)
+            out.append(LogBlock(shard, count, data))
+        return out
+
     def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
         if not columns and not self._gappy([(shard, location)]):  # dense ids: the ids up to the head
             return max(0, self.head(shard) - location)
@@ -1096,7 +1171,7 @@ class MySQLRecorder(NodeRecorder):
         mysql_pending.fail(self._quick, pid, reason)
 
     def pending_counts(self) -> dict[str, tuple[int, int]]:
-        return mysql_pending.counts(self._quick)
+        return mysql_pending.counts(partial(self._call, policy=self._look))
 
     # -- durable copies (logstore.backends.mysql.durable) ---------------------------------------
     @property
