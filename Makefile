@@ -65,7 +65,7 @@ docs: $(VENV)/.test
 
 ## unit: the tests that need no server (none started) nor browser: SQLite, the CLI, the worker node, the standalone tailer
 unit: $(VENV)/.test
-	$(BIN)/pytest -m "not mysql and not postgres and not kafka and not zookeeper and not s3 and not browser"
+	$(BIN)/pytest -m "not mysql and not postgres and not postgres_source and not kafka and not zookeeper and not s3 and not browser"
 
 ## test: install the real services, lint, run the whole suite (its session starts the servers it needs and
 ## stops, at its end, the ones it started: tests/harness/servers.py)
@@ -95,6 +95,7 @@ bench-run:
 	$(BIN)/python bench/durable_bench.py
 	$(BIN)/python bench/pending_bench.py
 	$(BIN)/python bench/backup_bench.py
+	$(BIN)/python bench/migration_bench.py
 
 ## services-up / services-down: keep the shared servers running between test runs (the suite reuses them)
 services-up: $(VENV)/.test

@@ -24,3 +24,19 @@ class SinkUnavailableError(ConnectorError):
 class CompactionRaceError(SinkUnavailableError):
     """Another compaction changed the partition while this one merged it: nothing was committed, and the step,
     run again, plans from the partition as it is now (retriable)."""
+
+
+class MigrationSourceError(ConnectorError):
+    """The source of a migration cannot be read as one: no such table, no primary key, a server not set up for
+    change capture (``wal_level``, ``binlog_format``), a privilege missing. The message says what to change."""
+
+
+class MigrationSourceUnavailableError(MigrationSourceError):
+    """The source database did not answer (retriable: the copy or the capture goes on from where it was)."""
+
+    retriable = True
+
+
+class MigrationStateError(ConnectorError):
+    """A migration step that does not fit the migration's state: no such migration, a step out of order, a
+    name already moving another table. The message says what comes first."""

@@ -22,6 +22,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "postgres": ("psycopg",),
     "iceberg": ("pyiceberg", "sqlalchemy", "pyarrow"),
     "backup": ("boto3",),
+    "migrate": ("pymysql", "psycopg", "pymysqlreplication"),
 }
 
 

@@ -37,6 +37,7 @@ from tests.harness.shared_servers import (
     MYSQL_REPLICA,
     MYSQL_SERVER,
     POSTGRES_SERVER,
+    POSTGRES_SOURCE_SERVER,
     S3_CREDENTIAL,
     S3_ENDPOINT,
     S3_IDENTITY,
@@ -46,18 +47,20 @@ from tests.harness.shared_servers import (
     s3_admin,
 )
 
-SERVICES = ("mysql", "postgres", "kafka", "zookeeper", "s3")
+SERVICES = ("mysql", "postgres", "postgres_source", "kafka", "zookeeper", "s3")
 SERVICE_FIXTURES = {
     "mysql_database": "mysql",
     "replicated_database": "mysql",
     "mysql_database_factory": "mysql",
     "postgres_database": "postgres",
+    "postgres_source_database": "postgres_source",
     "zk_chroot": "zookeeper",
     "topic_prefix": "kafka",
     "s3_destination": "s3",
 }
 # The environment variables that point the suite at servers of one's own (tests/harness/shared_servers.py).
-OVERRIDES = {"mysql": "CELLSTREAM_TEST_MYSQL", "postgres": "CELLSTREAM_TEST_POSTGRES", "kafka": "CELLSTREAM_TEST_KAFKA",
+OVERRIDES = {"mysql": "CELLSTREAM_TEST_MYSQL", "postgres": "CELLSTREAM_TEST_POSTGRES",
+             "postgres_source": "CELLSTREAM_TEST_POSTGRES_SOURCE", "kafka": "CELLSTREAM_TEST_KAFKA",
              "zookeeper": "CELLSTREAM_TEST_ZOOKEEPER", "s3": "CELLSTREAM_TEST_S3"}
 PRIVATE_SERVERS: dict[type, str] = {PrivateMariaDB: "mysql", PrivatePostgreSQL: "postgres", PrivateKafka: "kafka",
                                     PrivateZooKeeper: "zookeeper"}
@@ -182,6 +185,23 @@ def postgres_database(request: pytest.FixtureRequest) -> Iterator[str]:
         yield f"{POSTGRES_SERVER.rstrip('/')}/{name}"
     finally:
         with postgres_admin() as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def postgres_source_database(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The URL of a new, empty database on the PostgreSQL with wal_level=logical (a migration's source); dropped
+    after the test, with the replication slots left on it (a slot holds the server's log)."""
+    _needs(request, "postgres_source")
+    name = f"cst_{uuid.uuid4().hex[:12]}"
+    with postgres_admin(POSTGRES_SOURCE_SERVER) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{POSTGRES_SOURCE_SERVER.rstrip('/')}/{name}"
+    finally:
+        with postgres_admin(POSTGRES_SOURCE_SERVER) as admin:
+            admin.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = %s",
+                          (name,))
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 

@@ -57,6 +57,8 @@ REVIEWED_FLOORS: dict[str, tuple[str | None, str]] = {
     "pyarrow": ("23.0.1", "CVE-2023-47248 (14.0.1), CVE-2024-52338 / PYSEC-2024-161 (17.0.0), "
                 "CVE-2026-25087 / GHSA-rgxp-2hwp-jwgg (23.0.1)"),
     "psycopg": ("3.1", "no advisory found"),
+    "mysql-replication": ("1.0.17", "no advisory found; 1.0.17 is the release the MySQL migration source is "
+                          "written against (its TIMESTAMP and string decoding)"),
     "pyiceberg": ("0.12", "no advisory found; 0.12 is the release the Iceberg sink is written against"),
     "sqlalchemy": ("2.0.18", "CVE-2019-7164 / CVE-2019-7548 fixed in 1.3.0; pyiceberg's SQL catalog needs 2.0.18"),
     "mkdocs-material": ("9.7.7", "CVE-2026-73295 / GHSA-xvg9-69gf-fjrf: DOM XSS in search suggestions"),

@@ -21,8 +21,8 @@ class Exit(IntEnum):
     UNAVAILABLE = 5  # a server (storage, Kafka, ZooKeeper, a sink) unavailable: retry later
     FAILED = 6  # another storage, publishing or sink failure
     STALLED = 7  # a handler stalled: too many open dead letters
-    MISMATCH = 8  # index verify found mismatches and did not repair them all
-    STATE = 9  # an index version or a job in the wrong state for the command
+    MISMATCH = 8  # index verify found mismatches and did not repair them all; a migration diff found differences
+    STATE = 9  # an index version, a job or a migration in the wrong state for the command
     INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
     BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader went away (`cellstream log 1 | head`); nothing printed
 
@@ -31,6 +31,7 @@ def exit_code(exc: BaseException) -> Exit:
     """The exit code of an error: the first class of the table it is an instance of; any other
     cellstream error is UNAVAILABLE when retriable, else FAILED."""
     from cellstream.errors import UsageError
+    from connectors import errors as connectors
     from indexer import errors as indexer
     from logstore import errors as logstore
 
@@ -40,8 +41,10 @@ def exit_code(exc: BaseException) -> Exit:
         ((indexer.EntryNotFoundError, indexer.IndexNotFoundError, logstore.JobNotFoundError), Exit.NOT_FOUND),
         ((logstore.CellConflictError,), Exit.CONFLICT),
         ((logstore.ConfigurationError,), Exit.CONFIG),  # ConfigFileError (an index or connector file) too
+        ((connectors.MigrationSourceUnavailableError,), Exit.UNAVAILABLE),
+        ((connectors.MigrationSourceError,), Exit.CONFIG),  # a source not set up for a migration: the message says how
         ((indexer.HandlerStalledError,), Exit.STALLED),
-        ((indexer.IndexStateError, logstore.JobStateError), Exit.STATE),
+        ((indexer.IndexStateError, logstore.JobStateError, connectors.MigrationStateError), Exit.STATE),
         # Input files (--batch, --token-file): a path that cannot be read, or text that is not UTF-8.
         ((OSError, UnicodeDecodeError), Exit.USAGE),
     )

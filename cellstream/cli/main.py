@@ -27,6 +27,7 @@ from cellstream.cli import (
     indexes,
     jobs,
     logsetup,
+    migrate,
     mirror,
     nodes,
     serve,
@@ -37,7 +38,7 @@ from cellstream.cli.exits import Exit, fail
 from cellstream.errors import UsageError
 from logstore.errors import CellstreamError
 
-COMMANDS = (cells, nodes, tail, apps, indexes, connect, jobs, serve, console, demo, backup, mirror)
+COMMANDS = (cells, nodes, tail, apps, indexes, connect, jobs, serve, console, demo, backup, mirror, migrate)
 
 
 def build_parser() -> argparse.ArgumentParser:

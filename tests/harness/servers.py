@@ -1,6 +1,6 @@
 """The suite's shared servers, started and stopped from Python: MariaDB (3306) with its replica (3307),
-PostgreSQL (5432), ZooKeeper (2181), Kafka (9092) and S3Proxy (8333, an S3-compatible object store), at the
-addresses of tests/harness/shared_servers.py.
+PostgreSQL (5432; 5433 with wal_level=logical, a migration's source), ZooKeeper (2181), Kafka (9092) and
+S3Proxy (8333, an S3-compatible object store), at the addresses of tests/harness/shared_servers.py.
 
 The test session starts the ones its tests need (tests/conftest.py) and stops, at its end, exactly those
 it started. A server that already answers with the test credentials is reused and left running: one
@@ -234,6 +234,23 @@ class PostgreSQL(Server):
         PrivatePostgreSQL(self.dir, port=self.port).stop()
 
 
+class PostgreSQLSource(PostgreSQL):
+    """A second PostgreSQL on 5433 with ``wal_level=logical``: the source of the migration tests
+    (connectors/migration/sources/postgres.py decodes its log through a replication slot). The shared one on 5432
+    keeps ``wal_level=replica``, so a test can see a source refused for it."""
+
+    name = "postgresql-source"
+    port = 5433
+
+    def _start(self) -> None:
+        if IS_ROOT:
+            DIR.chmod(0o755)
+        server = PrivatePostgreSQL(self.dir, port=self.port, options=[
+            "wal_level=logical", "max_replication_slots=50", "max_wal_senders=20"])
+        server.start()
+        self.pidfile.write_text(str(server.pid))
+
+
 class _Java(Server):
     """A JVM server of tests/harness/services.py on its fixed ports, its files in ``.services/<name>``."""
 
@@ -329,11 +346,13 @@ class S3Proxy(Server):
 
 
 SERVERS: dict[str, type[Server]] = {
-    "mariadb": MariaDB, "mariadb-replica": MariaDBReplica, "postgresql": PostgreSQL, "zookeeper": ZooKeeper,
+    "mariadb": MariaDB, "mariadb-replica": MariaDBReplica, "postgresql": PostgreSQL,
+    "postgresql-source": PostgreSQLSource, "zookeeper": ZooKeeper,
     "kafka": Kafka, "s3proxy": S3Proxy,
 }
 # What each pytest marker needs (tests/conftest.py); the replica needs its primary first.
-BY_MARKER = {"mysql": ("mariadb", "mariadb-replica"), "postgres": ("postgresql",), "zookeeper": ("zookeeper",),
+BY_MARKER = {"mysql": ("mariadb", "mariadb-replica"), "postgres": ("postgresql",),
+             "postgres_source": ("postgresql-source",), "zookeeper": ("zookeeper",),
              "kafka": ("kafka",), "s3": ("s3proxy",)}
 
 

@@ -19,6 +19,9 @@ MYSQL_SERVER = os.environ.get("CELLSTREAM_TEST_MYSQL", "mysql://cellstream:cells
 MYSQL_REPLICA = os.environ.get("CELLSTREAM_TEST_MYSQL_REPLICA", "mysql://cellstream:cellstream@127.0.0.1:3307")
 # The warehouse the connectors load.
 POSTGRES_SERVER = os.environ.get("CELLSTREAM_TEST_POSTGRES", "postgresql://cellstream:cellstream@127.0.0.1:5432")
+# The migration tests' source: a PostgreSQL with wal_level=logical (logical decoding through a replication slot).
+POSTGRES_SOURCE_SERVER = os.environ.get("CELLSTREAM_TEST_POSTGRES_SOURCE",
+                                        "postgresql://cellstream:cellstream@127.0.0.1:5433")
 KAFKA = os.environ.get("CELLSTREAM_TEST_KAFKA", "127.0.0.1:9092")
 ZOOKEEPER = os.environ.get("CELLSTREAM_TEST_ZOOKEEPER", "127.0.0.1:2181")
 # The S3-compatible object store (S3Proxy) the object-storage backup tests write to, and its one identity.
@@ -43,13 +46,13 @@ def mysql_admin(server: str = MYSQL_SERVER) -> pymysql.connections.Connection:
         )
 
 
-def postgres_admin() -> Any:
+def postgres_admin(server: str = POSTGRES_SERVER) -> Any:
     import psycopg
 
     try:
-        return psycopg.connect(f"{POSTGRES_SERVER.rstrip('/')}/postgres", autocommit=True, connect_timeout=5)
+        return psycopg.connect(f"{server.rstrip('/')}/postgres", autocommit=True, connect_timeout=5)
     except psycopg.OperationalError as exc:
-        pytest.fail(f"PostgreSQL is not reachable at {POSTGRES_SERVER.split('@')[-1]} ({exc}); run the suite "
+        pytest.fail(f"PostgreSQL is not reachable at {server.split('@')[-1]} ({exc}); run the suite "
                     "with `make test`, which installs and starts it", pytrace=False)
 
 

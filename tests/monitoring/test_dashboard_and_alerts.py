@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 import logstore
 from cellstream.console.server import ConsoleMetrics
+from connectors.migration.facade import MigrationReadMetrics
 from indexer.runtime.metrics import AppMetrics
 from logstore.jobs import JobMetrics, JobStore
 from logstore.mirror import MirrorMetrics
@@ -28,7 +29,8 @@ def exported() -> set[str]:
     runners', and their records' as read from a store) expose."""
     jobs = JobMetrics()
     registries = [TailerMetrics("t").registry, AppMetrics("a").registry, WorkerMetrics(CollectorRegistry()).registry,
-                  ConsoleMetrics(CollectorRegistry()).registry, jobs.registry, MirrorMetrics().registry]
+                  ConsoleMetrics(CollectorRegistry()).registry, jobs.registry, MirrorMetrics().registry,
+                  MigrationReadMetrics().registry]
     names: set[str] = set()
     with tempfile.TemporaryDirectory() as directory, logstore.open(f"sqlite:///{directory}/store", shards=4) as store:
         jobs.watch(JobStore(store))
@@ -65,7 +67,8 @@ def test_the_alerts_cover_what_an_operator_is_woken_for() -> None:
     by_name = {r["alert"]: r for r in rules}
     for name in ("CellstreamHandlerStalled", "CellstreamTailerLagGrowing", "CellstreamDeadLettersGrowing",
                  "CellstreamTailerLeaseLost", "CellstreamWorkerNodeNotReady", "CellstreamJobFailed",
-                 "CellstreamJobWithoutRunner", "CellstreamMirrorLagging", "CellstreamMirrorStalled"):
+                 "CellstreamJobWithoutRunner", "CellstreamMirrorLagging", "CellstreamMirrorStalled",
+                 "CellstreamMigrationReadsMismatching"):
         rule = by_name[name]
         assert rule["labels"]["severity"] in ("warning", "critical") and rule["annotations"]["summary"]
         assert rule.get("for"), f"{name} fires on one scrape"
@@ -76,7 +79,7 @@ def test_the_dashboard_has_a_section_per_component_and_every_panel_a_query() -> 
     assert dashboard["uid"] == "cellstream-overview" and dashboard["schemaVersion"] >= 36
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
     assert rows == ["Tailers", "Apps and connectors", "Secondary indexes", "Worker nodes", "Dead-letter console",
-                    "Jobs", "Standby mirror"]
+                    "Jobs", "Standby mirror", "Migrations"]
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for panel in dashboard["panels"]:

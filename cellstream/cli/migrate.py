@@ -1,0 +1,156 @@
+"""Moving a live PostgreSQL or MySQL/MariaDB table into cells (``cellstream migrate``,
+:mod:`connectors.migration`)::
+
+  cellstream migrate start FILE [--rate ROWS/S] [--chunk-rows N] [--until-caught-up | --no-follow]
+  cellstream migrate status FILE
+  cellstream migrate diff FILE [--chunk-rows N]
+  cellstream migrate repair FILE [--chunk-rows N]
+  cellstream migrate switch FILE --reads N
+
+FILE declares the migration (:mod:`connectors.migration.spec`). ``start`` copies the table into ``--store`` in
+key chunks while it applies the changes the source logs, then keeps applying them until stopped (Ctrl-C,
+SIGTERM); run again after any stop or crash, it goes on from its record. ``--until-caught-up`` exits once the
+table is copied and no change is left; ``--no-follow`` once the table is copied. ``status`` prints the phase,
+the rows copied, the changes applied and how far the capture is behind the source. ``diff`` compares every
+source row with its cells and exits 8 when any is missing, different or extra (the first ones listed);
+``repair`` writes the cells that make them match (the source wins) and prints what it found. ``switch --reads N``
+turns the read facade's dial in the record (:mod:`connectors.migration.facade`), once the copy is done (exit 9
+before): the application's readers take it within seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cellstream.cli.common import Output, Parser
+from cellstream.cli.exits import Exit
+from cellstream.cli.progress import Bar
+from cellstream.errors import UsageError
+
+if TYPE_CHECKING:
+    from logstore import Store
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("migrate", help="move a live PostgreSQL or MySQL table into cells")
+    actions = p.add_subparsers(dest="action", required=True, parser_class=Parser)
+    a = actions.add_parser("start", parents=[common], help="copy the table while applying its changes, then follow")
+    a.add_argument("file", type=Path, help="the migration's YAML declaration")
+    a.add_argument("--rate", type=float, default=None, metavar="ROWS/S", help="rows copied a second at most")
+    a.add_argument("--chunk-rows", type=int, default=1000, metavar="N", help="rows a chunk (1000)")
+    until = a.add_mutually_exclusive_group()
+    until.add_argument("--until-caught-up", action="store_true",
+                       help="exit once the table is copied and no change is left to apply")
+    until.add_argument("--no-follow", action="store_true", help="exit once the table is copied")
+    a.set_defaults(run=cmd_start)
+    a = actions.add_parser("status", parents=[common], help="the phase, rows copied, changes applied, change lag")
+    a.add_argument("file", type=Path, help="the migration's YAML declaration")
+    a.set_defaults(run=cmd_status)
+    for action, text in (("diff", "compare the source rows with the cells (exit 8 on any difference)"),
+                         ("repair", "write the cells that make them match the source rows")):
+        a = actions.add_parser(action, parents=[common], help=text)
+        a.add_argument("file", type=Path, help="the migration's YAML declaration")
+        a.add_argument("--chunk-rows", type=int, default=1000, metavar="N", help="rows read at a time (1000)")
+        a.set_defaults(run=cmd_diff, repair=action == "repair")
+    a = actions.add_parser("switch", parents=[common], help="turn the read dial: where the application's reads go")
+    a.add_argument("file", type=Path, help="the migration's YAML declaration")
+    a.add_argument("--reads", type=int, default=None, metavar="N",
+                   help="0 source only, 1-99 that share of reads compared with the store, 100 store only")
+    a.set_defaults(run=cmd_switch)
+
+
+def cmd_start(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from connectors.migration.mover import MoveProgress, Mover
+    from connectors.migration.opening import open_source
+    from connectors.migration.spec import load_migration
+
+    if args.chunk_rows < 1:
+        raise UsageError("--chunk-rows must be at least 1")
+    if args.rate is not None and args.rate <= 0:
+        raise UsageError("--rate must be above 0")
+    spec = load_migration(args.file)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    source = open_source(spec)
+    try:
+        with Bar(out, "rows", desc=f"migrate {spec.name}") as bar:
+            def show(done: MoveProgress) -> None:
+                bar.show(done.rows_copied, None)
+
+            record = Mover(spec, source, store, chunk_rows=args.chunk_rows, rate=args.rate).run(
+                follow=not args.no_follow, until_caught_up=args.until_caught_up, stop=stop, progress=show)
+    finally:
+        source.close()
+    out.emit(record.model_dump(mode="json"),
+             f"migration {spec.name}: {record.phase}, {record.rows_copied:,} rows copied, "
+             f"{record.changes_applied:,} changes applied")
+    return Exit.OK
+
+
+def cmd_status(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from connectors.migration.opening import open_source
+    from connectors.migration.records import MigrationRecords
+    from connectors.migration.spec import load_migration
+
+    spec = load_migration(args.file)
+    record = MigrationRecords(store).get(spec.name)
+    source = open_source(spec)
+    try:
+        lag = source.change_lag()
+    finally:
+        source.close()
+    out.emit({**record.model_dump(mode="json"), "lag_bytes": lag.bytes, "lag_seconds": lag.seconds},
+             f"migration {spec.name} ({record.source}): {record.phase}; {record.rows_copied:,} rows copied, "
+             f"{record.changes_applied:,} changes applied; the capture is {lag.bytes:,} bytes "
+             f"({lag.seconds:.1f} s) behind the source")
+    return Exit.OK
+
+
+def cmd_diff(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from connectors.migration.diff import diff
+    from connectors.migration.opening import open_source
+    from connectors.migration.spec import load_migration
+
+    if args.chunk_rows < 1:
+        raise UsageError("--chunk-rows must be at least 1")
+    spec = load_migration(args.file)
+    source = open_source(spec)
+    try:
+        with Bar(out, "rows", desc=f"diff {spec.name}") as bar:
+            report = diff(spec, source, store, chunk_rows=args.chunk_rows, progress=lambda n: bar.show(n),
+                          repair=args.repair)
+    finally:
+        source.close()
+    listed = [{"kind": kind, "key": None if d.key is None else list(d.key), "row_key": str(d.row_key),
+               "column": d.column, "fields": d.fields} for kind, d in report.listed]
+    lines = [f"{item['kind']}: " + (f"row {item['key']}" if item["key"] is not None else f"row key {item['row_key']}")
+             + f" {item['column']}" + (f" ({', '.join(item['fields'])})" if item["fields"] else "") for item in listed]
+    done = "repaired" if args.repair else "found"
+    out.emit({"rows": report.rows, "missing": report.missing, "different": report.different, "extra": report.extra,
+              "ahead": report.ahead, "listed": listed, "repaired": args.repair},
+             "\n".join([f"migration {spec.name}: {report.rows:,} source rows compared; {report.missing} missing, "
+                        f"{report.different} different, {report.extra} extra {done}"
+                        + (f"; {report.ahead} cells changed after their row was read (run it again)"
+                           if report.ahead else ""), *lines]))
+    return Exit.OK if report.clean or args.repair else Exit.MISMATCH
+
+
+def cmd_switch(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from connectors.migration.facade import switch_reads
+    from connectors.migration.spec import load_migration
+
+    if args.reads is None:
+        raise UsageError("give --reads N (0..100)")
+    if not 0 <= args.reads <= 100:
+        raise UsageError("--reads is 0..100")
+    spec = load_migration(args.file)
+    record = switch_reads(store, spec.name, args.reads)
+    served = {0: "the source serves every read", 100: "the store serves every read; the source is not read"}
+    out.emit(record.model_dump(mode="json"), f"migration {spec.name}: reads at {args.reads}%: "
+             + served.get(args.reads, f"the source serves, {args.reads}% compared with the store"))
+    return Exit.OK

@@ -1,0 +1,147 @@
+"""The copy of a source table into cells while its changes are applied: ``cellstream migrate start``.
+
+One loop: read a chunk of rows in key order, write its cells (ref_key: the chunk's log position, or the rows'
+version column), record the cursor, then apply the changes the source logged meanwhile and acknowledge them.
+Once the table is copied the loop only applies changes, until it is stopped. Every write is idempotent (a cell
+written again with the same body is a no-op), and the cursor and the acknowledged position advance only after
+the cells they cover are stored: a process killed anywhere starts again from its last record and loses nothing,
+at the price of writing some cells twice. No lock is taken on the source beyond a chunk's read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from connectors.migration.mapping import MigratedCell, RowMapper
+from connectors.migration.records import MigrationRecord, MigrationRecords, now
+from connectors.migration.source import Change, MigrationSource, SourceRow
+from connectors.migration.spec import MigrationSpec
+from logstore import Store
+
+logger = logging.getLogger(__name__)
+
+
+class MoveProgress(NamedTuple):
+    """Where a migration is, after each chunk or batch of changes."""
+
+    phase: str
+    rows_copied: int
+    changes_applied: int
+    lag_bytes: int
+
+
+class Mover:
+    """Moves one table into a store, following ``spec``."""
+
+    def __init__(self, spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_rows: int = 1000,
+                 change_batch: int = 5000, rate: float | None = None) -> None:
+        """Args:
+            chunk_rows: rows a chunk (a snapshot's read) at most.
+            change_batch: changes read at a time, at most about.
+            rate: rows copied a second at most (None: as fast as both sides go); changes are never held back.
+        """
+        self.spec = spec
+        self.source = source
+        self.store = store
+        self.mapper = RowMapper(spec)
+        self.records = MigrationRecords(store)
+        self.chunk_rows = chunk_rows
+        self.change_batch = change_batch
+        self.rate = rate
+
+    def run(self, *, follow: bool = True, until_caught_up: bool = False, stop: threading.Event | None = None,
+            progress: Callable[[MoveProgress], None] | None = None, idle: float = 0.2) -> MigrationRecord:
+        """Copy what is left of the table, then (``follow``) apply its changes until ``stop`` is set, or until a
+        read finds none left (``until_caught_up``).
+
+        Returns:
+            The migration's record when the loop ends.
+
+        Raises:
+            MigrationStateError: the name moves another source. MigrationSourceError: the source cannot be read
+            as one (retriable when it is unavailable). ConversionError: a row that cannot become cells (the loop
+            stops there: nothing is skipped). StorageUnavailableError: the store did not answer (retriable).
+        """
+        record = self.records.start(self.spec.name, self.spec.source.describe)
+        self.source.start_changes()
+        stop = stop or threading.Event()
+        started, copied_here = time.monotonic(), 0
+        while record.phase == "copying" and not stop.is_set():
+            chunk = self.source.read_chunk(None if record.copy_cursor is None else tuple(record.copy_cursor),
+                                           self.chunk_rows)
+            self._put([c for row in chunk.rows for c in self.mapper.cells(row, chunk.position)])
+            done = chunk.last is None or len(chunk.rows) < self.chunk_rows
+            record = self.records.change(self.spec.name, _advance(len(chunk.rows), chunk.last, done))
+            if done:
+                logger.info("migration %s: %d rows copied; following the changes", self.spec.name, record.rows_copied)
+            record = self._apply_changes(record)
+            copied_here += len(chunk.rows)
+            self._report(progress, record)
+            if self.rate:  # rows a second at most, over the whole run
+                ahead = copied_here / self.rate - (time.monotonic() - started)
+                if ahead > 0:
+                    stop.wait(ahead)
+        while follow and not stop.is_set():
+            before = record.changes_applied
+            record = self._apply_changes(record)
+            self._report(progress, record)
+            if record.changes_applied == before:
+                if until_caught_up:
+                    break
+                stop.wait(idle)
+        return record
+
+    def _apply_changes(self, record: MigrationRecord) -> MigrationRecord:
+        """One batch of the changes logged since the position acknowledged last: written, then acknowledged."""
+        changes = self.source.read_changes(self.change_batch)
+        if not changes:
+            return record
+        cells: list[MigratedCell] = []
+        for change in changes:
+            cells += self._cells_of(change)
+        self._put(cells)
+        position = max(c.position for c in changes)
+        self.source.acknowledge(position)
+
+        def applied(r: MigrationRecord) -> None:
+            r.changes_applied += len(changes)
+            r.position = max(position, r.position or 0)
+        return self.records.change(self.spec.name, applied)
+
+    def _cells_of(self, change: Change) -> list[MigratedCell]:
+        if change.op == "upsert":
+            assert change.values is not None
+            return self.mapper.cells(SourceRow(change.key, change.values), change.position)
+        if self.mapper.versioned_by_position:
+            return self.mapper.tombstones(change.key, change.values, change.position)
+        # Versioned by a column the deleted row no longer advances: one above the newest version stored.
+        row_key = self.mapper.row_key(change.key, change.values)
+        latest = max((cell.ref_key for column in self.spec.columns
+                      if (cell := self.store.get_cell_latest(row_key, column)) is not None), default=0)
+        return self.mapper.tombstones(change.key, change.values, latest + 1)
+
+    def _put(self, cells: list[MigratedCell]) -> None:
+        # A transaction that changed a row twice logged both at its one commit position: the later state wins.
+        last = {(c.row_key, c.column, c.ref_key): c for c in cells}
+        if last:
+            self.store.put_cells([(c.row_key, c.column, c.ref_key, c.body) for c in last.values()])
+
+    def _report(self, progress: Callable[[MoveProgress], None] | None, record: MigrationRecord) -> None:
+        if progress is not None:
+            progress(MoveProgress(record.phase, record.rows_copied, record.changes_applied,
+                                  self.source.change_lag().bytes))
+
+
+def _advance(rows: int, last: Sequence[object] | None, done: bool) -> Callable[[MigrationRecord], None]:
+    """The change of a record after a chunk of ``rows`` ending at key ``last`` (``done``: the table's last)."""
+    def advance(record: MigrationRecord) -> None:
+        if last is not None:
+            record.copy_cursor = list(last)
+        record.rows_copied += rows
+        if done:
+            record.phase, record.copied_at = "copied", now()
+    return advance

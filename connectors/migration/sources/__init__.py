@@ -1,0 +1,1 @@
+"""The backends of :class:`connectors.migration.source.MigrationSource`, one module each."""

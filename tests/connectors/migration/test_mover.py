@@ -1,0 +1,285 @@
+"""A migration end to end against real sources (a PostgreSQL with logical decoding, the MariaDB's binlog): the
+table copied while a workload of inserts, updates and deletes runs on it, the changes applied, and the diff at 0
+once the change lag is 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import psycopg
+import pymysql
+import pytest
+
+import logstore
+from connectors.migration.diff import diff
+from connectors.migration.mapping import TOMBSTONE, RowMapper
+from connectors.migration.mover import Mover
+from connectors.migration.opening import open_source
+from connectors.migration.records import MigrationRecords
+from connectors.migration.spec import MigrationSpec, load_migration
+
+NAMESPACE = "6ba7b811-9dad-11d1-80b4-00c04fd430c8"
+
+
+def spec_for(url: str, name: str = "trips") -> MigrationSpec:
+    return load_migration(f"""
+name: {name}
+source: {{url: "{url}", table: trips}}
+row_key: {{uuid5: {NAMESPACE}}}
+columns:
+  BASE: [rider, fare]
+  NOTE: [note]
+""")
+
+
+class SourceDB:
+    """The source table's database, for the test's own statements (autocommit)."""
+
+    def __init__(self, kind: str, url: str) -> None:
+        self.kind, self.url = kind, url
+        self._pg: psycopg.Connection[tuple[Any, ...]] | None = None
+        self._my: pymysql.connections.Connection | None = None
+        if kind == "postgres":
+            self._pg = psycopg.connect(url, autocommit=True)
+        else:
+            parts = urlsplit(url)
+            self._my = pymysql.connect(host=parts.hostname, port=parts.port or 3306, user=parts.username,
+                                       password=parts.password or "", autocommit=True)
+            with self._my.cursor() as cur:  # mysql_database names a database the test creates
+                cur.execute(f"CREATE DATABASE IF NOT EXISTS `{parts.path.lstrip('/')}`")
+                cur.execute(f"USE `{parts.path.lstrip('/')}`")
+
+    def execute(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        if self._pg is not None:
+            cur = self._pg.execute(sql, args)
+            return cur.fetchall() if cur.description else []
+        assert self._my is not None
+        with self._my.cursor() as my:
+            my.execute(sql, args)
+            return list(my.fetchall())
+
+    def upsert(self) -> str:
+        if self.kind == "postgres":
+            return "INSERT INTO trips VALUES (%s, %s, %s, 'new') ON CONFLICT (id) DO UPDATE SET note = 'again'"
+        return "INSERT INTO trips VALUES (%s, %s, %s, 'new') ON DUPLICATE KEY UPDATE note = 'again'"
+
+    def close(self) -> None:
+        if self._pg is not None:
+            self._pg.close()
+        if self._my is not None:
+            self._my.close()
+
+
+def create_table(db: SourceDB) -> None:
+    db.execute("CREATE TABLE trips (id bigint PRIMARY KEY, rider text, fare numeric(8, 2), note text)")
+    for start in range(1, 2001, 500):
+        db.execute("INSERT INTO trips VALUES " + ", ".join(f"({i}, 'r{i}', {i * 1.25}, NULL)"
+                                                          for i in range(start, start + 500)))
+
+
+@pytest.fixture(params=["postgres_source", "mysql"])  # named for their markers (tests/conftest.py)
+def source_db(request: pytest.FixtureRequest) -> Iterator[SourceDB]:
+    postgres = request.param == "postgres_source"
+    url = request.getfixturevalue("postgres_source_database" if postgres else "mysql_database")
+    db = SourceDB("postgres" if postgres else "mysql", url)
+    create_table(db)
+    yield db
+    db.close()
+
+
+@pytest.fixture
+def table(postgres_source_database: str) -> Iterator[SourceDB]:
+    db = SourceDB("postgres", postgres_source_database)
+    create_table(db)
+    yield db
+    db.close()
+
+
+class Workload(threading.Thread):
+    """Inserts, updates and deletes on the source table until stopped, in small transactions."""
+
+    def __init__(self, db: SourceDB) -> None:
+        super().__init__(daemon=True)
+        self.db = SourceDB(db.kind, db.url)
+        self.stop = threading.Event()
+        self.done = 0
+
+    def run(self) -> None:
+        rng = random.Random(7)
+        db = self.db
+        try:
+            while not self.stop.is_set():
+                db.execute("BEGIN")
+                for _ in range(rng.randint(1, 4)):
+                    key = rng.randint(1, 2600)
+                    what = rng.random()
+                    if what < 0.4:
+                        db.execute(db.upsert(), (key, f"n{key}", key))
+                    elif what < 0.8:
+                        db.execute("UPDATE trips SET fare = fare + 1, note = %s WHERE id = %s", (f"u{self.done}", key))
+                    else:
+                        db.execute("DELETE FROM trips WHERE id = %s", (key,))
+                db.execute("COMMIT")
+                self.done += 1
+        finally:
+            db.close()
+
+
+def test_a_table_copied_under_a_workload_diffs_clean_once_caught_up(source_db: SourceDB, tmp_path: Path) -> None:
+    spec = spec_for(source_db.url)
+    workload = Workload(source_db)
+    with logstore.open(f"sqlite:///{tmp_path}/store", shards=16) as store:
+        source = open_source(spec)
+        try:
+            workload.start()
+            record = Mover(spec, source, store, chunk_rows=150).run(follow=False)
+            assert record.phase == "copied" and record.rows_copied > 1500  # less what the workload deleted first
+            workload.stop.set()
+            workload.join()
+            assert workload.done > 20  # the copy ran beside the workload
+            record = Mover(spec, source, store).run(until_caught_up=True)
+            assert source.read_changes(100) == [] and record.changes_applied > 0  # none of the table's waits
+            report = diff(spec, source, store, chunk_rows=500)
+            assert report.clean, report.listed[:5]
+            assert report.rows == source_db.execute("SELECT count(*) FROM trips")[0][0]
+            present = {k for (k,) in source_db.execute("SELECT id FROM trips")}
+            deleted = [k for k in range(1, 2601) if k not in present]
+            mapper = RowMapper(spec)
+            tombstones = [k for k in deleted if (c := store.get_cell_latest(mapper.row_key((k,), None), "BASE"))
+                          is not None and c.body == TOMBSTONE]
+            assert tombstones  # rows deleted after they were copied end as tombstones
+            assert MigrationRecords(store).get("trips").changes_applied == record.changes_applied
+        finally:
+            workload.stop.set()
+            source.stop_changes()
+            source.close()
+
+
+def test_the_diff_names_what_differs(table: SourceDB, postgres_source_database: str, tmp_path: Path) -> None:
+    spec = spec_for(postgres_source_database)
+    with logstore.open(f"sqlite:///{tmp_path}/store", shards=16) as store:
+        source = open_source(spec)
+        try:
+            Mover(spec, source, store, chunk_rows=500).run(until_caught_up=True)
+            source.stop_changes()  # what the source does now is not captured
+            table.execute("UPDATE trips SET fare = 0 WHERE id = 5")
+            table.execute("DELETE FROM trips WHERE id = 6")
+            table.execute("INSERT INTO trips VALUES (5000, 'late', 1, NULL)")
+            report = diff(spec, source, store, chunk_rows=700)
+            repaired = diff(spec, source, store, chunk_rows=700, repair=True)
+            after = diff(spec, source, store, chunk_rows=700)
+            deleted = store.get_cell_latest(RowMapper(spec).row_key((6,), None), "NOTE")
+        finally:
+            source.close()
+    assert (report.rows, report.missing, report.different, report.extra) == (2000, 2, 1, 2)
+    kinds = {(kind, d.key, d.column, tuple(d.fields)) for kind, d in report.listed}
+    assert ("different", (5,), "BASE", ("fare",)) in kinds
+    assert {("missing", (5000,), "BASE", ()), ("missing", (5000,), "NOTE", ())} <= kinds
+    assert {k for k, d in report.listed if d.key is None} == {"extra"}
+    assert repaired == report  # what the repair found, before it wrote
+    assert report.ahead == 0
+    assert after.clean and after.rows == 2000
+    assert deleted is not None and deleted.body == TOMBSTONE
+
+
+def test_a_migration_sigkilled_mid_copy_goes_on_from_its_record(
+        table: SourceDB, postgres_source_database: str, tmp_path: Path) -> None:
+    """`cellstream migrate start` killed with SIGKILL while it copies under a workload, then run again: it goes
+    on from its cursor (the rows before it are not copied again), and `migrate diff` finds nothing."""
+    spec_file = tmp_path / "trips.yaml"
+    spec_file.write_text(spec_for(postgres_source_database).model_dump_json(by_alias=True)
+                         .replace('"**********"', f'"{postgres_source_database}"'))
+    store_url = f"sqlite:///{tmp_path}/store"
+    with logstore.open(store_url, shards=16):
+        pass
+    workload = Workload(table)
+    workload.start()
+    cli = [sys.executable, "-m", "cellstream", "migrate"]
+    proc = subprocess.Popen([*cli, "start", str(spec_file), "--store", store_url, "--chunk-rows", "20",
+                             "--rate", "1000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        copied = 0
+        while copied < 600 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+            with logstore.open(store_url) as store:
+                record = MigrationRecords(store).find("trips")
+            copied = 0 if record is None else record.rows_copied
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert 600 <= copied < 2000
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        workload.stop.set()
+        workload.join()
+    done = subprocess.run([*cli, "start", str(spec_file), "--store", store_url, "--until-caught-up", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    # Went on from its cursor: the second run read fewer rows than the table holds (the 600 or more before the
+    # cursor were not read again).
+    live = table.execute("SELECT count(*) FROM trips")[0][0]
+    assert result["phase"] == "copied" and 0 < result["rows_copied"] - copied < live - 300
+    status = subprocess.run([*cli, "status", str(spec_file), "--store", store_url, "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    shown = json.loads(status.stdout)
+    # Caught up: no change waits (the bytes behind count the server's other databases' log too).
+    assert (shown["phase"], shown["rows_copied"], shown["lag_seconds"]) == ("copied", result["rows_copied"], 0)
+    assert postgres_source_database.split("@")[0].split(":")[-1] not in status.stdout  # no password
+    checked = subprocess.run([*cli, "diff", str(spec_file), "--store", store_url, "--json"],
+                             capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert json.loads(checked.stdout)["rows"] > 1500
+    table.execute("UPDATE trips SET rider = 'changed' WHERE id = (SELECT min(id) FROM trips)")
+    stopped = subprocess.run([*cli, "diff", str(spec_file), "--store", store_url],
+                             capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == 8 and "1 different" in stopped.stdout and "(rider)" in stopped.stdout
+    source = open_source(spec_for(postgres_source_database))
+    source.stop_changes()
+    source.close()
+
+
+def test_a_source_not_set_up_for_capture_is_refused_saying_how(postgres_database: str, tmp_path: Path) -> None:
+    """The shared PostgreSQL runs with wal_level=replica: `migrate start` exits 4 naming the setting."""
+    with psycopg.connect(postgres_database, autocommit=True) as conn:
+        conn.execute("CREATE TABLE trips (id bigint PRIMARY KEY, rider text, fare numeric(8, 2), note text)")
+    spec_file = tmp_path / "trips.yaml"
+    spec_file.write_text(spec_for(postgres_database).model_dump_json(by_alias=True)
+                         .replace('"**********"', f'"{postgres_database}"'))
+    with logstore.open(f"sqlite:///{tmp_path}/store", shards=16):
+        pass
+    done = subprocess.run([sys.executable, "-m", "cellstream", "migrate", "start", str(spec_file), "--store",
+                           f"sqlite:///{tmp_path}/store", "--no-follow"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 4 and "wal_level=logical" in done.stderr, done.stderr
+
+
+def test_cells_newer_than_the_diffs_read_are_not_compared(table: SourceDB, postgres_source_database: str,
+                                                          tmp_path: Path) -> None:
+    """A row changed after its chunk was read, the change applied: its cells are ahead of the read, so the
+    diff counts them apart instead of calling the row different (the next diff compares it)."""
+    spec = spec_for(postgres_source_database)
+    with logstore.open(f"sqlite:///{tmp_path}/store", shards=16) as store:
+        source = open_source(spec)
+        try:
+            Mover(spec, source, store).run(until_caught_up=True)
+            row_key = RowMapper(spec).row_key((7,), None)
+            store.put_cell(row_key, "BASE", 2**62, {"rider": "later", "fare": "1.00"})  # a change the read missed
+            report = diff(spec, source, store)
+        finally:
+            source.stop_changes()
+            source.close()
+    assert (report.different, report.ahead) == (0, 1) and report.clean
