@@ -20,7 +20,7 @@ class Exit(IntEnum):
     CONFIG = 4  # a configuration problem: store, app, cluster, index or connector file; a missing extra
     UNAVAILABLE = 5  # a server (storage, Kafka, ZooKeeper, a sink) unavailable: retry later
     FAILED = 6  # another storage, publishing or sink failure
-    STALLED = 7  # a handler stalled: too many open dead letters
+    STALLED = 7  # a handler stalled: too many open dead letters; a migration's capture lags over --max-lag
     MISMATCH = 8  # index verify found mismatches and did not repair them all; a migration diff found differences
     STATE = 9  # an index version, a job or a migration in the wrong state for the command
     INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended

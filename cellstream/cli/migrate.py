@@ -2,7 +2,9 @@
 :mod:`connectors.migration`)::
 
   cellstream migrate start FILE [--rate ROWS/S] [--chunk-rows N] [--until-caught-up | --no-follow]
-  cellstream migrate status FILE
+                          [--metrics-port PORT] [--lag-warning S]
+  cellstream migrate status FILE [--max-lag S]
+  cellstream migrate cancel FILE
   cellstream migrate diff FILE [--chunk-rows N]
   cellstream migrate repair FILE [--chunk-rows N]
   cellstream migrate switch FILE --reads N
@@ -11,7 +13,9 @@ FILE declares the migration (:mod:`connectors.migration.spec`). ``start`` copies
 key chunks while it applies the changes the source logs, then keeps applying them until stopped (Ctrl-C,
 SIGTERM); run again after any stop or crash, it goes on from its record. ``--until-caught-up`` exits once the
 table is copied and no change is left; ``--no-follow`` once the table is copied. ``status`` prints the phase,
-the rows copied, the changes applied and how far the capture is behind the source. ``diff`` compares every
+the rows copied, the changes applied and how far the capture is behind the source, and exits 7 when that is
+over ``--max-lag`` (the source keeps its log meanwhile). ``cancel`` drops the capture on the source (the slot and
+publication, the position row) for good. ``diff`` compares every
 source row with its cells and exits 8 when any is missing, different or extra (the first ones listed);
 ``repair`` writes the cells that make them match (the source wins) and prints what it found. ``switch --reads N``
 turns the read facade's dial in the record (:mod:`connectors.migration.facade`), once the copy is done (exit 9
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,10 +51,18 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     until.add_argument("--until-caught-up", action="store_true",
                        help="exit once the table is copied and no change is left to apply")
     until.add_argument("--no-follow", action="store_true", help="exit once the table is copied")
+    a.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    a.add_argument("--lag-warning", type=float, default=60.0, metavar="S",
+                   help="log a warning when the capture is more than S seconds behind the source (60)")
     a.set_defaults(run=cmd_start)
     a = actions.add_parser("status", parents=[common], help="the phase, rows copied, changes applied, change lag")
     a.add_argument("file", type=Path, help="the migration's YAML declaration")
+    a.add_argument("--max-lag", type=float, default=300.0, metavar="S",
+                   help="exit 7 when the capture is more than S seconds behind the source (300)")
     a.set_defaults(run=cmd_status)
+    a = actions.add_parser("cancel", parents=[common], help="end the migration: drop its capture on the source")
+    a.add_argument("file", type=Path, help="the migration's YAML declaration")
+    a.set_defaults(run=cmd_cancel)
     for action, text in (("diff", "compare the source rows with the cells (exit 8 on any difference)"),
                          ("repair", "write the cells that make them match the source rows")):
         a = actions.add_parser(action, parents=[common], help=text)
@@ -64,7 +77,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_start(store: Store, args: argparse.Namespace, out: Output) -> int:
-    from connectors.migration.mover import MoveProgress, Mover
+    from connectors.migration.mover import MoveMetrics, MoveProgress, Mover
     from connectors.migration.opening import open_source
     from connectors.migration.spec import load_migration
 
@@ -82,7 +95,12 @@ def cmd_start(store: Store, args: argparse.Namespace, out: Output) -> int:
             def show(done: MoveProgress) -> None:
                 bar.show(done.rows_copied, None)
 
-            record = Mover(spec, source, store, chunk_rows=args.chunk_rows, rate=args.rate).run(
+            metrics = None
+            if args.metrics_port is not None:
+                metrics = MoveMetrics()
+                metrics.serve(args.metrics_port)
+            record = Mover(spec, source, store, chunk_rows=args.chunk_rows, rate=args.rate, metrics=metrics,
+                           lag_warning=args.lag_warning).run(
                 follow=not args.no_follow, until_caught_up=args.until_caught_up, stop=stop, progress=show)
     finally:
         source.close()
@@ -95,20 +113,28 @@ def cmd_start(store: Store, args: argparse.Namespace, out: Output) -> int:
 def cmd_status(store: Store, args: argparse.Namespace, out: Output) -> int:
     from connectors.migration.opening import open_source
     from connectors.migration.records import MigrationRecords
+    from connectors.migration.source import ChangeLag
     from connectors.migration.spec import load_migration
 
     spec = load_migration(args.file)
     record = MigrationRecords(store).get(spec.name)
-    source = open_source(spec)
-    try:
-        lag = source.change_lag()
-    finally:
-        source.close()
+    lag = ChangeLag(0, 0.0)  # a cancelled migration captures nothing
+    if record.phase != "cancelled":
+        source = open_source(spec)
+        try:
+            lag = source.change_lag()
+        finally:
+            source.close()
+    lagging = lag.seconds > args.max_lag
+    if lagging:
+        print(f"cellstream: migration {spec.name}: the capture is {lag.seconds:.0f} s behind the source (over "
+              f"--max-lag {args.max_lag:g}): run `cellstream migrate start`, or `migrate cancel` to free the "
+              "source's log", file=sys.stderr)
     out.emit({**record.model_dump(mode="json"), "lag_bytes": lag.bytes, "lag_seconds": lag.seconds},
              f"migration {spec.name} ({record.source}): {record.phase}; {record.rows_copied:,} rows copied, "
              f"{record.changes_applied:,} changes applied; the capture is {lag.bytes:,} bytes "
              f"({lag.seconds:.1f} s) behind the source")
-    return Exit.OK
+    return Exit.STALLED if lagging else Exit.OK
 
 
 def cmd_diff(store: Store, args: argparse.Namespace, out: Output) -> int:
@@ -153,4 +179,20 @@ def cmd_switch(store: Store, args: argparse.Namespace, out: Output) -> int:
     served = {0: "the source serves every read", 100: "the store serves every read; the source is not read"}
     out.emit(record.model_dump(mode="json"), f"migration {spec.name}: reads at {args.reads}%: "
              + served.get(args.reads, f"the source serves, {args.reads}% compared with the store"))
+    return Exit.OK
+
+
+def cmd_cancel(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from connectors.migration.mover import cancel
+    from connectors.migration.opening import open_source
+    from connectors.migration.spec import load_migration
+
+    spec = load_migration(args.file)
+    source = open_source(spec)
+    try:
+        record = cancel(spec, source, store)
+    finally:
+        source.close()
+    out.emit(record.model_dump(mode="json"), f"migration {spec.name} cancelled: its capture on the source is "
+                                             "dropped; the cells stay")
     return Exit.OK

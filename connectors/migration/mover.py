@@ -16,6 +16,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from connectors.errors import MigrationStateError
 from connectors.migration.mapping import MigratedCell, RowMapper
 from connectors.migration.records import MigrationRecord, MigrationRecords, now
 from connectors.migration.source import Change, MigrationSource, SourceRow
@@ -23,6 +26,8 @@ from connectors.migration.spec import MigrationSpec
 from logstore import Store
 
 logger = logging.getLogger(__name__)
+LAG_WARNING = 60.0  # seconds of capture lag before a warning
+LAG_CHECK = 1.0  # seconds between two reads of the capture lag
 
 
 class MoveProgress(NamedTuple):
@@ -34,15 +39,41 @@ class MoveProgress(NamedTuple):
     lag_bytes: int
 
 
+class MoveMetrics:
+    """The copy's Prometheus series, by migration (``cellstream migrate start --metrics-port``):
+
+    - ``cellstream_migration_rows_copied_total``, ``cellstream_migration_changes_applied_total``;
+    - ``cellstream_migration_capture_lag_seconds``: the age of the oldest change not yet applied (0: none waits);
+    - ``cellstream_migration_capture_lag_bytes``: the source's log between the position applied and its own.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.rows = Counter("cellstream_migration_rows_copied", "Source rows copied into cells", ["migration"],
+                            registry=r)
+        self.changes = Counter("cellstream_migration_changes_applied", "Source changes applied to the cells",
+                               ["migration"], registry=r)
+        self.lag_seconds = Gauge("cellstream_migration_capture_lag_seconds", "Age of the oldest source change not "
+                                 "yet applied (0: none waits)", ["migration"], registry=r)
+        self.lag_bytes = Gauge("cellstream_migration_capture_lag_bytes", "Source log between the position applied "
+                               "and the source's own (a slot holds it)", ["migration"], registry=r)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
+
+
 class Mover:
     """Moves one table into a store, following ``spec``."""
 
     def __init__(self, spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_rows: int = 1000,
-                 change_batch: int = 5000, rate: float | None = None) -> None:
+                 change_batch: int = 5000, rate: float | None = None, metrics: MoveMetrics | None = None,
+                 lag_warning: float = LAG_WARNING) -> None:
         """Args:
             chunk_rows: rows a chunk (a snapshot's read) at most.
             change_batch: changes read at a time, at most about.
             rate: rows copied a second at most (None: as fast as both sides go); changes are never held back.
+            metrics: the series to keep (None: none).
+            lag_warning: seconds of capture lag above which a warning is logged (once each time it goes above).
         """
         self.spec = spec
         self.source = source
@@ -52,6 +83,10 @@ class Mover:
         self.chunk_rows = chunk_rows
         self.change_batch = change_batch
         self.rate = rate
+        self.metrics = metrics
+        self.lag_warning = lag_warning
+        self._lag_checked = 0.0
+        self._lagging = False
 
     def run(self, *, follow: bool = True, until_caught_up: bool = False, stop: threading.Event | None = None,
             progress: Callable[[MoveProgress], None] | None = None, idle: float = 0.2) -> MigrationRecord:
@@ -67,6 +102,9 @@ class Mover:
             stops there: nothing is skipped). StorageUnavailableError: the store did not answer (retriable).
         """
         record = self.records.start(self.spec.name, self.spec.source.describe)
+        if record.phase == "cancelled":
+            raise MigrationStateError(f"migration {self.spec.name} was cancelled: its capture is gone, so it cannot "
+                                      "go on; start it again under another name")
         self.source.start_changes()
         stop = stop or threading.Event()
         started, copied_here = time.monotonic(), 0
@@ -78,9 +116,10 @@ class Mover:
             record = self.records.change(self.spec.name, _advance(len(chunk.rows), chunk.last, done))
             if done:
                 logger.info("migration %s: %d rows copied; following the changes", self.spec.name, record.rows_copied)
+            before = record.changes_applied
             record = self._apply_changes(record)
             copied_here += len(chunk.rows)
-            self._report(progress, record)
+            self._report(progress, record, len(chunk.rows), record.changes_applied - before)
             if self.rate:  # rows a second at most, over the whole run
                 ahead = copied_here / self.rate - (time.monotonic() - started)
                 if ahead > 0:
@@ -88,7 +127,7 @@ class Mover:
         while follow and not stop.is_set():
             before = record.changes_applied
             record = self._apply_changes(record)
-            self._report(progress, record)
+            self._report(progress, record, 0, record.changes_applied - before)
             if record.changes_applied == before:
                 if until_caught_up:
                     break
@@ -130,11 +169,28 @@ class Mover:
         if last:
             self.store.put_cells([(c.row_key, c.column, c.ref_key, c.body) for c in last.values()])
 
-    def _report(self, progress: Callable[[MoveProgress], None] | None, record: MigrationRecord) -> None:
+    def _report(self, progress: Callable[[MoveProgress], None] | None, record: MigrationRecord,
+                rows: int = 0, changes: int = 0) -> None:
+        name = self.spec.name
+        if self.metrics is not None:
+            self.metrics.rows.labels(name).inc(rows)
+            self.metrics.changes.labels(name).inc(changes)
+        now_ = time.monotonic()
+        if now_ - self._lag_checked < LAG_CHECK and progress is None:
+            return
+        self._lag_checked = now_
+        lag = self.source.change_lag()  # a query: once a second at most unless a progress bar asks
+        if self.metrics is not None:
+            self.metrics.lag_seconds.labels(name).set(lag.seconds)
+            self.metrics.lag_bytes.labels(name).set(lag.bytes)
+        lagging = lag.seconds > self.lag_warning
+        if lagging and not self._lagging:
+            logger.warning("migration %s: the capture is %.0f s (%d bytes of the source's log) behind the source, "
+                           "above %.0f s: the source keeps that log until the changes are applied", name,
+                           lag.seconds, lag.bytes, self.lag_warning)
+        self._lagging = lagging
         if progress is not None:
-            progress(MoveProgress(record.phase, record.rows_copied, record.changes_applied,
-                                  self.source.change_lag().bytes))
-
+            progress(MoveProgress(record.phase, record.rows_copied, record.changes_applied, lag.bytes))
 
 def _advance(rows: int, last: Sequence[object] | None, done: bool) -> Callable[[MigrationRecord], None]:
     """The change of a record after a chunk of ``rows`` ending at key ``last`` (``done``: the table's last)."""
@@ -145,3 +201,22 @@ def _advance(rows: int, last: Sequence[object] | None, done: bool) -> Callable[[
         if done:
             record.phase, record.copied_at = "copied", now()
     return advance
+
+
+def cancel(spec: MigrationSpec, source: MigrationSource, store: Store) -> MigrationRecord:
+    """End a migration for good: its capture stopped and freed on the source (the slot and publication dropped,
+    the position row deleted), its record marked ``cancelled``. The cells stay. Idempotent.
+
+    Raises:
+        MigrationStateError: no migration of that name. MigrationSourceError: the source refused (retriable
+        when it did not answer: run it again).
+    """
+    records = MigrationRecords(store)
+    records.get(spec.name)
+    source.stop_changes()
+
+    def cancelled(record: MigrationRecord) -> None:
+        record.phase = "cancelled"
+    record = records.change(spec.name, cancelled)
+    logger.info("migration %s cancelled; its capture on the source is dropped", spec.name)
+    return record

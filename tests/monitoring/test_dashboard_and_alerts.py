@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 import logstore
 from cellstream.console.server import ConsoleMetrics
 from connectors.migration.facade import MigrationReadMetrics
+from connectors.migration.mover import MoveMetrics
 from indexer.runtime.metrics import AppMetrics
 from logstore.jobs import JobMetrics, JobStore
 from logstore.mirror import MirrorMetrics
@@ -30,7 +31,7 @@ def exported() -> set[str]:
     jobs = JobMetrics()
     registries = [TailerMetrics("t").registry, AppMetrics("a").registry, WorkerMetrics(CollectorRegistry()).registry,
                   ConsoleMetrics(CollectorRegistry()).registry, jobs.registry, MirrorMetrics().registry,
-                  MigrationReadMetrics().registry]
+                  MigrationReadMetrics().registry, MoveMetrics().registry]
     names: set[str] = set()
     with tempfile.TemporaryDirectory() as directory, logstore.open(f"sqlite:///{directory}/store", shards=4) as store:
         jobs.watch(JobStore(store))
@@ -68,7 +69,7 @@ def test_the_alerts_cover_what_an_operator_is_woken_for() -> None:
     for name in ("CellstreamHandlerStalled", "CellstreamTailerLagGrowing", "CellstreamDeadLettersGrowing",
                  "CellstreamTailerLeaseLost", "CellstreamWorkerNodeNotReady", "CellstreamJobFailed",
                  "CellstreamJobWithoutRunner", "CellstreamMirrorLagging", "CellstreamMirrorStalled",
-                 "CellstreamMigrationReadsMismatching"):
+                 "CellstreamMigrationReadsMismatching", "CellstreamMigrationCaptureLagging"):
         rule = by_name[name]
         assert rule["labels"]["severity"] in ("warning", "critical") and rule["annotations"]["summary"]
         assert rule.get("for"), f"{name} fires on one scrape"

@@ -24,7 +24,7 @@ import pytest
 import logstore
 from connectors.migration.diff import diff
 from connectors.migration.mapping import TOMBSTONE, RowMapper
-from connectors.migration.mover import Mover
+from connectors.migration.mover import MoveMetrics, Mover
 from connectors.migration.opening import open_source
 from connectors.migration.records import MigrationRecords
 from connectors.migration.spec import MigrationSpec, load_migration
@@ -283,3 +283,42 @@ def test_cells_newer_than_the_diffs_read_are_not_compared(table: SourceDB, postg
             source.stop_changes()
             source.close()
     assert (report.different, report.ahead) == (0, 1) and report.clean
+
+
+def test_a_cancelled_migration_leaves_no_slot_and_a_lagging_one_is_reported(
+        table: SourceDB, postgres_source_database: str, tmp_path: Path) -> None:
+    """The capture is never left to hold the source's log silently: `status` exits 7 once it lags over
+    --max-lag (the metric says the same while it runs), and `cancel` drops the slot and publication."""
+    spec = spec_for(postgres_source_database)
+    spec_file = tmp_path / "trips.yaml"
+    spec_file.write_text(spec.model_dump_json(by_alias=True).replace('"**********"', f'"{postgres_source_database}"'))
+    store_url = f"sqlite:///{tmp_path}/store"
+    metrics = MoveMetrics()
+    with logstore.open(store_url, shards=16) as store:
+        source = open_source(spec)
+        try:
+            Mover(spec, source, store, chunk_rows=500, metrics=metrics).run(until_caught_up=True)
+        finally:
+            source.close()
+    assert metrics.registry.get_sample_value("cellstream_migration_rows_copied_total", {"migration": "trips"}) == 2000
+    cli = [sys.executable, "-m", "cellstream", "migrate"]
+    caught_up = subprocess.run([*cli, "status", str(spec_file), "--store", store_url, "--max-lag", "0"],
+                               capture_output=True, text=True, timeout=60)
+    assert caught_up.returncode == 0, caught_up.stderr  # nothing waits: 0 s behind
+    table.execute("UPDATE trips SET note = 'waits' WHERE id = 1")  # no migration runs to apply it
+    lagging = subprocess.run([*cli, "status", str(spec_file), "--store", store_url, "--max-lag", "0"],
+                             capture_output=True, text=True, timeout=60)
+    assert lagging.returncode == 7 and "migrate cancel" in lagging.stderr, lagging.stderr
+    slots = "SELECT count(*) FROM pg_replication_slots WHERE database = current_database()"
+    assert table.execute(slots)[0][0] == 1
+    done = subprocess.run([*cli, "cancel", str(spec_file), "--store", store_url], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert table.execute(slots)[0][0] == 0
+    assert table.execute("SELECT count(*) FROM pg_publication")[0][0] == 0
+    again = subprocess.run([*cli, "start", str(spec_file), "--store", store_url, "--no-follow"],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 9 and "cancelled" in again.stderr
+    status = subprocess.run([*cli, "status", str(spec_file), "--store", store_url, "--json"], capture_output=True,
+                            text=True, timeout=60)
+    assert status.returncode == 0 and json.loads(status.stdout)["phase"] == "cancelled"
