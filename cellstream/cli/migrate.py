@@ -73,6 +73,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     a.add_argument("file", type=Path, help="the migration's YAML declaration")
     a.add_argument("--reads", type=int, default=None, metavar="N",
                    help="0 source only, 1-99 that share of reads compared with the store, 100 store only")
+    a.add_argument("--max-lag", type=float, default=60.0, metavar="S",
+                   help="refuse (exit 9) while the capture is more than S seconds behind the source (60)")
     a.set_defaults(run=cmd_switch)
 
 
@@ -167,7 +169,10 @@ def cmd_diff(store: Store, args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_switch(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from connectors.errors import MigrationStateError
     from connectors.migration.facade import switch_reads
+    from connectors.migration.opening import open_source
+    from connectors.migration.records import MigrationRecords
     from connectors.migration.spec import load_migration
 
     if args.reads is None:
@@ -175,6 +180,17 @@ def cmd_switch(store: Store, args: argparse.Namespace, out: Output) -> int:
     if not 0 <= args.reads <= 100:
         raise UsageError("--reads is 0..100")
     spec = load_migration(args.file)
+    record = MigrationRecords(store).get(spec.name)
+    if record.phase == "copied" and args.reads > 0:  # out of order is refused by switch_reads, saying why
+        source = open_source(spec)
+        try:
+            lag = source.change_lag()
+        finally:
+            source.close()
+        if lag.seconds > args.max_lag:
+            raise MigrationStateError(f"migration {spec.name}: the capture is {lag.seconds:.0f} s behind the source "
+                                      f"(over --max-lag {args.max_lag:g}): the store would answer with old rows; "
+                                      "switch once `migrate status` shows it caught up")
     record = switch_reads(store, spec.name, args.reads)
     served = {0: "the source serves every read", 100: "the store serves every read; the source is not read"}
     out.emit(record.model_dump(mode="json"), f"migration {spec.name}: reads at {args.reads}%: "

@@ -42,7 +42,7 @@ from connectors.migration.mapping import TOMBSTONE, RowMapper, json_value
 from connectors.migration.records import MigrationRecord, MigrationRecords
 from connectors.migration.source import Key, MigrationSource
 from connectors.migration.spec import MigrationSpec, url_kind
-from logstore.errors import LogstoreError
+from logstore.errors import InvalidArgumentError, LogstoreError
 
 if TYPE_CHECKING:
     from logstore import Store
@@ -129,7 +129,7 @@ class MigrationReader:
         publish: called on a comparing thread with each comparison (a match too), to report them elsewhere.
 
     Raises:
-        ValueError: ``percent`` is not in 0..100, or ``compare_workers`` or ``queue_size`` is below 1.
+        InvalidArgumentError: ``percent`` is not in 0..100, or ``compare_workers`` or ``queue_size`` is below 1.
     """
 
     def __init__(self, spec: MigrationSpec, store: Store, *, source_reader: SourceReader, percent: int = 0,
@@ -137,7 +137,7 @@ class MigrationReader:
                  refresh_seconds: float = 5.0, seed: int | None = None,
                  publish: Callable[[Comparison], None] | None = None) -> None:
         if compare_workers < 1 or queue_size < 1:
-            raise ValueError("compare_workers and queue_size must be at least 1")
+            raise InvalidArgumentError("compare_workers and queue_size must be at least 1")
         self.spec = spec
         self.store = store
         self.source_reader = source_reader
@@ -172,10 +172,10 @@ class MigrationReader:
         """Turn this process's dial (until the record's dial next changes).
 
         Raises:
-            ValueError: ``percent`` is not in 0..100.
+            InvalidArgumentError: ``percent`` is not in 0..100.
         """
         if not 0 <= percent <= 100:
-            raise ValueError(f"a read percent is 0..100, not {percent}")
+            raise InvalidArgumentError(f"a read percent is 0..100, not {percent}")
         self._percent = percent
         if self.metrics is not None:
             self.metrics.percent.labels(self.spec.name).set(percent)
@@ -210,7 +210,7 @@ class MigrationReader:
             row_key: the row's key; needed with ``row_key: {column: ...}`` (computed with ``uuid5``).
 
         Raises:
-            ValueError: the spec's row key is a column and ``row_key`` was not given.
+            InvalidArgumentError: the spec's row key is a column and ``row_key`` was not given.
             Whatever ``source_reader`` raises (:class:`MigrationSourceError` for :func:`sql_row_reader`),
             and :class:`~logstore.LogstoreError` at 100 (the store is read on the caller's thread then).
         """
@@ -233,8 +233,8 @@ class MigrationReader:
         if row_key is not None:
             return row_key
         if self.spec.row_key.uuid5 is None:
-            raise ValueError(f"migration {self.spec.name} keys rows by the column {self.spec.row_key.column}: "
-                             "pass get(key, row_key=...)")
+            raise InvalidArgumentError(f"migration {self.spec.name} keys rows by the column "
+                                       f"{self.spec.row_key.column}: pass get(key, row_key=...)")
         return self._mapper.row_key(key, None)
 
     def _read_store(self, row_key: uuid.UUID) -> Row | None:
@@ -347,12 +347,12 @@ def switch_reads(store: Store, name: str, percent: int) -> MigrationRecord:
     :class:`MigrationReader` of it takes the new value at its next refresh.
 
     Raises:
-        ValueError: ``percent`` is not in 0..100.
+        InvalidArgumentError: ``percent`` is not in 0..100.
         MigrationStateError: no such migration, or its copy is not done (the store would answer for rows it
             does not hold yet).
     """
     if not 0 <= percent <= 100:
-        raise ValueError(f"a read percent is 0..100, not {percent}")
+        raise InvalidArgumentError(f"a read percent is 0..100, not {percent}")
 
     def switch(record: MigrationRecord) -> None:
         if record.phase != "copied":
@@ -376,13 +376,13 @@ def sql_row_reader(url: str, table: str, key_columns: Sequence[str] | None = Non
         schema: PostgreSQL's schema.
 
     Raises:
-        ValueError: the URL is neither PostgreSQL's nor MySQL's.
+        InvalidArgumentError: the URL is neither PostgreSQL's nor MySQL's.
         (the reader) MigrationSourceError: the table cannot be read, or its key is not ``key_columns``;
         MigrationSourceUnavailableError: the server did not answer (retriable).
     """
     kind = url_kind(url)
     if kind is None:
-        raise ValueError("a source is a postgresql:// or mysql:// URL")
+        raise InvalidArgumentError("a source is a postgresql:// or mysql:// URL")
     lock = threading.Lock()
     source: MigrationSource
     if kind == "postgres":

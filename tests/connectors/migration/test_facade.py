@@ -223,8 +223,13 @@ def test_switch_reads_is_refused_before_the_copy_then_readers_follow_the_record(
         source = open_source(spec)
         try:
             Mover(spec, source, store).run(until_caught_up=True)
+            with psycopg.connect(postgres_source_database, autocommit=True) as db:
+                db.execute("UPDATE trips SET note = 'not applied yet' WHERE id = 1")
+            lagging = subprocess.run([*switch, "--reads", "10", "--max-lag", "0"], capture_output=True, text=True,
+                                     timeout=60)
+            assert lagging.returncode == 9 and "behind the source" in lagging.stderr, lagging.stderr
+            Mover(spec, source, store).run(until_caught_up=True)
         finally:
-            source.stop_changes()
             source.close()
         counting = CountingReader(postgres_source_database)
         with MigrationReader(spec, store, source_reader=counting, refresh_seconds=0.05) as reader:
@@ -240,6 +245,9 @@ def test_switch_reads_is_refused_before_the_copy_then_readers_follow_the_record(
             reader.refresh()
             assert reader.percent == 0
         assert MigrationRecords(store).get(spec.name).read_percent == 100
+    source = open_source(spec)
+    source.stop_changes()
+    source.close()
 
 
 @pytest.fixture(params=["postgres_source", "mysql"])  # named for their markers (tests/conftest.py)
