@@ -97,9 +97,10 @@ class Mover:
             The migration's record when the loop ends.
 
         Raises:
-            MigrationStateError: the name moves another source. MigrationSourceError: the source cannot be read
-            as one (retriable when it is unavailable). ConversionError: a row that cannot become cells (the loop
-            stops there: nothing is skipped). StorageUnavailableError: the store did not answer (retriable).
+            MigrationStateError: the name moves another source, or was cancelled. MigrationSourceError: the source
+            cannot be read as one (retriable when it is unavailable). ConversionError: a row that cannot become
+            cells (the loop stops there: nothing is skipped). StorageUnavailableError: the store did not answer
+            (retriable).
         """
         record = self.records.start(self.spec.name, self.spec.source.describe)
         if record.phase == "cancelled":
