@@ -30,7 +30,7 @@ from bench.scratch import drop_database
 from tests.harness.private_mariadb import PrivateMariaDB
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pending.json"
-TARGET = 3.0  # down / up: answering within about a second of the healthy run (it was about 12)
+TARGET = 3.0  # down / up: answering within about a second of the healthy run
 SHARDS = 64
 
 

@@ -170,8 +170,8 @@ def _initialize(text: str, cluster: ClusterConfig, recorders: dict[str, NodeReco
     is none). One node of several that does not answer soon is opened without: its writes are buffered on the
     others, its reads go to its replicas meanwhile; a store of one node must answer."""
     several = len(cluster.nodes) > 1
-    # A short look: waiting longer (it was buffer_after) made every command on a cluster with a node down wait
-    # for it, and bought nothing: the node's first statement initializes it, under that statement's own policy
+    # A short look: waiting longer made every command on a cluster with a node down wait for it, and bought
+    # nothing: the node's first statement initializes it, under that statement's own policy
     # (a write still waits buffer_after before it is buffered).
     soon = options.retry.model_copy(update={"deadline": min(FIRST_LOOK, options.buffer_after or 2.0)}) \
         if several else None

@@ -491,8 +491,8 @@ class MySQLRecorder(NodeRecorder):
             self._initializing = threading.get_ident()
             try:
                 # Raises StorageUnavailableError while the primary is still down: at once, as the statement
-                # that brought it here retries under its own policy (with a policy of its own here, each of
-                # that statement's attempts waited buffer_after: a glance of the map took 2 s).
+                # that brought it here retries under its own policy (a policy of its own here would make each
+                # of that statement's attempts wait buffer_after).
                 self.initialize(meta, self._one_try)
             finally:
                 self._initializing = None
