@@ -2,7 +2,7 @@
 :mod:`connectors.migration`)::
 
   cellstream migrate start FILE [--rate ROWS/S] [--chunk-rows N] [--until-caught-up | --no-follow]
-                          [--metrics-port PORT] [--lag-warning S]
+                          [--max-load N] [--max-replica-lag S] [--metrics-port PORT] [--lag-warning S]
   cellstream migrate status FILE [--max-lag S]
   cellstream migrate cancel FILE
   cellstream migrate diff FILE [--chunk-rows N]
@@ -51,6 +51,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     until.add_argument("--until-caught-up", action="store_true",
                        help="exit once the table is copied and no change is left to apply")
     until.add_argument("--no-follow", action="store_true", help="exit once the table is copied")
+    a.add_argument("--max-load", type=int, default=None, metavar="N",
+                   help="the copy waits while more than N statements run on the source (the changes go on)")
+    a.add_argument("--max-replica-lag", type=float, default=None, metavar="S",
+                   help="the copy waits while the source's replicas are more than S seconds behind (PostgreSQL)")
     a.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     a.add_argument("--lag-warning", type=float, default=60.0, metavar="S",
                    help="log a warning when the capture is more than S seconds behind the source (60)")
@@ -102,7 +106,8 @@ def cmd_start(store: Store, args: argparse.Namespace, out: Output) -> int:
                 metrics = MoveMetrics()
                 metrics.serve(args.metrics_port)
             record = Mover(spec, source, store, chunk_rows=args.chunk_rows, rate=args.rate, metrics=metrics,
-                           lag_warning=args.lag_warning).run(
+                           lag_warning=args.lag_warning, max_running=args.max_load,
+                           max_replica_lag=args.max_replica_lag).run(
                 follow=not args.no_follow, until_caught_up=args.until_caught_up, stop=stop, progress=show)
     finally:
         source.close()

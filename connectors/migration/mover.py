@@ -28,6 +28,7 @@ from logstore import Store
 logger = logging.getLogger(__name__)
 LAG_WARNING = 60.0  # seconds of capture lag before a warning
 LAG_CHECK = 1.0  # seconds between two reads of the capture lag
+THROTTLE_PAUSE = 0.5  # seconds between two looks at the source's load while the copy waits
 
 
 class MoveProgress(NamedTuple):
@@ -44,7 +45,8 @@ class MoveMetrics:
 
     - ``cellstream_migration_rows_copied_total``, ``cellstream_migration_changes_applied_total``;
     - ``cellstream_migration_capture_lag_seconds``: the age of the oldest change not yet applied (0: none waits);
-    - ``cellstream_migration_capture_lag_bytes``: the source's log between the position applied and its own.
+    - ``cellstream_migration_capture_lag_bytes``: the source's log between the position applied and its own;
+    - ``cellstream_migration_copy_throttled_seconds_total``: how long the copy waited for the source's load.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -57,6 +59,8 @@ class MoveMetrics:
                                  "yet applied (0: none waits)", ["migration"], registry=r)
         self.lag_bytes = Gauge("cellstream_migration_capture_lag_bytes", "Source log between the position applied "
                                "and the source's own (a slot holds it)", ["migration"], registry=r)
+        self.throttled = Counter("cellstream_migration_copy_throttled_seconds", "Seconds the copy waited for the "
+                                 "source's load or replica lag", ["migration"], registry=r)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
@@ -67,13 +71,18 @@ class Mover:
 
     def __init__(self, spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_rows: int = 1000,
                  change_batch: int = 5000, rate: float | None = None, metrics: MoveMetrics | None = None,
-                 lag_warning: float = LAG_WARNING) -> None:
+                 lag_warning: float = LAG_WARNING, max_running: int | None = None,
+                 max_replica_lag: float | None = None) -> None:
         """Args:
             chunk_rows: rows a chunk (a snapshot's read) at most.
             change_batch: changes read at a time, at most about.
             rate: rows copied a second at most (None: as fast as both sides go); changes are never held back.
             metrics: the series to keep (None: none).
             lag_warning: seconds of capture lag above which a warning is logged (once each time it goes above).
+            max_running: the copy waits while more statements than this run on the source (gh-ost's
+                ``--max-load Threads_running=N``); the changes are applied meanwhile. None: no limit.
+            max_replica_lag: the copy waits while the source's replicas are more seconds behind than this
+                (PostgreSQL's ``replay_lag``; a MySQL primary does not report it). None: no limit.
         """
         self.spec = spec
         self.source = source
@@ -85,6 +94,8 @@ class Mover:
         self.rate = rate
         self.metrics = metrics
         self.lag_warning = lag_warning
+        self.max_running = max_running
+        self.max_replica_lag = max_replica_lag
         self._lag_checked = 0.0
         self._lagging = False
 
@@ -110,6 +121,9 @@ class Mover:
         stop = stop or threading.Event()
         started, copied_here = time.monotonic(), 0
         while record.phase == "copying" and not stop.is_set():
+            record = self._wait_for_load(record, stop, progress)
+            if stop.is_set():
+                break
             chunk = self.source.read_chunk(None if record.copy_cursor is None else tuple(record.copy_cursor),
                                            self.chunk_rows)
             self._put([c for row in chunk.rows for c in self.mapper.cells(row, chunk.position)])
@@ -133,6 +147,34 @@ class Mover:
                 if until_caught_up:
                     break
                 stop.wait(idle)
+        return record
+
+    def _wait_for_load(self, record: MigrationRecord, stop: threading.Event,
+                       progress: Callable[[MoveProgress], None] | None) -> MigrationRecord:
+        """Hold the copy while the source is over its limits, applying the changes meanwhile (a capture that
+        waited too would only hold more of the source's log)."""
+        waited_from, why = None, ""
+        while not stop.is_set() and (self.max_running is not None or self.max_replica_lag is not None):
+            load = self.source.load()
+            if self.max_running is not None and load.running > self.max_running:
+                why = f"{load.running} statements running (over {self.max_running})"
+            elif (self.max_replica_lag is not None and load.replica_lag is not None
+                  and load.replica_lag > self.max_replica_lag):
+                why = f"its replicas {load.replica_lag:.1f} s behind (over {self.max_replica_lag:g})"
+            else:
+                break
+            if waited_from is None:
+                waited_from = time.monotonic()
+                logger.info("migration %s: the copy waits for the source: %s", self.spec.name, why)
+            before = record.changes_applied
+            record = self._apply_changes(record)
+            self._report(progress, record, 0, record.changes_applied - before)
+            stop.wait(THROTTLE_PAUSE)
+        if waited_from is not None:
+            waited = time.monotonic() - waited_from
+            if self.metrics is not None:
+                self.metrics.throttled.labels(self.spec.name).inc(waited)
+            logger.info("migration %s: the copy goes on after waiting %.1f s for the source", self.spec.name, waited)
         return record
 
     def _apply_changes(self, record: MigrationRecord) -> MigrationRecord:

@@ -56,6 +56,15 @@ class ChangeLag(NamedTuple):
     seconds: float
 
 
+class SourceLoad(NamedTuple):
+    """How busy the source is now: statements running on it (not counting the migration's own), and how far its
+    replicas are behind it in seconds (None when the source cannot tell: no replica, or a server that does not
+    report its replicas' lag)."""
+
+    running: int
+    replica_lag: float | None
+
+
 class MigrationSource(ABC):
     """One source table of a migration. Implementations are used from one thread at a time."""
 
@@ -89,6 +98,10 @@ class MigrationSource(ABC):
     @abstractmethod
     def change_lag(self) -> ChangeLag:
         """How far the capture is behind the source now."""
+
+    @abstractmethod
+    def load(self) -> SourceLoad:
+        """The source's load now, for the copy's throttle (gh-ost's ``--max-load``)."""
 
     @abstractmethod
     def stop_changes(self) -> None:

@@ -35,7 +35,7 @@ from pymysqlreplication.event import GtidEvent, MariadbGtidEvent, QueryEvent, Xi
 from pymysqlreplication.row_event import DeleteRowsEvent, UpdateRowsEvent, WriteRowsEvent
 
 from connectors.errors import ConfigurationError, MigrationSourceError, MigrationSourceUnavailableError
-from connectors.migration.source import Change, ChangeLag, Chunk, Key, MigrationSource, SourceRow
+from connectors.migration.source import Change, ChangeLag, Chunk, Key, MigrationSource, SourceLoad, SourceRow
 from logstore.backends.mysql.target import MySQLTarget, parse_url
 from logstore.errors import InvalidArgumentError
 
@@ -552,6 +552,11 @@ class MySQLSource(MigrationSource):
                     oldest = event.timestamp
                     break
         return ChangeLag(lag, max(0.0, time.time() - oldest) if oldest else 0.0)
+
+    def load(self) -> SourceLoad:
+        """``Threads_running`` but this connection's; a MySQL primary does not report its replicas' lag."""
+        [(_, running)] = self._query("SHOW GLOBAL STATUS LIKE 'Threads_running'")
+        return SourceLoad(max(0, int(running) - 1), None)
 
     def stop_changes(self) -> None:
         """End the capture: its position row is deleted (idempotent). The binlog itself is the server's, purged

@@ -31,7 +31,7 @@ from psycopg.pq import Format
 from psycopg.types.string import TextLoader
 
 from connectors.errors import MigrationSourceError, MigrationSourceUnavailableError
-from connectors.migration.source import Change, ChangeLag, Chunk, Key, MigrationSource, SourceRow
+from connectors.migration.source import Change, ChangeLag, Chunk, Key, MigrationSource, SourceLoad, SourceRow
 
 logger = logging.getLogger(__name__)
 
@@ -546,6 +546,15 @@ class PostgresSource(MigrationSource):
                     seconds = max(0.0, (now - committed).total_seconds())
                     break
             return ChangeLag(max(int(lag), 0), seconds)
+
+    def load(self) -> SourceLoad:
+        """Client backends running a statement, and the largest ``replay_lag`` of the server's standbys."""
+        with self._errors("measuring the load"):
+            [(running, lag)] = self._query(
+                "SELECT (SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND backend_type = "
+                "'client backend' AND pid <> pg_backend_pid()), (SELECT extract(epoch FROM max(replay_lag)) FROM "
+                "pg_stat_replication)")
+        return SourceLoad(int(running), None if lag is None else float(lag))
 
     def stop_changes(self) -> None:
         """Drop the slot (the server frees the log it held) and the publication; idempotent.

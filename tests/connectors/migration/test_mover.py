@@ -322,3 +322,37 @@ def test_a_cancelled_migration_leaves_no_slot_and_a_lagging_one_is_reported(
     status = subprocess.run([*cli, "status", str(spec_file), "--store", store_url, "--json"], capture_output=True,
                             text=True, timeout=60)
     assert status.returncode == 0 and json.loads(status.stdout)["phase"] == "cancelled"
+
+
+def test_the_copy_waits_while_the_source_is_busy_and_the_changes_go_on(
+        table: SourceDB, postgres_source_database: str, tmp_path: Path) -> None:
+    """With --max-load 0, a statement running on the source holds the copy (gh-ost's --max-load) while the
+    changes logged meanwhile are still applied; once it ends the copy goes on."""
+    spec = spec_for(postgres_source_database)
+    busy = threading.Thread(target=lambda: SourceDB("postgres", postgres_source_database).execute(
+        "SELECT pg_sleep(3)"), daemon=True)
+    metrics = MoveMetrics()
+    with logstore.open(f"sqlite:///{tmp_path}/store", shards=16) as store:
+        source = open_source(spec)
+        try:
+            source.start_changes()
+            busy.start()
+            deadline = time.monotonic() + 10
+            while source.load().running == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            table.execute("UPDATE trips SET note = 'while busy' WHERE id = 7")
+            mover = Mover(spec, source, store, chunk_rows=500, max_running=0, metrics=metrics)
+            seen: list[tuple[str, int, int]] = []
+            record = mover.run(until_caught_up=True,
+                               progress=lambda p: seen.append((p.phase, p.rows_copied, p.changes_applied)))
+            busy.join()
+        finally:
+            source.stop_changes()
+            source.close()
+        note = store.get_cell_latest(RowMapper(spec).row_key((7,), None), "NOTE")
+    assert record.phase == "copied" and record.rows_copied == 2000
+    assert ("copying", 0, 1) in seen  # the change applied while the copy waited, before any row was copied
+    waited = metrics.registry.get_sample_value("cellstream_migration_copy_throttled_seconds_total",
+                                               {"migration": "trips"})
+    assert waited is not None and waited > 0
+    assert note is not None and note.body == {"note": "while busy"}

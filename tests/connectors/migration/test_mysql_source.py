@@ -370,3 +370,22 @@ def test_an_unanswering_server_is_unavailable() -> None:
     with pytest.raises(MigrationSourceUnavailableError) as raised:
         source.columns()
     assert "secret" not in str(raised.value)
+
+
+def test_the_load_counts_the_statements_running_but_its_own(mysql_database: str) -> None:
+    """What the copy's --max-load reads: Threads_running less the source's own connection."""
+    conn = connect(mysql_database)
+    execute(conn, "CREATE TABLE trips (id INT PRIMARY KEY)")
+    src = MySQLSource(mysql_database, "trips", server_id=server_id())
+    busy = threading.Thread(target=lambda: connect(mysql_database).cursor().execute("SELECT SLEEP(2)"), daemon=True)
+    try:
+        idle = src.load()
+        busy.start()
+        deadline = time.monotonic() + 10
+        while src.load().running <= idle.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert src.load().running > idle.running and src.load().replica_lag is None
+    finally:
+        busy.join()
+        src.close()
+        conn.close()
