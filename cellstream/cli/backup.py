@@ -20,7 +20,7 @@ import datetime as dt
 import sys
 from typing import TYPE_CHECKING, Any
 
-from cellstream.cli.common import Output, Parser, store_with_password
+from cellstream.cli.common import Output, Parser, store_with_password, time_arg
 from cellstream.cli.exits import Exit
 from cellstream.cli.progress import Bar
 from cellstream.errors import UsageError
@@ -62,11 +62,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _until_arg(text: str) -> dt.datetime:
-    try:
-        when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise UsageError(f"--until {text!r} is not an ISO-8601 time, e.g. 2026-01-31T12:00:00Z") from None
-    return when if when.tzinfo else when.replace(tzinfo=dt.UTC)
+    return time_arg(text, "--until")
 
 
 def _shards_arg(text: str) -> tuple[int, int]:
@@ -142,18 +138,12 @@ def cmd_list(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, out: Output) -> int:
-    from logstore.backup.manifest import backup_ids
+    from logstore.backup.manifest import newest_id
     from logstore.backup.storage import open_storage
     from logstore.backup.verify import verify_chain
-    from logstore.errors import BackupNotFoundError
 
     storage = open_storage(args.dest)
-    bid = args.id
-    if bid is None:
-        finished, _ = backup_ids(storage)
-        if not finished:
-            raise BackupNotFoundError(f"no finished backup in {storage.where}")
-        bid = finished[-1]
+    bid = args.id or newest_id(storage)
     manifests, problems = verify_chain(storage, bid)
     files = sum(len(m.files) + 1 for m in manifests)
     for problem in problems:

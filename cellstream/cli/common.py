@@ -185,11 +185,12 @@ def poll_arg(text: str) -> float:
     return value
 
 
-def time_arg(text: str) -> dt.datetime:
+def time_arg(text: str, option: str = "--since") -> dt.datetime:
+    """A time option's value: ISO 8601, UTC when it gives no offset."""
     try:
         when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise UsageError(f"--since {text!r} is not an ISO-8601 time, e.g. 2026-01-31T12:00:00Z") from None
+        raise UsageError(f"{option} {text!r} is not an ISO-8601 time, e.g. 2026-01-31T12:00:00Z") from None
     return when if when.tzinfo else when.replace(tzinfo=dt.UTC)
 
 

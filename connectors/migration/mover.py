@@ -11,6 +11,7 @@ at the price of writing some cells twice. No lock is taken on the source beyond 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,9 +22,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from connectors.errors import MigrationStateError
 from connectors.migration.mapping import MigratedCell, RowMapper
 from connectors.migration.records import MigrationRecord, MigrationRecords, now
-from connectors.migration.source import Change, MigrationSource, SourceRow
+from connectors.migration.source import Change, ChangeLag, MigrationSource, SourceRow
 from connectors.migration.spec import MigrationSpec
 from logstore import Store
+from logstore.jobs import Throttle, ThrottleSettings
 
 logger = logging.getLogger(__name__)
 LAG_WARNING = 60.0  # seconds of capture lag before a warning
@@ -37,7 +39,7 @@ class MoveProgress(NamedTuple):
     phase: str
     rows_copied: int
     changes_applied: int
-    lag_bytes: int
+    lag_bytes: int  # as last measured (once a second at most)
 
 
 class MoveMetrics:
@@ -76,7 +78,8 @@ class Mover:
         """Args:
             chunk_rows: rows a chunk (a snapshot's read) at most.
             change_batch: changes read at a time, at most about.
-            rate: rows copied a second at most (None: as fast as both sides go); changes are never held back.
+            rate: rows copied a second at most (the jobs' token bucket; None: as fast as both sides go); changes
+                are never held back.
             metrics: the series to keep (None: none).
             lag_warning: seconds of capture lag above which a warning is logged (once each time it goes above).
             max_running: the copy waits while more statements than this run on the source (gh-ost's
@@ -96,7 +99,8 @@ class Mover:
         self.lag_warning = lag_warning
         self.max_running = max_running
         self.max_replica_lag = max_replica_lag
-        self._lag_checked = 0.0
+        self._lag = ChangeLag(0, 0.0)  # as last measured
+        self._lag_checked = -math.inf
         self._lagging = False
 
     def run(self, *, follow: bool = True, until_caught_up: bool = False, stop: threading.Event | None = None,
@@ -119,7 +123,7 @@ class Mover:
                                       "go on; start it again under another name")
         self.source.start_changes()
         stop = stop or threading.Event()
-        started, copied_here = time.monotonic(), 0
+        throttle = Throttle(ThrottleSettings(rate=self.rate), stopping=stop.is_set)  # None: unlimited
         while record.phase == "copying" and not stop.is_set():
             record = self._wait_for_load(record, stop, progress)
             if stop.is_set():
@@ -131,18 +135,11 @@ class Mover:
             record = self.records.change(self.spec.name, _advance(len(chunk.rows), chunk.last, done))
             if done:
                 logger.info("migration %s: %d rows copied; following the changes", self.spec.name, record.rows_copied)
-            before = record.changes_applied
-            record = self._apply_changes(record)
-            copied_here += len(chunk.rows)
-            self._report(progress, record, len(chunk.rows), record.changes_applied - before)
-            if self.rate:  # rows a second at most, over the whole run
-                ahead = copied_here / self.rate - (time.monotonic() - started)
-                if ahead > 0:
-                    stop.wait(ahead)
+            record = self._catch_up(record, progress, len(chunk.rows))
+            throttle.wait(len(chunk.rows))
         while follow and not stop.is_set():
             before = record.changes_applied
-            record = self._apply_changes(record)
-            self._report(progress, record, 0, record.changes_applied - before)
+            record = self._catch_up(record, progress)
             if record.changes_applied == before:
                 if until_caught_up:
                     break
@@ -166,15 +163,21 @@ class Mover:
             if waited_from is None:
                 waited_from = time.monotonic()
                 logger.info("migration %s: the copy waits for the source: %s", self.spec.name, why)
-            before = record.changes_applied
-            record = self._apply_changes(record)
-            self._report(progress, record, 0, record.changes_applied - before)
+            record = self._catch_up(record, progress)
             stop.wait(THROTTLE_PAUSE)
         if waited_from is not None:
             waited = time.monotonic() - waited_from
             if self.metrics is not None:
                 self.metrics.throttled.labels(self.spec.name).inc(waited)
             logger.info("migration %s: the copy goes on after waiting %.1f s for the source", self.spec.name, waited)
+        return record
+
+    def _catch_up(self, record: MigrationRecord, progress: Callable[[MoveProgress], None] | None,
+                  rows_copied: int = 0) -> MigrationRecord:
+        """Apply a batch of changes, then report it with the ``rows_copied`` just before."""
+        before = record.changes_applied
+        record = self._apply_changes(record)
+        self._report(progress, record, rows_copied, record.changes_applied - before)
         return record
 
     def _apply_changes(self, record: MigrationRecord) -> MigrationRecord:
@@ -214,15 +217,19 @@ class Mover:
 
     def _report(self, progress: Callable[[MoveProgress], None] | None, record: MigrationRecord,
                 rows: int = 0, changes: int = 0) -> None:
-        name = self.spec.name
         if self.metrics is not None:
-            self.metrics.rows.labels(name).inc(rows)
-            self.metrics.changes.labels(name).inc(changes)
-        now_ = time.monotonic()
-        if now_ - self._lag_checked < LAG_CHECK and progress is None:
-            return
-        self._lag_checked = now_
-        lag = self.source.change_lag()  # a query: once a second at most unless a progress bar asks
+            self.metrics.rows.labels(self.spec.name).inc(rows)
+            self.metrics.changes.labels(self.spec.name).inc(changes)
+        if time.monotonic() - self._lag_checked >= LAG_CHECK:  # a query: once a second at most
+            self._measure_lag()
+        if progress is not None:
+            progress(MoveProgress(record.phase, record.rows_copied, record.changes_applied, self._lag.bytes))
+
+    def _measure_lag(self) -> None:
+        """Read the capture's lag: into the metrics, and a warning each time it goes over ``lag_warning``."""
+        self._lag_checked = time.monotonic()
+        self._lag = lag = self.source.change_lag()
+        name = self.spec.name
         if self.metrics is not None:
             self.metrics.lag_seconds.labels(name).set(lag.seconds)
             self.metrics.lag_bytes.labels(name).set(lag.bytes)
@@ -232,8 +239,7 @@ class Mover:
                            "above %.0f s: the source keeps that log until the changes are applied", name,
                            lag.seconds, lag.bytes, self.lag_warning)
         self._lagging = lagging
-        if progress is not None:
-            progress(MoveProgress(record.phase, record.rows_copied, record.changes_applied, lag.bytes))
+
 
 def _advance(rows: int, last: Sequence[object] | None, done: bool) -> Callable[[MigrationRecord], None]:
     """The change of a record after a chunk of ``rows`` ending at key ``last`` (``done``: the table's last)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
@@ -36,6 +35,7 @@ from logstore.backup.manifest import (
 from logstore.backup.state import collect_state
 from logstore.backup.storage import BackupStorage
 from logstore.errors import BackupError, BackupNotFoundError, InvalidArgumentError
+from logstore.jobs import Throttle, ThrottleSettings
 from logstore.log_blocks import LogBlock
 from logstore.store import Store
 
@@ -86,7 +86,7 @@ def create_backup(store: Store, storage: BackupStorage, *, incremental: bool = F
         raise BackupError(f"backup {plan.backup_id} is of an instance of {plan.shard_count} shards, not "
                           f"{store.shard_count}")
     files: list[BackupFile] = []
-    pace = _Pace(rate)
+    pace = Throttle(ThrottleSettings(rate=rate or None)).wait  # the jobs' token bucket (None: unlimited)
     ahead = None if rate else ReadAhead(store)
     try:
         for first, last in file_ranges(plan):
@@ -281,23 +281,6 @@ def start_backup(store: Store, storage: BackupStorage, *, incremental: bool, chu
     logger.info("backup %s started in %s (%s)", bid, storage.where,
                 f"incremental over {plan.parent_id}" if plan.parent_id else "full")
     return plan
-
-
-class _Pace:
-    """Sleeps to keep the cells read at ``rate`` a second at most."""
-
-    def __init__(self, rate: float | None) -> None:
-        self.rate = rate
-        self.start = time.monotonic()
-        self.cells = 0
-
-    def __call__(self, cells: int) -> None:
-        if not self.rate:
-            return
-        self.cells += cells
-        ahead = self.cells / self.rate - (time.monotonic() - self.start)
-        if ahead > 0:
-            time.sleep(ahead)
 
 
 def _read_range(store: Store, plan: Plan, first: int, last: int,

@@ -157,6 +157,18 @@ def backup_ids(storage: BackupStorage) -> tuple[list[str], list[str]]:
     return sorted(finished), sorted(started - finished)
 
 
+def newest_id(storage: BackupStorage) -> str:
+    """The id of the newest finished backup at the destination.
+
+    Raises:
+        BackupNotFoundError: none is finished there.
+    """
+    finished, _ = backup_ids(storage)
+    if not finished:
+        raise BackupNotFoundError(f"no finished backup in {storage.where}")
+    return finished[-1]
+
+
 def latest(storage: BackupStorage) -> Manifest | None:
     """The newest finished backup at the destination (the parent of an incremental one), or None."""
     finished, _ = backup_ids(storage)

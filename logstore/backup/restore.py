@@ -23,13 +23,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from logstore.backup.chunks import read_cell_file, unpack
-from logstore.backup.manifest import Manifest, backup_ids
+from logstore.backup.manifest import Manifest, newest_id
 from logstore.backup.state import index_specs
 from logstore.backup.storage import BackupStorage
 from logstore.backup.verify import verify_chain
 from logstore.errors import (
     BackupError,
-    BackupNotFoundError,
     CorruptBackupError,
     InvalidArgumentError,
     RestoreTargetNotEmptyError,
@@ -71,12 +70,7 @@ def verified_chain(storage: BackupStorage, backup_id: str | None = None) -> list
         BackupNotFoundError: no such backup, or a parent of it is missing.
         CorruptBackupError: a file of the chain is missing, truncated or damaged (the first one named).
     """
-    if backup_id is None:
-        finished, _ = backup_ids(storage)
-        if not finished:
-            raise BackupNotFoundError(f"no finished backup in {storage.where}")
-        backup_id = finished[-1]
-    manifests, problems = verify_chain(storage, backup_id)
+    manifests, problems = verify_chain(storage, backup_id or newest_id(storage))
     if problems:
         more = f" (and {len(problems) - 1} more damaged files: run backup verify)" if len(problems) > 1 else ""
         raise CorruptBackupError(problems[0].name, f"{problems[0].problem}; nothing was restored{more}")

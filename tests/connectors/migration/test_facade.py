@@ -27,21 +27,9 @@ from connectors.migration.records import MigrationRecords
 from connectors.migration.source import Key
 from connectors.migration.spec import MigrationSpec, load_migration
 from logstore import Store
-from tests.connectors.migration.test_mover import SourceDB
+from tests.connectors.migration.test_mover import SourceDB, spec_text
 
-NAMESPACE = "6ba7b811-9dad-11d1-80b4-00c04fd430c8"
 ROWS = 200
-
-
-def spec_text(url: str) -> str:
-    return f"""
-name: trips
-source: {{url: "{url}", table: trips}}
-row_key: {{uuid5: {NAMESPACE}}}
-columns:
-  BASE: [rider, fare]
-  NOTE: [note]
-"""
 
 
 class CountingStore:

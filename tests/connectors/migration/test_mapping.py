@@ -12,7 +12,7 @@ from connectors.errors import ConversionError
 from connectors.migration.mapping import TOMBSTONE, RowMapper, json_value, uuid5_row_key
 from connectors.migration.source import SourceRow
 from connectors.migration.spec import load_migration
-from logstore.configfile import ConfigFileError
+from logstore.errors import ConfigFileError
 
 NAMESPACE = "6ba7b811-9dad-11d1-80b4-00c04fd430c8"
 SPEC = f"""

@@ -5,6 +5,7 @@ once the change lag is 0."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -22,6 +23,7 @@ import pymysql
 import pytest
 
 import logstore
+from connectors.migration import mover as mover_module
 from connectors.migration.diff import diff
 from connectors.migration.mapping import TOMBSTONE, RowMapper
 from connectors.migration.mover import MoveMetrics, Mover
@@ -32,15 +34,20 @@ from connectors.migration.spec import MigrationSpec, load_migration
 NAMESPACE = "6ba7b811-9dad-11d1-80b4-00c04fd430c8"
 
 
-def spec_for(url: str, name: str = "trips") -> MigrationSpec:
-    return load_migration(f"""
+def spec_text(url: str, name: str = "trips") -> str:
+    """The declaration of the tests' migration of ``trips`` (the text a `cellstream migrate` file holds)."""
+    return f"""
 name: {name}
 source: {{url: "{url}", table: trips}}
 row_key: {{uuid5: {NAMESPACE}}}
 columns:
   BASE: [rider, fare]
   NOTE: [note]
-""")
+"""
+
+
+def spec_for(url: str, name: str = "trips") -> MigrationSpec:
+    return load_migration(spec_text(url, name))
 
 
 class SourceDB:
@@ -198,8 +205,7 @@ def test_a_migration_sigkilled_mid_copy_goes_on_from_its_record(
     """`cellstream migrate start` killed with SIGKILL while it copies under a workload, then run again: it goes
     on from its cursor (the rows before it are not copied again), and `migrate diff` finds nothing."""
     spec_file = tmp_path / "trips.yaml"
-    spec_file.write_text(spec_for(postgres_source_database).model_dump_json(by_alias=True)
-                         .replace('"**********"', f'"{postgres_source_database}"'))
+    spec_file.write_text(spec_text(postgres_source_database))
     store_url = f"sqlite:///{tmp_path}/store"
     with logstore.open(store_url, shards=16):
         pass
@@ -258,8 +264,7 @@ def test_a_source_not_set_up_for_capture_is_refused_saying_how(postgres_database
     with psycopg.connect(postgres_database, autocommit=True) as conn:
         conn.execute("CREATE TABLE trips (id bigint PRIMARY KEY, rider text, fare numeric(8, 2), note text)")
     spec_file = tmp_path / "trips.yaml"
-    spec_file.write_text(spec_for(postgres_database).model_dump_json(by_alias=True)
-                         .replace('"**********"', f'"{postgres_database}"'))
+    spec_file.write_text(spec_text(postgres_database))
     with logstore.open(f"sqlite:///{tmp_path}/store", shards=16):
         pass
     done = subprocess.run([sys.executable, "-m", "cellstream", "migrate", "start", str(spec_file), "--store",
@@ -291,7 +296,7 @@ def test_a_cancelled_migration_leaves_no_slot_and_a_lagging_one_is_reported(
     --max-lag (the metric says the same while it runs), and `cancel` drops the slot and publication."""
     spec = spec_for(postgres_source_database)
     spec_file = tmp_path / "trips.yaml"
-    spec_file.write_text(spec.model_dump_json(by_alias=True).replace('"**********"', f'"{postgres_source_database}"'))
+    spec_file.write_text(spec_text(postgres_source_database))
     store_url = f"sqlite:///{tmp_path}/store"
     metrics = MoveMetrics()
     with logstore.open(store_url, shards=16) as store:
@@ -356,3 +361,20 @@ def test_the_copy_waits_while_the_source_is_busy_and_the_changes_go_on(
                                                {"migration": "trips"})
     assert waited is not None and waited > 0
     assert note is not None and note.body == {"note": "while busy"}
+
+
+def test_a_capture_over_its_lag_warning_is_logged_once(table: SourceDB, postgres_source_database: str,
+                                                       tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = spec_for(postgres_source_database)
+    monkeypatch.setattr(mover_module, "LAG_CHECK", 0.0)  # the lag read after every chunk: 20 reads
+    with logstore.open(f"sqlite:///{tmp_path}/store", shards=16) as store:
+        source = open_source(spec)
+        try:
+            with caplog.at_level(logging.WARNING, logger="connectors.migration.mover"):
+                Mover(spec, source, store, chunk_rows=100, lag_warning=-1).run(until_caught_up=True)
+        finally:
+            source.stop_changes()
+            source.close()
+    warned = [r.getMessage() for r in caplog.records if "behind the source" in r.getMessage()]
+    assert len(warned) == 1 and "above -1 s" in warned[0]  # once while it stays over, not at each read
