@@ -136,7 +136,9 @@ def test_a_mirror_killed_under_writers_resumes_and_copies_every_cell_once(mysql_
 
 def _holds_cells(url: str) -> bool:
     try:
-        with logstore.open(url, create=False) as store:
+        # The shard count given: the mirror may be creating the target meanwhile, and a store opened
+        # without it takes the default when it read no metadata yet, then finds the mirror's.
+        with logstore.open(url, create=False, shards=SHARDS) as store:
             return any(store.heads().values())
     except logstore.StoreNotFoundError:
         return False
