@@ -40,3 +40,11 @@ class MigrationSourceUnavailableError(MigrationSourceError):
 class MigrationStateError(ConnectorError):
     """A migration step that does not fit the migration's state: no such migration, a step out of order, a
     name already moving another table. The message says what comes first."""
+
+
+class MigrationSwitchingError(MigrationStateError):
+    """A write held while a migration's writes move between the source and the store (``migrate switch
+    --writes``, ``migrate reverse``) longer than the writer waits: retriable, the move ends in seconds (or is
+    called off, and the writes go on where they went)."""
+
+    retriable = True

@@ -7,7 +7,9 @@
   cellstream migrate cancel FILE
   cellstream migrate diff FILE [--chunk-rows N]
   cellstream migrate repair FILE [--chunk-rows N]
-  cellstream migrate switch FILE --reads N
+  cellstream migrate switch FILE --reads N | --writes [--max-lag S] [--wait S]
+  cellstream migrate reverse FILE [--max-behind N] [--wait S]
+  cellstream migrate complete FILE [--wait S]
 
 FILE declares the migration (:mod:`connectors.migration.spec`). ``start`` copies the table into ``--store`` in
 key chunks while it applies the changes the source logs, then keeps applying them until stopped (Ctrl-C,
@@ -19,7 +21,11 @@ publication, the position row) for good. ``diff`` compares every
 source row with its cells and exits 8 when any is missing, different or extra (the first ones listed);
 ``repair`` writes the cells that make them match (the source wins) and prints what it found. ``switch --reads N``
 turns the read facade's dial in the record (:mod:`connectors.migration.facade`), once the copy is done (exit 9
-before): the application's readers take it within seconds.
+before): the application's readers take it within seconds. ``switch --writes`` (after the reads are at 100) sends
+the write facade's writes to the store (:mod:`connectors.migration.writes`) and flows the new cells back to the
+source table; ``reverse`` sends them back to the source; ``complete`` ends the flow back and drops the capture.
+The three are carried out by the ``migrate start`` process and waited for (:mod:`connectors.migration.steps`);
+each is refused (exit 9) out of order or while the side it leaves lags, saying why.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from cellstream.cli.common import Output, Parser
 from cellstream.cli.exits import Exit
@@ -73,13 +79,33 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         a.add_argument("file", type=Path, help="the migration's YAML declaration")
         a.add_argument("--chunk-rows", type=int, default=1000, metavar="N", help="rows read at a time (1000)")
         a.set_defaults(run=cmd_diff, repair=action == "repair")
-    a = actions.add_parser("switch", parents=[common], help="turn the read dial: where the application's reads go")
+    a = actions.add_parser("switch", parents=[common], help="turn the read dial, or send the writes to the store")
     a.add_argument("file", type=Path, help="the migration's YAML declaration")
-    a.add_argument("--reads", type=int, default=None, metavar="N",
-                   help="0 source only, 1-99 that share of reads compared with the store, 100 store only")
+    which = a.add_mutually_exclusive_group(required=True)
+    which.add_argument("--reads", type=int, default=None, metavar="N",
+                       help="0 source only, 1-99 that share of reads compared with the store, 100 store only")
+    which.add_argument("--writes", action="store_true",
+                       help="the store takes the writes; its new cells flow back to the source table")
     a.add_argument("--max-lag", type=float, default=60.0, metavar="S",
                    help="refuse (exit 9) while the capture is more than S seconds behind the source (60)")
+    _waits(a)
     a.set_defaults(run=cmd_switch)
+    a = actions.add_parser("reverse", parents=[common], help="send the writes back to the source table")
+    a.add_argument("file", type=Path, help="the migration's YAML declaration")
+    a.add_argument("--max-behind", type=int, default=10_000, metavar="N",
+                   help="refuse (exit 9) while more than N cells wait to flow back to the source (10000)")
+    _waits(a)
+    a.set_defaults(run=cmd_step, step="reverse")
+    a = actions.add_parser("complete", parents=[common], help="end the flow back and drop the source's capture")
+    a.add_argument("file", type=Path, help="the migration's YAML declaration")
+    _waits(a)
+    a.set_defaults(run=cmd_step, step="complete")
+
+
+def _waits(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--wait", type=float, default=60.0, metavar="S",
+                        help="how long the `migrate start` process may take to carry the step out before it is "
+                             "called off (60)")
 
 
 def cmd_start(store: Store, args: argparse.Namespace, out: Output) -> int:
@@ -180,8 +206,8 @@ def cmd_switch(store: Store, args: argparse.Namespace, out: Output) -> int:
     from connectors.migration.records import MigrationRecords
     from connectors.migration.spec import load_migration
 
-    if args.reads is None:
-        raise UsageError("give --reads N (0..100)")
+    if args.writes:
+        return cmd_step(store, args, out, "switch")
     if not 0 <= args.reads <= 100:
         raise UsageError("--reads is 0..100")
     spec = load_migration(args.file)
@@ -200,6 +226,33 @@ def cmd_switch(store: Store, args: argparse.Namespace, out: Output) -> int:
     served = {0: "the source serves every read", 100: "the store serves every read; the source is not read"}
     out.emit(record.model_dump(mode="json"), f"migration {spec.name}: reads at {args.reads}%: "
              + served.get(args.reads, f"the source serves, {args.reads}% compared with the store"))
+    return Exit.OK
+
+
+def cmd_step(store: Store, args: argparse.Namespace, out: Output, step: str | None = None) -> int:
+    """``switch --writes``, ``reverse``, ``complete``: asked for in the record, carried out by ``migrate start``."""
+    from connectors.migration.opening import open_source
+    from connectors.migration.spec import load_migration
+    from connectors.migration.steps import Step, request, wait
+
+    which = cast("Step", step or args.step)
+    if args.wait <= 0:
+        raise UsageError("--wait must be above 0 seconds")
+    spec = load_migration(args.file)
+    source = open_source(spec)
+    try:
+        record = request(store, spec, source, which, max_lag=getattr(args, "max_lag", 60.0),
+                         max_behind=getattr(args, "max_behind", 0))
+    finally:
+        source.close()
+    if record.phase != "completed":  # a complete run again only drops what was left
+        print(f"cellstream: migration {spec.name}: {record.phase}; waiting for its `migrate start` process",
+              file=sys.stderr)
+        record = wait(store, spec, which, timeout=args.wait)
+    said = {"switched": "the store takes the writes; its new cells flow back to the source table",
+            "copied": "the source takes the writes again (reads at 0%); its changes flow into the cells",
+            "completed": "the flow back ended and the source's capture is dropped; the store keeps the table"}
+    out.emit(record.model_dump(mode="json"), f"migration {spec.name}: {record.phase}: {said[record.phase]}")
     return Exit.OK
 
 

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from connectors.migration.mapping import TOMBSTONE, RowMapper
+from connectors.migration.mapping import RowMapper, is_tombstone, tombstone
 from connectors.migration.source import Key, MigrationSource
 from connectors.migration.spec import MigrationSpec
 from logstore import Store
@@ -116,7 +116,7 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
                 if found is not None and mapper.versioned_by_position and found[0] > chunk.position:
                     counts["ahead"] += 1  # changed after this read, and the cells have it
                     continue
-                if found is None or found[1] == TOMBSTONE:
+                if found is None or is_tombstone(found[1]):
                     note("missing", Difference(row.key, cell.row_key, cell.column, []))
                 elif found[1] != cell.body:
                     stored = found[1]
@@ -137,9 +137,9 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
             break
         after = chunk.last
     for (row_key, column), (ref_key, body) in latest.items():
-        if row_key not in seen and body != TOMBSTONE:
+        if row_key not in seen and not is_tombstone(body):
             note("extra", Difference(None, row_key, column, []))
-            fixes.append((row_key, column, max(ref_key + 1, position), dict(TOMBSTONE)))
+            fixes.append((row_key, column, max(ref_key + 1, position), tombstone(None)))
     if repair:
         write()
     return DiffReport(rows, counts["missing"], counts["different"], counts["extra"], listed, counts["ahead"])

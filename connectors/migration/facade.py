@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from connectors.errors import MigrationSourceError, MigrationStateError
-from connectors.migration.mapping import TOMBSTONE, RowMapper, json_value
+from connectors.migration.mapping import RowMapper, is_tombstone, json_value
 from connectors.migration.records import MigrationRecord, MigrationRecords
 from connectors.migration.source import Key, MigrationSource
 from connectors.migration.spec import MigrationSpec, url_kind
@@ -241,7 +241,7 @@ class MigrationReader:
         row: Row = {}
         for column in self.spec.columns:
             cell = self.store.get_cell_latest(row_key, column)
-            if cell is not None and cell.body != TOMBSTONE:
+            if cell is not None and not is_tombstone(cell.body):
                 row[column] = dict(cell.body)
         self._count_read("store")
         return row or None

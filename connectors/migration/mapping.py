@@ -4,7 +4,9 @@ A row's key is its UUID column, or ``uuid5(namespace, "<table>:<key>")`` where `
 values as a compact JSON array (``trips:[42]``, ``legs:[42,"b"]``): the same row always maps to the same key,
 so both sides can find a row by the other's id (:func:`uuid5_row_key`). A body holds the spec's source columns
 of that cell column, each value as JSON can hold it (:func:`json_value`). A deleted row becomes a tombstone: in
-each cell column, a cell whose body is ``{"_deleted": true}`` (:data:`TOMBSTONE`).
+each cell column, a cell whose body is ``{"_deleted": true, "_key": [...]}``, the primary key's values as JSON
+(:func:`is_tombstone` tells one; ``_key`` is absent only from a tombstone ``migrate repair`` wrote for a row the
+source never had).
 """
 
 from __future__ import annotations
@@ -22,7 +24,17 @@ from connectors.errors import ConversionError
 from connectors.migration.source import Key, SourceRow
 from connectors.migration.spec import MigrationSpec, VersionColumn
 
-TOMBSTONE: dict[str, Any] = {"_deleted": True}
+TOMBSTONE: dict[str, Any] = {"_deleted": True}  # the marker every tombstone body holds
+
+
+def is_tombstone(body: Mapping[str, Any]) -> bool:
+    """Whether a cell's body is a migrated row's tombstone (the row deleted at that version)."""
+    return body.get("_deleted") is True
+
+
+def tombstone(key: Key | None) -> dict[str, Any]:
+    """A tombstone's body: the marker, and the row's primary key when known."""
+    return dict(TOMBSTONE) if key is None else {**TOMBSTONE, "_key": [json_value(v) for v in key]}
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
@@ -129,7 +141,7 @@ class RowMapper:
     def tombstones(self, key: Key, values: Mapping[str, Any] | None, ref_key: int) -> list[MigratedCell]:
         """The cells a deletion becomes: a tombstone in each cell column, at ``ref_key``."""
         row_key = self.row_key(key, values)
-        return [MigratedCell(row_key, column, ref_key, dict(TOMBSTONE)) for column in self.spec.columns]
+        return [MigratedCell(row_key, column, ref_key, tombstone(key)) for column in self.spec.columns]
 
     @property
     def versioned_by_position(self) -> bool:

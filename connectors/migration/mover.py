@@ -10,6 +10,7 @@ at the price of writing some cells twice. No lock is taken on the source beyond 
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import math
 import threading
@@ -20,10 +21,12 @@ from typing import NamedTuple
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from connectors.errors import MigrationStateError
+from connectors.migration.flow_back import FlowBack
 from connectors.migration.mapping import MigratedCell, RowMapper
-from connectors.migration.records import MigrationRecord, MigrationRecords, now
+from connectors.migration.records import REQUESTS, MigrationRecord, MigrationRecords, now
 from connectors.migration.source import Change, ChangeLag, MigrationSource, SourceRow
 from connectors.migration.spec import MigrationSpec
+from connectors.migration.writes import FENCE_GRACE, LEASE
 from logstore import Store
 from logstore.jobs import Throttle, ThrottleSettings
 
@@ -48,7 +51,8 @@ class MoveMetrics:
     - ``cellstream_migration_rows_copied_total``, ``cellstream_migration_changes_applied_total``;
     - ``cellstream_migration_capture_lag_seconds``: the age of the oldest change not yet applied (0: none waits);
     - ``cellstream_migration_capture_lag_bytes``: the source's log between the position applied and its own;
-    - ``cellstream_migration_copy_throttled_seconds_total``: how long the copy waited for the source's load.
+    - ``cellstream_migration_copy_throttled_seconds_total``: how long the copy waited for the source's load;
+    - ``cellstream_migration_cells_flowed_back_total``: cells written back to the source after the switch.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -61,6 +65,8 @@ class MoveMetrics:
                                  "yet applied (0: none waits)", ["migration"], registry=r)
         self.lag_bytes = Gauge("cellstream_migration_capture_lag_bytes", "Source log between the position applied "
                                "and the source's own (a slot holds it)", ["migration"], registry=r)
+        self.flowed_back = Counter("cellstream_migration_cells_flowed_back", "Cells written back to the source "
+                                   "table since the writes switched to the store", ["migration"], registry=r)
         self.throttled = Counter("cellstream_migration_copy_throttled_seconds", "Seconds the copy waited for the "
                                  "source's load or replica lag", ["migration"], registry=r)
 
@@ -102,6 +108,7 @@ class Mover:
         self._lag = ChangeLag(0, 0.0)  # as last measured
         self._lag_checked = -math.inf
         self._lagging = False
+        self._flow_back_: FlowBack | None = None
 
     def run(self, *, follow: bool = True, until_caught_up: bool = False, stop: threading.Event | None = None,
             progress: Callable[[MoveProgress], None] | None = None, idle: float = 0.2) -> MigrationRecord:
@@ -118,9 +125,9 @@ class Mover:
             (retriable).
         """
         record = self.records.start(self.spec.name, self.spec.source.describe)
-        if record.phase == "cancelled":
-            raise MigrationStateError(f"migration {self.spec.name} was cancelled: its capture is gone, so it cannot "
-                                      "go on; start it again under another name")
+        if record.phase in ("cancelled", "completed"):
+            raise MigrationStateError(f"migration {self.spec.name} was {record.phase}: its capture is gone, so it "
+                                      "cannot go on; a new migration takes another name")
         self.source.start_changes()
         stop = stop or threading.Event()
         throttle = Throttle(ThrottleSettings(rate=self.rate), stopping=stop.is_set)  # None: unlimited
@@ -138,13 +145,85 @@ class Mover:
             record = self._catch_up(record, progress, len(chunk.rows))
             throttle.wait(len(chunk.rows))
         while follow and not stop.is_set():
-            before = record.changes_applied
+            record = self.records.get(self.spec.name)  # the steps other processes ask for are in the record
+            if record.phase in REQUESTS:
+                record = self._carry_out(record, stop, progress)
+                continue
+            if record.phase in ("cancelled", "completed"):
+                logger.info("migration %s is %s: nothing more to follow", self.spec.name, record.phase)
+                break
+            before = (record.changes_applied, record.flowed_back)
             record = self._catch_up(record, progress)
-            if record.changes_applied == before:
+            if record.phase == "switched":
+                record, _ = self._flow_back(record)
+            if (record.changes_applied, record.flowed_back) == before:
                 if until_caught_up:
                     break
                 stop.wait(idle)
         return record
+
+    # -- the steps: switch --writes, reverse, complete (asked for in the record by connectors.migration.steps) --
+    def _carry_out(self, record: MigrationRecord, stop: threading.Event,
+                   progress: Callable[[MoveProgress], None] | None) -> MigrationRecord:
+        """Carry out the step the record asks for: wait out the writers' lease, drain the side the writes leave,
+        then record the new phase (unless the step was called off meanwhile: then nothing changes)."""
+        asked = record.phase
+        logger.info("migration %s: carrying out %s", self.spec.name, asked)
+        if asked in ("switching", "reversing"):  # no writer writes to the side left once this has passed
+            fenced_at = record.updated_at + dt.timedelta(seconds=LEASE + FENCE_GRACE)
+            while (left := (fenced_at - now()).total_seconds()) > 0 and not stop.is_set():
+                record = self._catch_up(record, progress)
+                stop.wait(min(left, 0.1))
+            if stop.is_set():
+                return record
+        if asked == "switching":
+            while True:  # every change the source logged before the fence, applied
+                before = record.changes_applied
+                record = self._catch_up(record, progress)
+                if record.changes_applied == before:
+                    break
+            heads = self._flow().begin()
+            logger.info("migration %s: the flow back starts at the heads of %d shards", self.spec.name, len(heads))
+            change, reached = _to_phase("switching", "switched", writes="store", echoes_below=None), "switched"
+        else:
+            done = -1
+            while done and not stop.is_set():  # every cell written before the fence (or this moment), back
+                record, done = self._flow_back(record)
+            if stop.is_set():
+                return record
+            if asked == "reversing":
+                below = self.source.log_position()  # after the flow back's last write, before any new one
+                change, reached = _to_phase("reversing", "copied", writes="source", echoes_below=below,
+                                            read_percent=0), "copied"
+            else:
+                change, reached = _to_phase("completing", "completed"), "completed"
+        try:
+            record = self.records.change(self.spec.name, change)
+        except MigrationStateError as exc:  # called off by the step's command (it waited too long)
+            logger.warning("migration %s: %s not recorded: %s", self.spec.name, asked, exc)
+            return self.records.get(self.spec.name)
+        if reached == "completed":  # once recorded: a step called off must find its capture (`complete` again
+            self.source.stop_changes()  # drops it, should this fail)
+        logger.info("migration %s: %s", self.spec.name, reached)
+        return record
+
+    def _flow(self) -> FlowBack:
+        if self._flow_back_ is None:
+            self._flow_back_ = FlowBack(self.spec, self.source, self.store)
+        return self._flow_back_
+
+    def _flow_back(self, record: MigrationRecord) -> tuple[MigrationRecord, int]:
+        """One batch of the cells written since the writes switched, written to the source table: the record
+        after it, and the cells read (0: none was left)."""
+        done = self._flow().run_once()
+        if not done:
+            return record, 0
+        if self.metrics is not None:
+            self.metrics.flowed_back.labels(self.spec.name).inc(done)
+
+        def flowed(r: MigrationRecord) -> None:
+            r.flowed_back += done
+        return self.records.change(self.spec.name, flowed), done
 
     def _wait_for_load(self, record: MigrationRecord, stop: threading.Event,
                        progress: Callable[[MoveProgress], None] | None) -> MigrationRecord:
@@ -185,17 +264,36 @@ class Mover:
         changes = self.source.read_changes(self.change_batch)
         if not changes:
             return record
-        cells: list[MigratedCell] = []
-        for change in changes:
-            cells += self._cells_of(change)
-        self._put(cells)
         position = max(c.position for c in changes)
+        if record.phase in ("switched", "reversing", "completing"):
+            # The store takes the writes: what the source logs now is the flow back's own writing.
+            self.source.acknowledge(position)
+            return record
+        below = record.echoes_below
+        applied_now = [c for c in changes if below is None or c.position >= below]
+        cells: list[MigratedCell] = []
+        for change in applied_now:
+            cells += self._cells_of(change)
+        if below is not None and self.mapper.versioned_by_position:
+            cells = self._above_latest(cells)
+        self._put(cells)
         self.source.acknowledge(position)
 
         def applied(r: MigrationRecord) -> None:
-            r.changes_applied += len(changes)
+            r.changes_applied += len(applied_now)
             r.position = max(position, r.position or 0)
         return self.records.change(self.spec.name, applied)
+
+    def _above_latest(self, cells: list[MigratedCell]) -> list[MigratedCell]:
+        """After a reverse, each cell above the latest version of its column: the store's writes numbered their
+        versions from the copy's positions up, and a source position is not bound to be above them."""
+        out = []
+        for cell in cells:
+            latest = self.store.get_cell_latest(cell.row_key, cell.column)
+            if latest is not None and latest.ref_key >= cell.ref_key and latest.body != cell.body:
+                cell = cell._replace(ref_key=latest.ref_key + 1)
+            out.append(cell)
+        return out
 
     def _cells_of(self, change: Change) -> list[MigratedCell]:
         if change.op == "upsert":
@@ -241,6 +339,18 @@ class Mover:
         self._lagging = lagging
 
 
+def _to_phase(asked: str, phase: str, **fields: object) -> Callable[[MigrationRecord], None]:
+    """The change that ends a step: refused (MigrationStateError) when the record no longer asks for it."""
+    def to_phase(record: MigrationRecord) -> None:
+        if record.phase != asked:
+            raise MigrationStateError(f"the record is {record.phase} now, no longer {asked}")
+        record.phase = phase  # type: ignore[assignment]  # one of Phase's, by the callers
+        for name, value in fields.items():
+            setattr(record, name, value)
+        record.step_error = None
+    return to_phase
+
+
 def _advance(rows: int, last: Sequence[object] | None, done: bool) -> Callable[[MigrationRecord], None]:
     """The change of a record after a chunk of ``rows`` ending at key ``last`` (``done``: the table's last)."""
     def advance(record: MigrationRecord) -> None:
@@ -257,11 +367,14 @@ def cancel(spec: MigrationSpec, source: MigrationSource, store: Store) -> Migrat
     the position row deleted), its record marked ``cancelled``. The cells stay. Idempotent.
 
     Raises:
-        MigrationStateError: no migration of that name. MigrationSourceError: the source refused (retriable
-        when it did not answer: run it again).
+        MigrationStateError: no migration of that name, or its writes are switched to the store.
+        MigrationSourceError: the source refused (retriable when it did not answer: run it again).
     """
     records = MigrationRecords(store)
-    records.get(spec.name)
+    record = records.get(spec.name)
+    if record.phase not in ("copying", "copied", "cancelled"):
+        raise MigrationStateError(f"migration {spec.name} is {record.phase}: the store takes its writes, and the "
+                                  "capture is the way back; `migrate reverse` first (or `migrate complete`)")
     source.stop_changes()
 
     def cancelled(record: MigrationRecord) -> None:

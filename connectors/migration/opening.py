@@ -21,8 +21,12 @@ def capture_name(spec: MigrationSpec) -> str:
     return f"cellstream_{spec.name.replace('-', '_')[:40]}_{zlib.crc32(where.encode()):08x}"  # 63 at most
 
 
-def open_source(spec: MigrationSpec) -> MigrationSource:
+def open_source(spec: MigrationSpec, *, capture: bool = True) -> MigrationSource:
     """The source table of ``spec``.
+
+    Args:
+        capture: whether the change capture is used (else rows only: no slot or binlog reader is named, for a
+            facade's reads and writes).
 
     Raises:
         MigrationSourceError: the table cannot be read as a migration's source.
@@ -34,11 +38,12 @@ def open_source(spec: MigrationSpec) -> MigrationSource:
         require("postgres", "a PostgreSQL migration source")
         from connectors.migration.sources.postgres import PostgresSource
 
-        name = capture_name(spec)
+        name = capture_name(spec) if capture else ""
         return PostgresSource(url, spec.source.table, slot=name, publication=name,
                               schema=spec.source.schema_name or "public")
     require("migrate", "a MySQL/MariaDB migration source")
     from connectors.migration.sources.mysql import MySQLSource
 
     # A binlog reader is a replica to the server: an id of its own, the same for every run of this migration.
-    return MySQLSource(url, spec.source.table, server_id=1_000_000 + zlib.crc32(spec.name.encode()) % 1_000_000)
+    server_id = 1_000_000 + zlib.crc32(spec.name.encode()) % 1_000_000 if capture else 0
+    return MySQLSource(url, spec.source.table, server_id=server_id)

@@ -3,7 +3,11 @@
 
 The phases run in order (Vitess MoveTables' create -> SwitchTraffic -> Complete, with a way back):
 ``copying`` (the table copied in key chunks while its changes are captured), ``copied`` (the copy done, the
-changes still followed), then the switches. A step asked out of order is refused, saying which comes first.
+changes still followed), ``switched`` (writes go to the store; its new cells flow back to the source table),
+``completed`` (the flow back and the capture ended). ``migrate reverse`` returns from ``switched`` to ``copied``.
+The moves between them pass through a request phase (``switching``, ``reversing``, ``completing``) that the
+process following the migration (``migrate start``) carries out (:mod:`connectors.migration.steps`). A step asked
+out of order is refused, saying which comes first.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from logstore import CellConflictError, Store
 MIGRATION_COLUMN = "_migration"
 _NAMESPACE = uuid.UUID("8e1f0c52-7d3b-4a96-b2e5-1f6a9c3d7e40")
 _WRITE_TRIES = 16
-Phase = Literal["copying", "copied", "cancelled"]
+Phase = Literal["copying", "copied", "switching", "switched", "reversing", "completing", "completed", "cancelled"]
+Writes = Literal["source", "store"]
+REQUESTS = ("switching", "reversing", "completing")  # the phases a step's command writes, carried out by the mover
 
 
 class MigrationRecord(BaseModel):
@@ -38,6 +44,11 @@ class MigrationRecord(BaseModel):
     position: int | None = Field(None, description="the source log position applied last")
     read_percent: int | None = Field(None, ge=0, le=100, description="the read facade's dial (`migrate switch "
                                      "--reads N`): None until switched; readers refresh it from here")
+    writes: Writes = Field("source", description="where the write facade sends writes (`migrate switch --writes`)")
+    echoes_below: int | None = Field(None, description="the source's log position when writes returned to it "
+                                     "(`migrate reverse`): the changes below it are the flow back's own writes")
+    flowed_back: int = Field(0, description="cells written back to the source since the writes were switched")
+    step_error: str | None = Field(None, description="why the last requested step did not happen")
     started_at: dt.datetime
     copied_at: dt.datetime | None = None
     updated_at: dt.datetime

@@ -14,6 +14,7 @@ A backend (PostgreSQL: :mod:`connectors.migration.sources.postgres`; MySQL/Maria
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 Key = tuple[Any, ...]  # a row's primary-key values, in the key's column order
@@ -119,6 +120,34 @@ class MigrationSource(ABC):
         Raises:
             MigrationSourceError: ``key`` does not fit the primary key, or the read was refused;
             MigrationSourceUnavailableError: the server did not answer.
+        """
+
+    @abstractmethod
+    def log_position(self) -> int:
+        """The source's log position now, as a boundary: every change committed before the call has a position
+        below it, every change committed after it one at or above it (what ``migrate reverse`` records, so that
+        the capture skips the flow back's own writes and applies every later one).
+
+        Raises:
+            MigrationSourceError: the position cannot be read (a privilege missing);
+            MigrationSourceUnavailableError: the server did not answer.
+        """
+
+    @abstractmethod
+    def write_rows(self, upserts: Sequence[Mapping[str, Any]], deletes: Sequence[Key]) -> None:
+        """Make the table hold each row of ``upserts`` and none of ``deletes``, in one transaction: the flow back
+        of a migration whose writes are switched to the store, and the write facade's source side.
+
+        Args:
+            upserts: rows by column name, each with every primary-key column: a row that exists gets the columns
+                given (the others keep their values), a new one gets them and the table's defaults. Values are
+                in the forms the cells hold (:func:`connectors.migration.mapping.json_value`'s: ISO 8601 times,
+                Decimals as text, bytes as base64, JSON as itself), converted back by each column's type.
+            deletes: primary keys, in the key's column order.
+
+        Raises:
+            MigrationSourceError: the source refused (a value a column cannot take, a constraint): nothing was
+                written; MigrationSourceUnavailableError: the server did not answer (nothing was written, or all).
         """
 
     @abstractmethod

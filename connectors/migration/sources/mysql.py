@@ -18,12 +18,14 @@ chunk equals the same row's change.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import logging
 import time
 import warnings
-from collections.abc import Iterator
-from datetime import UTC, datetime
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 import orjson
@@ -62,6 +64,7 @@ _PARSE_ERROR = 1064
 _BINARY_TYPES = {"binary", "varbinary", "tinyblob", "blob", "mediumblob", "longblob"}
 _UTF8 = {None, "utf8", "utf8mb3", "utf8mb4", "ascii"}
 _ROW_EVENTS = (WriteRowsEvent, UpdateRowsEvent, DeleteRowsEvent)
+_ROWS_PER_STATEMENT = 500  # write_rows' statements stay well under max_allowed_packet
 
 
 class _Column(NamedTuple):
@@ -122,6 +125,7 @@ class MySQLSource(MigrationSource):
         self._server_id = server_id
         self._where = f"{self._target.redacted()} table {table}"
         self._conn: Connection | None = None
+        self._writer: Connection | None = None  # write_rows': its writes go to the binlog
         self._mariadb = False
         self._columns: list[_Column] | None = None
         self._key: list[str] | None = None
@@ -167,6 +171,22 @@ class MySQLSource(MigrationSource):
         self._conn = conn
         return conn
 
+    def _writer_connection(self) -> Connection:
+        """write_rows' session: unlike ``_connection``'s it logs to the binlog (the source's replicas and the
+        capture must see the writes), and it commits explicitly (autocommit off: one transaction per call)."""
+        if self._writer is not None:
+            return self._writer
+        settings = {**self._settings(), "database": self._target.database, "autocommit": False}
+        try:
+            conn = pymysql.connect(**settings, **({"ssl_disabled": True} if self._in_clear else self._ssl()))
+        except pymysql.err.OperationalError as exc:
+            if self._target.ssl_mode != "PREFERRED" or exc.args[0] != _SSL_UNSUPPORTED:
+                raise
+            conn = pymysql.connect(**settings, ssl_disabled=True)  # PREFERRED, and the server has no TLS
+            self._in_clear = True
+        self._writer = conn
+        return conn
+
     def _query(self, sql: str, args: Any = None) -> list[tuple[Any, ...]]:
         with _translated(f"reading {self._where}"):
             try:
@@ -180,6 +200,12 @@ class MySQLSource(MigrationSource):
 
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def _drop_writer(self) -> None:
+        conn, self._writer = self._writer, None
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
@@ -311,6 +337,89 @@ class MySQLSource(MigrationSource):
             args.extend(high_args)
         sql = self._select() + (" WHERE " + " AND ".join(terms) if terms else "") + self._order()
         return self._rows(self._query(sql, args))
+
+    # -- writing ------------------------------------------------------------------------------------------
+    def write_rows(self, upserts: Sequence[Mapping[str, Any]], deletes: Sequence[Key]) -> None:
+        """Make the table hold each row of ``upserts`` and none of ``deletes``, in one transaction that goes to
+        the binlog (the source's replicas and a capture see it): ``INSERT ... ON DUPLICATE KEY UPDATE`` of the
+        columns given, one statement per column set, then ``DELETE ... WHERE key IN (...)`` (a key in both ends
+        deleted). Nothing is sent when both are empty.
+
+        Args:
+            upserts: rows by column name, each with every primary-key column, values in the forms a cell's body
+                holds (:func:`connectors.migration.mapping.json_value`'s), converted back by the column's type.
+            deletes: primary keys in the key's column order, their values in the same forms.
+
+        Raises:
+            MigrationSourceError: an upsert lacks a primary-key column or names no column of the table, a key
+                has the wrong length, a value is not of its column's form, or the server refused (a constraint):
+                nothing was written; MigrationSourceUnavailableError: the server did not answer (nothing was
+                written, or all).
+        """
+        if not upserts and not deletes:
+            return
+        columns = {c.name: c for c in self._describe()}
+        key = self.key_columns()
+        groups: dict[tuple[str, ...], list[list[Any]]] = {}
+        for row in upserts:
+            missing = [name for name in key if name not in row]
+            if missing:
+                raise MigrationSourceError(f"{self._where}: an upsert lacks the primary-key column {missing[0]}")
+            unknown = sorted(set(row) - set(columns))
+            if unknown:
+                raise MigrationSourceError(f"{self._where}: an upsert names {unknown[0]}, not a column of the table")
+            names = tuple(name for name in columns if name in row)  # table order: one statement per column set
+            groups.setdefault(names, []).append([self._written(row[name], columns[name]) for name in names])
+        keys = []
+        for found in deletes:
+            if len(found) != len(key):
+                raise MigrationSourceError(f"{self._where}: a key of {len(found)} values for the {len(key)} "
+                                           f"columns {key}")
+            keys.append([self._written(value, columns[name]) for name, value in zip(key, found, strict=True)])
+        statements = [statement for names, rows in groups.items() for statement in self._upserts(names, rows)]
+        statements.extend(self._deletes(key, keys))
+        with _translated(f"writing {self._where}"):
+            conn = self._writer_connection()
+            try:
+                with conn.cursor() as cur:
+                    for sql, args in statements:
+                        cur.execute(sql, args)
+                conn.commit()
+            except BaseException:
+                try:
+                    conn.rollback()
+                except Exception:
+                    self._drop_writer()  # the connection is gone (its transaction with it): the next call reconnects
+                raise
+
+    def _written(self, value: Any, column: _Column) -> Any:
+        try:
+            return _column_value(value, column)
+        except ValueError as exc:
+            raise MigrationSourceError(f"{self._where}: column {column.name} ({column.data_type}) cannot take "
+                                       f"{value!r}: {exc}") from exc
+
+    def _upserts(self, names: tuple[str, ...], rows: list[list[Any]]) -> Iterator[tuple[str, list[Any]]]:
+        key = self.key_columns()
+        # A row of key columns only still needs an update clause: the key's first column set to itself.
+        updated = [name for name in names if name not in key] or key[:1]
+        update = ", ".join(f"`{name}` = VALUES(`{name}`)" for name in updated)
+        values = "(" + ", ".join(["%s"] * len(names)) + ")"
+        for i in range(0, len(rows), _ROWS_PER_STATEMENT):
+            batch = rows[i:i + _ROWS_PER_STATEMENT]
+            yield (f"INSERT INTO `{self._table}` ({', '.join(f'`{name}`' for name in names)}) VALUES "
+                   f"{', '.join([values] * len(batch))} ON DUPLICATE KEY UPDATE {update}",
+                   [value for row in batch for value in row])
+
+    def _deletes(self, key: list[str], keys: list[list[Any]]) -> Iterator[tuple[str, list[Any]]]:
+        if len(key) == 1:
+            target, one = f"`{key[0]}`", "%s"
+        else:
+            target, one = "(" + ", ".join(f"`{name}`" for name in key) + ")", "(" + ", ".join(["%s"] * len(key)) + ")"
+        for i in range(0, len(keys), _ROWS_PER_STATEMENT):
+            batch = keys[i:i + _ROWS_PER_STATEMENT]
+            yield (f"DELETE FROM `{self._table}` WHERE {target} IN ({', '.join([one] * len(batch))})",
+                   [value for found in batch for value in found])
 
     # -- the binlog ---------------------------------------------------------------------------------------
     def _status(self) -> int:
@@ -553,6 +662,17 @@ class MySQLSource(MigrationSource):
                     break
         return ChangeLag(lag, max(0.0, time.time() - oldest) if oldest else 0.0)
 
+    def log_position(self) -> int:
+        """The binlog's current end plus one, as a boundary: a change's position is the end of its transaction's
+        commit event, so a transaction committed before the call ends at or below the end read, and one
+        committed after it ends strictly above.
+
+        Raises:
+            MigrationSourceError: the server writes no binlog, or REPLICATION CLIENT (BINLOG MONITOR) is missing;
+                MigrationSourceUnavailableError: the server did not answer.
+        """
+        return self._status() + 1
+
     def load(self) -> SourceLoad:
         """``Threads_running`` but this connection's; a MySQL primary does not report its replicas' lag."""
         [(_, running)] = self._query("SHOW GLOBAL STATUS LIKE 'Threads_running'")
@@ -569,8 +689,9 @@ class MySQLSource(MigrationSource):
             self._query(f"DELETE FROM `{POSITIONS_TABLE}` WHERE name = %s", (self._table,))
 
     def close(self) -> None:
-        """Close the connection (the capture's position stays for the next run)."""
+        """Close the connections (the capture's position stays for the next run)."""
         self._drop_connection()
+        self._drop_writer()
 
 
 def _python(value: Any, column: _Column) -> Any:
@@ -586,4 +707,31 @@ def _python(value: Any, column: _Column) -> Any:
         return sorted(value.split(",") if isinstance(value, str) else value) if value != "" else []
     if kind == "bit":
         return int.from_bytes(value, "big") if isinstance(value, bytes) else int(value, 2)
+    return value
+
+
+def _column_value(value: Any, column: _Column) -> Any:
+    """:func:`_python`'s inverse on a cell body's forms (what ``json_value`` makes of its values), as pymysql
+    writes them to the column: a time as a naive UTC datetime (the session is UTC), a TIME's seconds as a
+    timedelta, base64 as bytes, JSON as its text, a SET's list joined. Decimal text, a BIT's int, numbers and
+    strings go as they are.
+
+    Raises:
+        ValueError: text that is not the column's form (ISO 8601 for a time, base64 for a binary string).
+    """
+    if value is None:
+        return None
+    kind = column.data_type
+    if kind in ("datetime", "timestamp") and isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    if isinstance(value, datetime):
+        return value if value.tzinfo is None else value.astimezone(UTC).replace(tzinfo=None)
+    if kind == "time" and isinstance(value, int | float) and not isinstance(value, bool):
+        return timedelta(seconds=value)  # the driver reads TIME as a timedelta, json_value gives its seconds
+    if kind in _BINARY_TYPES and isinstance(value, str):
+        return base64.b64decode(value, validate=True)
+    if kind == "json":
+        return json.dumps(value, ensure_ascii=False)
+    if kind == "set" and isinstance(value, list | tuple):
+        return ",".join(value)
     return value

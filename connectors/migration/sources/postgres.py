@@ -16,12 +16,14 @@ output function's, which the log carries and a chunk's connection loads verbatim
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as dt
+import json
 import logging
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import psycopg
@@ -31,6 +33,7 @@ from psycopg.pq import Format
 from psycopg.types.string import TextLoader
 
 from connectors.errors import MigrationSourceError, MigrationSourceUnavailableError
+from connectors.migration.mapping import json_value
 from connectors.migration.source import Change, ChangeLag, Chunk, Key, MigrationSource, SourceLoad, SourceRow
 
 logger = logging.getLogger(__name__)
@@ -40,8 +43,10 @@ _PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)  # pgoutput's timestamps: mic
 # varchar, date, time, timestamp, timestamptz, numeric, uuid, jsonb. Others stay text.
 _CONVERTED = frozenset({16, 17, 19, 20, 21, 23, 25, 26, 114, 700, 701, 1042, 1043, 1082, 1083, 1114, 1184, 1700,
                         2950, 3802})
+_BYTEA = 17
 # How long a chunk waits for the transactions committing at its position to end (see _chunk_position).
 CHUNK_WAIT_SECONDS = 60.0
+SLOT_BUSY_WAIT = 5.0  # seconds a read of the slot waits for another session's read of it
 
 
 def lsn_to_int(lsn: str) -> int:
@@ -60,6 +65,14 @@ def _normal(value: Any) -> Any:
     taken to be UTC), the rest as psycopg loads it."""
     if isinstance(value, dt.datetime):
         return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
+    return value
+
+
+def _input_form(value: Any, oid: int) -> Any:
+    """A cell's JSON value as ``json_populate_recordset`` takes it for a column of type ``oid``: bytea's base64
+    as hex input; everything else as it is (the text forms are the types' input forms)."""
+    if oid == _BYTEA and isinstance(value, str):
+        return "\\x" + base64.b64decode(value).hex()
     return value
 
 
@@ -398,10 +411,22 @@ class PostgresSource(MigrationSource):
             assert slot[1] is not None  # a logical slot has one
             return lsn_to_int(slot[1])
 
+    def _on_slot(self, query: str, args: Sequence[Any]) -> list[tuple[Any, ...]]:
+        """A query that takes the slot for its length: tried again while another session has it (a `migrate
+        status` peeking while `migrate start` reads, each for milliseconds), for SLOT_BUSY_WAIT seconds."""
+        deadline = time.monotonic() + SLOT_BUSY_WAIT
+        while True:
+            try:
+                return self._query(query, args)
+            except psycopg.errors.ObjectInUse:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
     def _peek(self, limit: int) -> list[bytes]:
         try:
-            rows = self._query("SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, %s, 'proto_version', "
-                               "'1', 'publication_names', %s)", [self.slot, limit, self.publication])
+            rows = self._on_slot("SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, %s, 'proto_version', "
+                                 "'1', 'publication_names', %s)", [self.slot, limit, self.publication])
         except psycopg.errors.UndefinedObject as exc:
             raise MigrationSourceError(f"no replication slot {self.slot} (or publication {self.publication}): "
                                        "start the change capture first") from exc
@@ -522,7 +547,7 @@ class PostgresSource(MigrationSource):
             # so one past the commit's start is past the transaction and before the next one's commit.
             target = position + 1
             if target > lsn_to_int(slot[1]):
-                self._query("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", [self.slot, int_to_lsn(target)])
+                self._on_slot("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", [self.slot, int_to_lsn(target)])
 
     def change_lag(self) -> ChangeLag:
         """The log between the slot's confirmed position and the server's current one (bytes), and the age of
@@ -568,6 +593,60 @@ class PostgresSource(MigrationSource):
                 self._query("SELECT pg_drop_replication_slot(%s)", [self.slot])
                 logger.info("dropped replication slot %s", self.slot)
             self._query(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(self.publication)))
+
+    def log_position(self) -> int:
+        """The log's insert position: a commit record written before the call starts below it, one written
+        after at or above it (a change's position is its commit record's start).
+
+        Raises:
+            MigrationSourceUnavailableError: the server did not answer.
+        """
+        with self._errors("reading the log position"):
+            [(lsn,)] = self._query("SELECT pg_current_wal_insert_lsn()::text")
+        return lsn_to_int(lsn)
+
+    def write_rows(self, upserts: Sequence[Mapping[str, Any]], deletes: Sequence[Key]) -> None:
+        """Upsert and delete rows in one transaction (see :meth:`MigrationSource.write_rows`). The values go in
+        as JSON through ``json_populate_recordset``, so each becomes its column's type by PostgreSQL's own input
+        function (the text forms a cell holds are those types' input forms; bytea's base64 is made hex first).
+
+        Raises:
+            MigrationSourceError: a row lacks a key column or names one the table has not, or the server refused
+                (nothing written); MigrationSourceUnavailableError: the server did not answer.
+        """
+        keys = self.key_columns()
+        assert self._columns is not None  # read by key_columns
+        types = dict(self._columns)
+        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for row in upserts:
+            if missing := [k for k in keys if k not in row]:
+                raise MigrationSourceError(f"a row to write to {self.schema}.{self.table} lacks its key column "
+                                           f"{missing[0]}")
+            if unknown := [name for name in row if name not in types]:
+                raise MigrationSourceError(f"{self.schema}.{self.table} has no column {unknown[0]}")
+            groups.setdefault(tuple(row), []).append({n: _input_form(v, types[n]) for n, v in row.items()})
+        gone = []
+        for key in deletes:
+            if len(key) != len(keys):
+                raise MigrationSourceError(f"a key of {len(key)} values for the {len(keys)} columns {keys}")
+            gone.append({k: _input_form(json_value(v), types[k]) for k, v in zip(keys, key, strict=True)})
+        if not groups and not gone:
+            return
+        table, key_list = self._qualified, sql.SQL(", ").join(map(sql.Identifier, keys))
+        with self._errors("writing rows"):
+            conn = self._connection()
+            with conn.transaction():
+                for names, rows in groups.items():
+                    listed = sql.SQL(", ").join(map(sql.Identifier, names))
+                    sets = [sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(n), sql.Identifier(n))
+                            for n in names if n not in keys]
+                    action = sql.SQL("DO UPDATE SET ") + sql.SQL(", ").join(sets) if sets else sql.SQL("DO NOTHING")
+                    conn.execute(sql.SQL("INSERT INTO {t} ({c}) SELECT {c} FROM json_populate_recordset(NULL::{t}, "
+                                         "%s::json) ON CONFLICT ({k}) {a}").format(t=table, c=listed, k=key_list,
+                                                                                     a=action), [json.dumps(rows)])
+                if gone:
+                    conn.execute(sql.SQL("DELETE FROM {t} WHERE ({k}) IN (SELECT {k} FROM json_populate_recordset("
+                                         "NULL::{t}, %s::json))").format(t=table, k=key_list), [json.dumps(gone)])
 
     def close(self) -> None:
         """Close the connection; the slot and publication stay for the next run."""

@@ -17,7 +17,8 @@ import pymysql
 import pytest
 
 from connectors.errors import MigrationSourceError, MigrationSourceUnavailableError
-from connectors.migration.source import Change, Key
+from connectors.migration.mapping import json_value
+from connectors.migration.source import Change, Key, SourceRow
 from connectors.migration.sources.mysql import MySQLSource
 from tests.harness.private_mariadb import PrivateMariaDB
 from tests.harness.services import free_port
@@ -388,4 +389,89 @@ def test_the_load_counts_the_statements_running_but_its_own(mysql_database: str)
     finally:
         busy.join()
         src.close()
+        conn.close()
+
+
+def test_the_log_position_lies_between_the_changes_committed_before_and_after_it(
+    db: tuple[str, pymysql.connections.Connection], source: MySQLSource
+) -> None:
+    source.start_changes()
+    execute(db[1], "INSERT INTO t (a, b, v) VALUES (1, 'x', 1)")
+    boundary = source.log_position()
+    execute(db[1], "INSERT INTO t (a, b, v) VALUES (2, 'x', 2)")
+    before, after = drain(source)
+    assert (before.key, after.key) == ((1, "x"), (2, "x"))
+    assert before.position < boundary <= after.position
+
+
+def test_written_rows_go_to_the_binlog_in_one_transaction(
+    db: tuple[str, pymysql.connections.Connection], source: MySQLSource
+) -> None:
+    """The capture (and so the source's replicas) sees write_rows' writes, though the source's own session
+    keeps its bookkeeping out of the binlog; a row given some columns keeps the others."""
+    execute(db[1], "INSERT INTO t (a, b, v, note) VALUES (1, 'x', 1, 'keep'), (3, 'z', 3, NULL), (4, 'w', 4, NULL)")
+    source.start_changes()
+    source.write_rows([{"a": 1, "b": "x", "v": 5}, {"a": 2, "b": "y", "v": 2, "note": "new"}], [(3, "z"), (4, "w")])
+    changes = drain(source)
+    assert [(c.op, c.key, c.values) for c in changes] == [
+        ("upsert", (1, "x"), {"a": 1, "b": "x", "v": 5, "note": "keep"}),
+        ("upsert", (2, "y"), {"a": 2, "b": "y", "v": 2, "note": "new"}),
+        ("delete", (3, "z"), None), ("delete", (4, "w"), None)]
+    assert len({c.position for c in changes}) == 1  # one transaction
+    assert [r.key for r in source.rows_between(None, None)] == [(1, "x"), (2, "y")]
+
+
+def test_a_refused_batch_writes_nothing(db: tuple[str, pymysql.connections.Connection]) -> None:
+    execute(db[1], "CREATE TABLE nn (id INT PRIMARY KEY, v INT NOT NULL, note TEXT)")
+    source = MySQLSource(db[0], "nn", server_id=server_id())
+    try:
+        # Two column sets, two statements: the second one's refusal undoes the first's row.
+        with pytest.raises(MigrationSourceError, match="cannot be null"):
+            source.write_rows([{"id": 1, "v": 1, "note": "a"}, {"id": 2, "v": None}], [])
+        source.write_rows([{"id": 3, "v": 3}], [])  # a later commit on the same session commits only its own
+        assert [r.key for r in source.rows_between(None, None)] == [(3,)]
+        with pytest.raises(MigrationSourceError, match="lacks the primary-key column id"):
+            source.write_rows([{"id": 4, "v": 4}, {"v": 5}], [])
+        with pytest.raises(MigrationSourceError, match="a key of 2 values"):
+            source.write_rows([{"id": 4, "v": 4}], [(3, 1)])
+        with pytest.raises(MigrationSourceError, match="names w, not a column"):
+            source.write_rows([{"id": 4, "v": 4, "w": 1}], [])
+        assert [r.key for r in source.rows_between(None, None)] == [(3,)]
+    finally:
+        source.close()
+
+
+def test_no_rows_to_write_send_nothing() -> None:
+    source = MySQLSource(f"mysql://u:secret@127.0.0.1:{free_port()}/x", "t", server_id=server_id())
+    source.write_rows([], [])  # not even a connection: the server is not there
+    source.close()
+
+
+def test_values_read_back_equal_after_their_body_forms_are_written(mysql_database: str) -> None:
+    """A row read, turned into a body's values (json_value), written to another key and read again is the same
+    row: write_rows converts each form back by the column's type."""
+    conn = connect(mysql_database)
+    execute(conn, "CREATE TABLE rt (id BIGINT PRIMARY KEY, d DATETIME(6), ts TIMESTAMP(6) NULL, dd DATE, "
+                  "tm TIME(6), neg TIME, n DECIMAL(12,4), j JSON, s VARCHAR(10), raw VARBINARY(16), bl BLOB, "
+                  "bits BIT(5), st SET('a','b','c'), e ENUM('x','y'), f DOUBLE, flag TINYINT(1), y YEAR)",
+            "INSERT INTO rt VALUES (1, '2024-02-03 04:05:06.789', '2024-02-03 04:05:06.5', '2024-02-29', "
+            "'12:34:56.789', '-01:02:03', 12.5, '{\"k\": [1, \"é\", null]}', 'héllo', x'00ff800a', x'c3', "
+            "b'10101', 'c,a', 'y', 1.25, 1, 2024)",
+            "INSERT INTO rt (id) VALUES (3)")
+    source = MySQLSource(mysql_database, "rt", server_id=server_id())
+    try:
+        for read, written in ((1, 2), (3, 4)):
+            row = source.read_row((read,))
+            assert row is not None
+            body = {name: json_value(value) for name, value in row.values.items()}
+            source.write_rows([{**body, "id": written}], [])
+            assert source.read_row((written,)) == SourceRow((written,), {**row.values, "id": written})
+        # An offset other than UTC is the same instant in UTC.
+        source.write_rows([{"id": 2, "d": "2024-02-03T06:05:06+02:00"}], [])
+        again = source.read_row((2,))
+        assert again is not None and again.values["d"] == datetime(2024, 2, 3, 4, 5, 6, tzinfo=UTC)
+        source.write_rows([], [(2,), (4,)])
+        assert [r.key for r in source.rows_between(None, None)] == [(1,), (3,)]
+    finally:
+        source.close()
         conn.close()

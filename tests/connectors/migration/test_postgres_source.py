@@ -20,6 +20,7 @@ import psycopg
 import pytest
 
 from connectors.errors import MigrationSourceError, MigrationSourceUnavailableError
+from connectors.migration.mapping import json_value
 from connectors.migration.source import Change, Chunk, Key
 from connectors.migration.sources.postgres import PostgresSource, int_to_lsn, lsn_to_int
 from tests.harness.private_postgres import PrivatePostgreSQL, scratch_dir
@@ -365,3 +366,92 @@ def test_a_chunk_waits_for_a_commit_already_in_the_log(waiting_server: PrivatePo
         writer.close()
         s.stop_changes()
         s.close()
+
+
+# -- the flow back: log_position and write_rows -------------------------------------------------------------------
+def test_log_position_parts_the_commits_before_it_from_those_after(db: psycopg.Connection[tuple[Any, ...]],
+                                                                   src: PostgresSource,
+                                                                   postgres_source_database: str) -> None:
+    src.start_changes()
+    db.execute("INSERT INTO trips VALUES ('a', 1, 1, 'before')")
+    with psycopg.connect(postgres_source_database) as open_one:  # wrote before the position, commits after it
+        open_one.execute("INSERT INTO trips VALUES ('a', 3, 3, 'open')")
+        position = src.log_position()
+        open_one.commit()
+    db.execute("INSERT INTO trips VALUES ('a', 2, 2, 'after')")
+    before, committed_after, after = all_changes(src)
+    assert [c.key for c in (before, committed_after, after)] == [("a", 1), ("a", 3), ("a", 2)]
+    assert before.position < position <= committed_after.position < after.position
+
+
+def test_write_rows_takes_back_every_type_as_read(db: psycopg.Connection[tuple[Any, ...]],
+                                                  postgres_source_database: str) -> None:
+    db.execute("CREATE TABLE kinds (id bigint PRIMARY KEY, t text, n numeric(8, 2), tz timestamptz, ts timestamp, "
+               "d date, tm time, iv interval, u uuid, b bool, by bytea, j json, jb jsonb, arr int[], f8 float8)")
+    db.execute("SET TimeZone TO 'Asia/Kolkata'")  # the writer's zone does not matter
+    db.execute("INSERT INTO kinds VALUES (1, 'it''s \u00e9\u2603 \"q\"', -123456.78, '2024-02-29 23:04:05.123456-05', "
+               "'2024-02-29 03:04:05.5', '0001-01-01', '23:59:59.999999', '1 year 2 days 03:04:05.5', %s, false, "
+               "'\\x00ff80275c', '{\"a\": [1, 2.5, \"x\"], \"n\": null}', '{\"k\": {\"z\": true}}', '{1,NULL,3}', "
+               "0.1)", [uuid.uuid4()])
+    db.execute("INSERT INTO kinds (id) VALUES (2)")  # every other column NULL
+    s = source(postgres_source_database, "kinds")
+    try:
+        for key in (1, 2):
+            read = s.read_row((key,))
+            assert read is not None
+            s.write_rows([{**{k: json_value(v) for k, v in read.values.items()}, "id": key + 10}], [])
+            again = s.read_row((key + 10,))
+            assert again is not None and again.key == (key + 10,)
+            assert {**again.values, "id": key} == read.values
+            assert all(type(again.values[k]) is type(v) for k, v in read.values.items() if k != "id")
+            if key == 1:
+                assert None not in read.values.values() and read.values["by"] == b"\x00\xff\x80'\\"
+            else:
+                assert [v for k, v in read.values.items() if k != "id"] == [None] * 14
+    finally:
+        s.close()
+
+
+def test_write_rows_writes_all_or_nothing(db: psycopg.Connection[tuple[Any, ...]], src: PostgresSource) -> None:
+    db.execute("ALTER TABLE trips ALTER note SET NOT NULL")
+    db.execute("INSERT INTO trips VALUES ('a', 1, 1, 'x')")
+
+    def table() -> list[tuple[Any, ...]]:
+        return db.execute("SELECT * FROM trips ORDER BY city, id").fetchall()
+    start = table()
+    good = {"city": "b", "id": 1, "fare": "2.50", "note": "n"}
+    # The second row (another statement: other columns) breaks NOT NULL: the first is not written either.
+    with pytest.raises(MigrationSourceError, match="note"):
+        src.write_rows([good, {"city": "b", "id": 2, "fare": "3"}], [("a", 1)])
+    with pytest.raises(MigrationSourceError, match="not a number"):
+        src.write_rows([good, {"city": "b", "id": 3, "fare": "not a number", "note": "n"}], [])
+    refused: list[tuple[list[dict[str, Any]], list[Key], str]] = [
+        ([good, {"city": "b", "fare": "1", "note": "n"}], [], "lacks its key column id"),
+        ([good], [("a", 1), ("a",)], "a key of 1 values for the 2 columns"),
+        ([good, {"city": "b", "id": 4, "colour": "red"}], [], "has no column colour")]
+    for upserts, deletes, message in refused:
+        with pytest.raises(MigrationSourceError, match=message):
+            src.write_rows(upserts, deletes)
+    assert table() == start
+    src.write_rows([], [])  # nothing to do
+    src.write_rows([good], [])  # the connection is usable after a refusal
+    assert table() == [*start, ("b", 1, decimal.Decimal("2.50"), "n")]
+
+
+def test_write_rows_upserts_and_deletes_by_a_composite_key_as_the_capture_sees(
+        db: psycopg.Connection[tuple[Any, ...]], src: PostgresSource) -> None:
+    db.execute("INSERT INTO trips VALUES ('a', 1, 1, 'x'), ('a', 2, 2, 'y'), ('b', 1, 3, 'z'), ('b', 2, 4, 'w')")
+    src.start_changes()
+    src.write_rows([{"city": "a", "id": 1, "note": "new"},  # only some columns: fare kept
+                    {"city": "c", "id": 5, "fare": "7.50", "note": "n"},  # new: the others take their defaults
+                    {"city": "b", "id": 1}],  # only the key, of a row that exists: unchanged
+                   [("a", 2), ("b", 9)])  # a key the table does not hold: nothing
+    assert db.execute("SELECT * FROM trips ORDER BY city, id").fetchall() == [
+        ("a", 1, decimal.Decimal("1.00"), "new"), ("b", 1, decimal.Decimal("3.00"), "z"),
+        ("b", 2, decimal.Decimal("4.00"), "w"), ("c", 5, decimal.Decimal("7.50"), "n")]
+    changes = all_changes(src)
+    assert len({c.position for c in changes}) == 1  # one transaction
+    assert [(c.op, c.key, c.values) for c in changes] == [
+        ("upsert", ("a", 1), {"city": "a", "id": 1, "fare": decimal.Decimal("1.00"), "note": "new"}),
+        ("upsert", ("c", 5), {"city": "c", "id": 5, "fare": decimal.Decimal("7.50"), "note": "n"}),
+        ("delete", ("a", 2), None)]
