@@ -151,8 +151,8 @@ def cmd_status(store: Store, args: argparse.Namespace, out: Output) -> int:
 
     spec = load_migration(args.file)
     record = MigrationRecords(store).get(spec.name)
-    lag = ChangeLag(0, 0.0)  # a cancelled migration captures nothing
-    if record.phase != "cancelled":
+    lag = ChangeLag(0, 0.0)  # a cancelled or completed migration captures nothing
+    if record.phase not in ("cancelled", "completed"):
         source = open_source(spec)
         try:
             lag = source.change_lag()
@@ -166,7 +166,8 @@ def cmd_status(store: Store, args: argparse.Namespace, out: Output) -> int:
     out.emit({**record.model_dump(mode="json"), "lag_bytes": lag.bytes, "lag_seconds": lag.seconds},
              f"migration {spec.name} ({record.source}): {record.phase}; {record.rows_copied:,} rows copied, "
              f"{record.changes_applied:,} changes applied; the capture is {lag.bytes:,} bytes "
-             f"({lag.seconds:.1f} s) behind the source")
+             f"({lag.seconds:.1f} s) behind the source; writes go to the {record.writes}"
+             + (f", {record.flowed_back:,} cells flowed back" if record.flowed_back else ""))
     return Exit.STALLED if lagging else Exit.OK
 
 

@@ -207,6 +207,9 @@ def test_complete_ends_the_flow_back_and_drops_the_capture(source_db: SourceDB, 
     assert source_rows(source_db)[1] == ("after", Decimal("2.00"), "x")  # no flow back after the end
     again = migrate("reverse", str(spec_file), "--store", store_url)
     assert again.returncode == 9 and "completed" in again.stderr
+    status = migrate("status", str(spec_file), "--store", store_url)  # the capture gone, nothing lags
+    assert status.returncode == 0 and "completed" in status.stdout and "cells flowed back" in status.stdout, \
+        status.stderr
 
 
 def test_a_write_waits_while_the_writes_move_then_says_so(source_db: SourceDB, migration: tuple[Path, str]) -> None:
