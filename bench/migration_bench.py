@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -49,15 +50,37 @@ RESULTS = Path(__file__).resolve().parent / "results" / "migration.json"
 NAMESPACE = "6ba7b811-9dad-11d1-80b4-00c04fd430c8"
 
 
-def spec_for(url: str, name: str) -> MigrationSpec:
+def spec_for(url: str, name: str, base: str = "rider, fare") -> MigrationSpec:
+    """The benches' migration of ``trips``: ``base`` the fields of its BASE column."""
     return load_migration(f"""
 name: {name}
 source: {{url: "{url}", table: trips}}
 row_key: {{uuid5: {NAMESPACE}}}
 columns:
-  BASE: [rider, fare]
+  BASE: [{base}]
   NOTE: [note]
 """)
+
+
+def source_table(server: str, database: str, rows: int) -> str:
+    """A new database on the PostgreSQL at ``server`` holding ``trips`` with ``rows`` rows: its URL."""
+    with psycopg.connect(server, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{database}"')
+    url = urlunsplit(urlsplit(server)._replace(path=f"/{database}"))
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE trips (id bigint PRIMARY KEY, rider text, fare numeric(12, 2), note text)")
+        conn.execute("INSERT INTO trips SELECT i, 'rider ' || i, i * 0.25, 'n' FROM generate_series(1, %s) i",
+                     (rows,))
+        conn.execute("VACUUM ANALYZE trips")
+    return url
+
+
+def drop_source(server: str, database: str) -> None:
+    """Drop a database :func:`source_table` made, and the replication slots left on it."""
+    with psycopg.connect(server, autocommit=True) as admin:
+        admin.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = %s",
+                      (database,))
+        admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
 def timed_raw(spec: MigrationSpec, url: str, store: logstore.Store) -> float:
@@ -95,6 +118,17 @@ class _TimedMover(Mover):
                       if c.column == "NOTE" and isinstance(c.body.get("note"), str) and c.body["note"][:1].isdigit()]
 
 
+def paced(writes: int, seconds: float) -> Iterator[int]:
+    """0, 1, 2...: each at its time of a steady ``writes`` a second, for ``seconds``."""
+    started = time.monotonic()
+    sent = 0
+    while time.monotonic() - started < seconds:
+        if (wait := started + sent / writes - time.monotonic()) > 0:
+            time.sleep(wait)
+        yield sent
+        sent += 1
+
+
 def change_lag(spec: MigrationSpec, url: str, store: logstore.Store, writes: int, seconds: float,
                rows: int) -> tuple[list[float], int, float]:
     """The lags of the changes stored, the updates sent, and the seconds the sending took."""
@@ -109,12 +143,9 @@ def change_lag(spec: MigrationSpec, url: str, store: logstore.Store, writes: int
         with psycopg.connect(url, autocommit=True) as conn:
             started = time.monotonic()
             sent = 0
-            while time.monotonic() - started < seconds:
-                due = started + sent / writes
-                if (wait := due - time.monotonic()) > 0:
-                    time.sleep(wait)
-                conn.execute("UPDATE trips SET note = %s WHERE id = %s", (repr(time.time()), 1 + sent % rows))
-                sent += 1
+            for n in paced(writes, seconds):
+                conn.execute("UPDATE trips SET note = %s WHERE id = %s", (repr(time.time()), 1 + n % rows))
+                sent = n + 1
             took = time.monotonic() - started
         deadline = time.monotonic() + 30
         while len(mover.lags) < sent and time.monotonic() < deadline:
@@ -130,17 +161,10 @@ def change_lag(spec: MigrationSpec, url: str, store: logstore.Store, writes: int
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:8]
     database = f"bench_migrate_{tag}"
-    with psycopg.connect(args.source, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{database}"')
-    url = urlunsplit(urlsplit(args.source)._replace(path=f"/{database}"))
     stores = [f"{args.store_server}/bench_migrate_{tag}_{i}" for i in range(2 * args.rounds + 1)]
     rounds: list[dict[str, Any]] = []
+    url = source_table(args.source, database, args.rows)
     try:
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("CREATE TABLE trips (id bigint PRIMARY KEY, rider text, fare numeric(8, 2), note text)")
-            conn.execute("INSERT INTO trips SELECT i, 'rider ' || i, i * 0.25, 'n' FROM generate_series(1, %s) i",
-                         (args.rows,))
-            conn.execute("VACUUM ANALYZE trips")
         for r in range(args.rounds):
             spec = spec_for(url, f"bench-{tag}-{r}")
             with logstore.open(stores[2 * r], shards=args.shards) as raw_store, \
@@ -160,10 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for store_url in stores:
             drop_database(store_url)
-        with psycopg.connect(args.source, autocommit=True) as admin:
-            admin.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = %s",
-                          (database,))
-            admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        drop_source(args.source, database)
     def p(q: float) -> float:
         return lags[min(len(lags) - 1, int(q * len(lags)))] if lags else float("nan")
     return {"shards": args.shards, "rows": args.rows, "rounds": rounds,

@@ -5,8 +5,8 @@
                           [--max-load N] [--max-replica-lag S] [--metrics-port PORT] [--lag-warning S]
   cellstream migrate status FILE [--max-lag S]
   cellstream migrate cancel FILE
-  cellstream migrate diff FILE [--chunk-rows N]
-  cellstream migrate repair FILE [--chunk-rows N]
+  cellstream migrate diff FILE [--chunk-rows N] [--sample RATE] [--rate ROWS/S]
+  cellstream migrate repair FILE [--chunk-rows N] [--sample RATE] [--rate ROWS/S]
   cellstream migrate switch FILE --reads N | --writes [--max-lag S] [--wait S]
   cellstream migrate reverse FILE [--max-behind N] [--wait S]
   cellstream migrate complete FILE [--wait S]
@@ -78,6 +78,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         a = actions.add_parser(action, parents=[common], help=text)
         a.add_argument("file", type=Path, help="the migration's YAML declaration")
         a.add_argument("--chunk-rows", type=int, default=1000, metavar="N", help="rows read at a time (1000)")
+        a.add_argument("--sample", type=float, default=None, metavar="RATE",
+                       help="compare that share of the key chunks, drawn at random (0.01: 1%%); extra rows are "
+                            "looked for only without it")
+        a.add_argument("--rate", type=float, default=None, metavar="ROWS/S",
+                       help="source rows compared a second at most")
         a.set_defaults(run=cmd_diff, repair=action == "repair")
     a = actions.add_parser("switch", parents=[common], help="turn the read dial, or send the writes to the store")
     a.add_argument("file", type=Path, help="the migration's YAML declaration")
@@ -178,12 +183,16 @@ def cmd_diff(store: Store, args: argparse.Namespace, out: Output) -> int:
 
     if args.chunk_rows < 1:
         raise UsageError("--chunk-rows must be at least 1")
+    if args.sample is not None and not 0 < args.sample <= 1:
+        raise UsageError("--sample is a share of the chunks: above 0, at most 1 (0.01 is 1%)")
+    if args.rate is not None and args.rate <= 0:
+        raise UsageError("--rate must be above 0")
     spec = load_migration(args.file)
-    source = open_source(spec)
+    source = open_source(spec, capture=False)
     try:
         with Bar(out, "rows", desc=f"diff {spec.name}") as bar:
             report = diff(spec, source, store, chunk_rows=args.chunk_rows, progress=lambda n: bar.show(n),
-                          repair=args.repair)
+                          repair=args.repair, sample=args.sample, rate=args.rate)
     finally:
         source.close()
     listed = [{"kind": kind, "key": None if d.key is None else list(d.key), "row_key": str(d.row_key),
@@ -191,9 +200,11 @@ def cmd_diff(store: Store, args: argparse.Namespace, out: Output) -> int:
     lines = [f"{item['kind']}: " + (f"row {item['key']}" if item["key"] is not None else f"row key {item['row_key']}")
              + f" {item['column']}" + (f" ({', '.join(item['fields'])})" if item["fields"] else "") for item in listed]
     done = "repaired" if args.repair else "found"
+    sampled = f" (a {args.sample:.2%} sample; extra rows not looked for)" if args.sample is not None else ""
     out.emit({"rows": report.rows, "missing": report.missing, "different": report.different, "extra": report.extra,
-              "ahead": report.ahead, "listed": listed, "repaired": args.repair},
-             "\n".join([f"migration {spec.name}: {report.rows:,} source rows compared; {report.missing} missing, "
+              "ahead": report.ahead, "listed": listed, "repaired": args.repair, "sample": args.sample},
+             "\n".join([f"migration {spec.name}: {report.rows:,} source rows compared{sampled}; "
+                        f"{report.missing} missing, "
                         f"{report.different} different, {report.extra} extra {done}"
                         + (f"; {report.ahead} cells changed after their row was read (run it again)"
                            if report.ahead else ""), *lines]))

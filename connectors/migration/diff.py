@@ -6,19 +6,25 @@ of the store's logs. Then the source is read in key chunks and each row's cells 
 to. A row is *missing* when a cell column has no cell or a tombstone, *different* when a body differs (the
 fields are named), and *extra* when the store holds a live row the source does not. A row the source changed
 after the cells were read can show as different: run it with the change lag at 0, or run it again.
+
+A *sampled* diff (``--sample 0.01``) compares about that share of the rows in chunks drawn at random, and reads
+each compared row's cells by point reads: a check cheap enough to run on a busy source while the migration goes
+on (pt-table-checksum's spirit), which finds a steady drift but not every row.
 """
 
 from __future__ import annotations
 
+import random
 import uuid
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from connectors.migration.mapping import RowMapper, is_tombstone, tombstone
-from connectors.migration.source import Key, MigrationSource
+from connectors.migration.source import Chunk, Key, MigrationSource
 from connectors.migration.spec import MigrationSpec
 from logstore import Store
-from logstore.errors import CorruptCellError
+from logstore.errors import CorruptCellError, InvalidArgumentError
+from logstore.jobs import Throttle, ThrottleSettings
 
 LISTED = 100  # differences listed in a report; all are counted
 
@@ -72,13 +78,23 @@ def latest_cells(store: Store, columns: list[str], page: int = 5000) -> dict[tup
 
 
 def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_rows: int = 1000,
-         progress: Callable[[int], None] | None = None, repair: bool = False) -> DiffReport:
+         progress: Callable[[int], None] | None = None, repair: bool = False, sample: float | None = None,
+         rate: float | None = None, seed: int | None = None) -> DiffReport:
     """Compare the source table with the cells of ``spec``; with ``repair``, also write what makes the cells
     match (``cellstream migrate repair``): a missing or different row's cells as the source holds it, at the
     chunk's position (a version one above the newest stored, when versioned by a column), and a tombstone for an
     extra row above its newest cell. A row whose newest cell is above the chunk's position changed after the
     chunk was read: the cells are ahead of that read, and the row is counted as ``ahead``, not compared nor
     rewritten (run the diff again to compare it).
+
+    Args:
+        sample: compare about that share of the rows (0 < sample <= 1), in chunks drawn at random: read from
+            random points of the key when it is one integer column (:meth:`MigrationSource.key_span`), else
+            chosen while stepping over the others by their keys alone (:meth:`MigrationSource.skip_keys`). Each
+            compared row's cells are read by point reads instead of a scan of the store. Extra rows are looked
+            for only without a sample.
+        rate: source rows compared a second at most (the jobs' token bucket; None: no limit).
+        seed: the seed of the sample's draw (None: random).
 
     Returns:
         What differed (before the repair, when repairing).
@@ -88,8 +104,19 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
         row has no cells' form. CorruptCellError: a cell cannot be read. StorageUnavailableError: a repair's
         write did not reach the store (retriable: run it again).
     """
+    if sample is not None and not 0 < sample <= 1:
+        raise InvalidArgumentError(f"a diff's sample is a share of the rows, 0 < sample <= 1, not {sample}")
     mapper = RowMapper(spec)
-    latest = latest_cells(store, list(spec.columns))
+    latest = latest_cells(store, list(spec.columns)) if sample is None else {}
+
+    def newest(row_key: uuid.UUID, column: str) -> tuple[int, Any] | None:
+        if sample is None:
+            return latest.get((row_key, column))
+        cell = store.get_cell_latest(row_key, column)
+        return None if cell is None else (cell.ref_key, cell.body)
+
+    draw = random.Random(seed)
+    throttle = Throttle(ThrottleSettings(rate=rate))
     listed: list[tuple[str, Difference]] = []
     counts = {"missing": 0, "different": 0, "extra": 0, "ahead": 0}
     fixes: list[tuple[uuid.UUID, str, int, dict[str, Any]]] = []
@@ -105,14 +132,19 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
             fixes.clear()
 
     seen: set[uuid.UUID] = set()
-    rows, after, position = 0, None, 0
-    while True:
-        chunk = source.read_chunk(after, chunk_rows)
+    compared: set[Key] = set()  # a sample's probes may read a row twice: compared once
+    rows, position = 0, 0
+
+    def compare(chunk: Chunk) -> None:
+        nonlocal rows, position
         position = max(position, chunk.position)
-        for row in chunk.rows:
+        fresh = [row for row in chunk.rows if row.key not in compared]
+        if sample is not None:
+            compared.update(row.key for row in fresh)
+        for row in fresh:
             for cell in mapper.cells(row, chunk.position):
                 seen.add(cell.row_key)
-                found = latest.get((cell.row_key, cell.column))
+                found = newest(cell.row_key, cell.column)
                 if found is not None and mapper.versioned_by_position and found[0] > chunk.position:
                     counts["ahead"] += 1  # changed after this read, and the cells have it
                     continue
@@ -130,12 +162,31 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
             write()
         else:
             fixes.clear()
-        rows += len(chunk.rows)
+        rows += len(fresh)
         if progress is not None:
             progress(rows)
-        if chunk.last is None or len(chunk.rows) < chunk_rows:
-            break
-        after = chunk.last
+        throttle.wait(len(fresh))
+
+    span = source.key_span() if sample is not None else None
+    if sample is not None and span is not None:
+        # Probes: chunks read from random points of an integer key, a range read of the key's index each, so
+        # the source does the sample's work and no more (stepping over the rest reads its whole index).
+        low, high, estimate = span
+        for start in sorted(draw.randint(low, high) for _ in range(max(1, round(estimate * sample / chunk_rows)))):
+            compare(source.read_chunk((start - 1,), chunk_rows))
+    else:
+        after: Key | None = None
+        while True:
+            if sample is not None and draw.random() >= sample:
+                after = source.skip_keys(after, chunk_rows)
+                if after is None:
+                    break
+                continue
+            chunk = source.read_chunk(after, chunk_rows)
+            compare(chunk)
+            if chunk.last is None or len(chunk.rows) < chunk_rows:
+                break
+            after = chunk.last
     for (row_key, column), (ref_key, body) in latest.items():
         if row_key not in seen and not is_tombstone(body):
             note("extra", Difference(None, row_key, column, []))

@@ -109,6 +109,18 @@ class MigrationSource(ABC):
         """End the capture and free what holds the source's log (drop the slot): idempotent."""
 
     @abstractmethod
+    def key_span(self) -> tuple[int, int, int] | None:
+        """For a table whose primary key is one integer column: its lowest and highest key, and the table's
+        row count as the server estimates it, read from the key's index and the statistics (no scan). None for
+        another key, or an empty table: how a sampled diff picks random chunks without walking the key."""
+
+    @abstractmethod
+    def skip_keys(self, after: Key | None, count: int) -> Key | None:
+        """The key of the ``count``-th row after ``after`` (None: from the first) in key order, read from the
+        primary key alone, or None when fewer rows follow: how a sampled diff steps over the chunks it does not
+        compare without reading their rows."""
+
+    @abstractmethod
     def rows_between(self, low: Key | None, high: Key | None) -> list[SourceRow]:
         """The rows with ``low < key <= high`` (None: unbounded), in key order: what a diff compares."""
 

@@ -64,6 +64,7 @@ _PARSE_ERROR = 1064
 _BINARY_TYPES = {"binary", "varbinary", "tinyblob", "blob", "mediumblob", "longblob"}
 _UTF8 = {None, "utf8", "utf8mb3", "utf8mb4", "ascii"}
 _ROW_EVENTS = (WriteRowsEvent, UpdateRowsEvent, DeleteRowsEvent)
+_INTEGERS = frozenset({"tinyint", "smallint", "mediumint", "int", "bigint"})
 _ROWS_PER_STATEMENT = 500  # write_rows' statements stay well under max_allowed_packet
 
 
@@ -278,6 +279,37 @@ class MySQLSource(MigrationSource):
 
     def _order(self) -> str:
         return " ORDER BY " + ", ".join(f"`{k}`" for k in self.key_columns())
+
+    def key_span(self) -> tuple[int, int, int] | None:
+        """The integer key's lowest and highest values (the primary key's ends) and TABLE_ROWS (at least 1).
+
+        Raises:
+            MigrationSourceError: the server refused; MigrationSourceUnavailableError: no answer.
+        """
+        keys = self.key_columns()
+        kinds = {c.name: c.data_type for c in self._describe()}
+        if len(keys) != 1 or kinds[keys[0]] not in _INTEGERS:
+            return None
+        [(low, high)] = self._query(f"SELECT MIN(`{keys[0]}`), MAX(`{keys[0]}`) FROM `{self._table}`")
+        [(estimate,)] = self._query("SELECT TABLE_ROWS FROM information_schema.TABLES WHERE TABLE_SCHEMA = %s "
+                                    "AND TABLE_NAME = %s", (self._target.database, self._table))
+        return None if low is None else (int(low), int(high), max(int(estimate or 0), 1))
+
+    def skip_keys(self, after: Key | None, count: int) -> Key | None:
+        """The key ``count`` rows after ``after``: one statement over the primary key.
+
+        Raises:
+            MigrationSourceError: the server refused; MigrationSourceUnavailableError: no answer.
+        """
+        where, args = self._after(after) if after is not None else ("", [])
+        names = self.key_columns()
+        sql = ("SELECT " + ", ".join(f"`{k}`" for k in names) + f" FROM `{self._table}`"
+               + (f" WHERE {where}" if where else "") + self._order() + " LIMIT 1 OFFSET %s")
+        found = self._query(sql, [*args, max(count, 1) - 1])
+        if not found:
+            return None
+        by_name = {c.name: c for c in self._describe()}
+        return tuple(_python(value, by_name[name]) for name, value in zip(names, found[0], strict=True))
 
     def read_chunk(self, after: Key | None, limit: int) -> Chunk:
         """Up to ``limit`` rows with a key above ``after``, in key order, read in one consistent snapshot.

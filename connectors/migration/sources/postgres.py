@@ -44,6 +44,7 @@ _PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)  # pgoutput's timestamps: mic
 _CONVERTED = frozenset({16, 17, 19, 20, 21, 23, 25, 26, 114, 700, 701, 1042, 1043, 1082, 1083, 1114, 1184, 1700,
                         2950, 3802})
 _BYTEA = 17
+_INTEGERS = frozenset({20, 21, 23})  # int8, int2, int4
 # How long a chunk waits for the transactions committing at its position to end (see _chunk_position).
 CHUNK_WAIT_SECONDS = 60.0
 SLOT_BUSY_WAIT = 5.0  # seconds a read of the slot waits for another session's read of it
@@ -329,6 +330,37 @@ class PostgresSource(MigrationSource):
                 conn.execute("COMMIT")
         rows = self._rows(raw)
         return Chunk(rows, position, rows[-1].key if rows else None)
+
+    def key_span(self) -> tuple[int, int, int] | None:
+        """The integer key's lowest and highest values (the index's ends) and ``reltuples`` (at least 1).
+
+        Raises:
+            MigrationSourceError: the server refused. MigrationSourceUnavailableError: it did not answer.
+        """
+        keys = self.key_columns()
+        assert self._columns is not None  # read by key_columns
+        if len(keys) != 1 or dict(self._columns)[keys[0]] not in _INTEGERS:
+            return None
+        key = sql.Identifier(keys[0])
+        with self._errors("reading the key's span"):
+            [(low, high, estimate)] = self._query(sql.SQL(
+                "SELECT min({k}), max({k}), (SELECT reltuples::bigint FROM pg_class WHERE oid = {r}) FROM {t}"
+            ).format(k=key, t=self._qualified, r=sql.Literal(self._relid)))
+        return None if low is None else (int(low), int(high), max(int(estimate or 0), 1))
+
+    def skip_keys(self, after: Key | None, count: int) -> Key | None:
+        """The key ``count`` rows after ``after``: one statement over the primary key's index.
+
+        Raises:
+            MigrationSourceError: the server refused. MigrationSourceUnavailableError: it did not answer.
+        """
+        keys = sql.SQL(", ").join(map(sql.Identifier, self.key_columns()))
+        where = sql.SQL("true") if after is None else self._key_bound(">", after)
+        query = sql.SQL("SELECT {k} FROM {t} WHERE {w} ORDER BY {k} OFFSET {o} LIMIT 1").format(
+            k=keys, t=self._qualified, w=where, o=sql.Literal(max(count, 1) - 1))
+        with self._errors("stepping over rows"):
+            found = self._query(query, None if after is None else list(after))
+        return tuple(_normal(v) for v in found[0]) if found else None
 
     def read_row(self, key: Key) -> SourceRow | None:
         names = self.key_columns()

@@ -368,3 +368,61 @@ def test_a_capture_over_its_lag_warning_is_logged_once(table: SourceDB, postgres
             source.close()
     warned = [r.getMessage() for r in caplog.records if "behind the source" in r.getMessage()]
     assert len(warned) == 1 and "above -1 s" in warned[0]  # once while it stays over, not at each read
+
+
+def test_a_sampled_diff_reads_chunks_from_random_points_of_an_integer_key(
+        source_db: SourceDB, tmp_path: Path) -> None:
+    """``diff --sample`` on a table keyed by one integer: chunks read from random points of the key (an index
+    range read each), about the share asked for, each row compared once; no extra rows looked for."""
+    spec = spec_for(source_db.url)
+    with logstore.open(f"sqlite:///{tmp_path}/store", shards=16) as store:
+        source = open_source(spec)
+        try:
+            Mover(spec, source, store, chunk_rows=500).run(until_caught_up=True)
+            source_db.execute("DELETE FROM trips WHERE MOD(id, 7) = 0")  # keys with gaps: a chunk is not an id range
+            source_db.execute("UPDATE trips SET fare = fare + 1")  # every row now differs; nothing applies it
+            # The row estimate the sample is sized by.
+            source_db.execute("ANALYZE trips" if source_db.kind == "postgres" else "ANALYZE TABLE trips")
+            keys = sorted(k for (k,) in source_db.execute("SELECT id FROM trips"))
+            full = diff(spec, source, store, chunk_rows=20)
+            sampled = diff(spec, source, store, chunk_rows=20, sample=0.04, seed=8)
+        finally:
+            source.close()
+    assert (full.rows, full.different, full.missing) == (len(keys), len(keys), 0)
+    assert full.extra == 2000 // 7 * 2  # the deleted rows' cells, still live (BASE and NOTE), are extra...
+    assert sampled.extra == 0 and sampled.missing == 0  # ...but a sample does not look for extra rows
+    # 3 or 4 probes (the estimate, 1,715 rows x 4% / 20), of 20 rows each, overlapping ones compared once.
+    assert 20 <= sampled.rows <= 80 and sampled.different == sampled.rows
+    compared = sorted(d.key[0] for kind, d in sampled.listed if kind == "different" and d.key is not None)
+    assert len(compared) == len(set(compared)) == sampled.rows
+    at = [keys.index(k) for k in compared]
+    breaks = [j for j in range(1, len(at)) if at[j] != at[j - 1] + 1]
+    starts, ends = [0, *breaks], [*breaks, len(at)]
+    assert all(end - start >= 20 for start, end in zip(starts, ends, strict=True))  # a probe: 20 rows in a row
+    assert any(at[start] % 20 for start in starts)  # from a random point, not where a walk's chunks begin
+
+
+def test_a_sampled_diff_of_another_key_steps_over_whole_chunks(source_db: SourceDB, tmp_path: Path) -> None:
+    """A key of two columns: the sample steps over the chunks it does not compare by their keys alone, so the
+    chunks it compares are those of a full diff (the 20 keys after the last stepped over)."""
+    source_db.execute("CREATE TABLE legs (city varchar(20) NOT NULL, n int NOT NULL, v int, PRIMARY KEY (city, n))")
+    source_db.execute("INSERT INTO legs VALUES " + ", ".join(f"('c{i % 9}', {i}, {i})" for i in range(1500)))
+    spec = load_migration(spec_text(source_db.url).replace("table: trips", "table: legs")
+                          .replace("BASE: [rider, fare]\n  NOTE: [note]", "BASE: [v]"))
+    with logstore.open(f"sqlite:///{tmp_path}/store", shards=16) as store:
+        source = open_source(spec)
+        try:
+            assert source.key_span() is None
+            Mover(spec, source, store, chunk_rows=500).run(until_caught_up=True)
+            source_db.execute("UPDATE legs SET v = v + 1")
+            keys = [tuple(k) for k in source_db.execute("SELECT city, n FROM legs ORDER BY city, n")]
+            chunks = [keys[i:i + 20] for i in range(0, len(keys), 20)]
+            sampled = diff(spec, source, store, chunk_rows=20, sample=0.03, seed=8)
+            everything = diff(spec, source, store, chunk_rows=20, sample=1.0)
+        finally:
+            source.close()
+            source_db.execute("DROP TABLE legs")
+    compared = {d.key for kind, d in sampled.listed if kind == "different"}
+    assert 0 < sampled.rows <= 100 and sampled.different == sampled.rows  # every one listed
+    assert compared == {k for chunk in chunks if chunk[0] in compared for k in chunk}  # whole chunks
+    assert everything.rows == len(keys) and everything.different == len(keys)

@@ -97,10 +97,22 @@ class Writer(threading.Thread):
             self.failure = exc
 
 
-def said(process: subprocess.Popen[str]) -> str:
-    """What a process following the migration logged, once stopped (for a failure's message)."""
-    process.terminate()
-    return process.communicate(timeout=60)[1][-4000:]
+class Follower(subprocess.Popen[str]):
+    """A `migrate start` process following the migration, its log in a file beside the declaration (a pipe
+    nobody reads could fill and stop it)."""
+
+    def __init__(self, spec_file: Path, store_url: str, *extra: str) -> None:
+        self.log = spec_file.with_name(f"start-{time.monotonic_ns()}.log")
+        with self.log.open("w") as out:
+            super().__init__([*CLI, "start", str(spec_file), "--store", store_url, *extra],
+                             stdout=subprocess.DEVNULL, stderr=out, text=True)
+
+    def said(self) -> str:
+        """What it logged, once stopped (for a failure's message)."""
+        if self.poll() is None:
+            self.terminate()
+            self.wait(timeout=60)
+        return self.log.read_text()[-4000:]
 
 
 def source_rows(db: SourceDB) -> dict[int, Row]:
@@ -121,8 +133,7 @@ def wait_for_phase(store_url: str, phase: str, timeout: float = 60) -> None:
 def test_writes_switched_to_the_store_and_back_lose_nothing(source_db: SourceDB, migration: tuple[Path, str]) -> None:
     spec_file, store_url = migration
     expected: dict[int, Row | None] = {k: (f"r{k}", Decimal(k) * Decimal("1.25"), None) for k in range(1, 2001)}
-    mover = subprocess.Popen([*CLI, "start", str(spec_file), "--store", store_url, "--chunk-rows", "400"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    mover = Follower(spec_file, store_url, "--chunk-rows", "400")
     writer = Writer(spec_file, store_url, expected)
     try:
         wait_for_phase(store_url, "copied")
@@ -135,7 +146,7 @@ def test_writes_switched_to_the_store_and_back_lose_nothing(source_db: SourceDB,
         time.sleep(0.5)
         before = dict(writer.sides)
         switched = migrate("switch", str(spec_file), "--writes", "--store", store_url)
-        assert switched.returncode == 0, switched.stderr + said(mover)
+        assert switched.returncode == 0, switched.stderr + mover.said()
         time.sleep(2.0)
         assert writer.sides["store"] > before["store"]  # the application writes to the store now
         cancel = migrate("cancel", str(spec_file), "--store", store_url)
@@ -164,8 +175,8 @@ def test_writes_switched_to_the_store_and_back_lose_nothing(source_db: SourceDB,
     finally:
         writer.stop.set()
         mover.terminate()
-        _, err = mover.communicate(timeout=60)
-    assert mover.returncode == 0, err[-3000:]
+        err = mover.said()
+    assert mover.returncode == 0, err
 
 
 def test_complete_ends_the_flow_back_and_drops_the_capture(source_db: SourceDB, migration: tuple[Path, str]) -> None:
@@ -179,8 +190,7 @@ def test_complete_ends_the_flow_back_and_drops_the_capture(source_db: SourceDB, 
     with logstore.open(store_url) as store, MigrationWriter(spec, store) as writer:
         assert MigrationRecords(store).get("trips").phase == "copied"
         assert writer.put({"id": 1, "rider": "before", "fare": Decimal("1.00"), "note": None}) == "source"
-    mover = subprocess.Popen([*CLI, "start", str(spec_file), "--store", store_url],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    mover = Follower(spec_file, store_url)
     try:
         assert migrate("switch", str(spec_file), "--writes", "--store", store_url).returncode == 0
         with logstore.open(store_url) as store, MigrationWriter(spec, store) as writer:
@@ -190,7 +200,7 @@ def test_complete_ends_the_flow_back_and_drops_the_capture(source_db: SourceDB, 
         done = migrate("complete", str(spec_file), "--store", store_url)
         assert done.returncode == 0, done.stderr
         mover.wait(timeout=60)  # the process following it ends with it
-        assert mover.returncode == 0, mover.stderr.read() if mover.stderr else ""
+        assert mover.returncode == 0, mover.said()
     finally:
         if mover.poll() is None:
             mover.kill()
@@ -239,3 +249,42 @@ def test_a_write_waits_while_the_writes_move_then_says_so(source_db: SourceDB, m
             assert writer.put({"id": 5, "rider": "free", "fare": Decimal("1.00"), "note": None}) == "source"
         with pytest.raises(MigrationStateError):
             MigrationWriter(load_migration(spec_text(source_db.url).replace("name: trips", "name: other")), store)
+
+
+def test_a_process_killed_while_it_flows_back_is_taken_over_by_the_next(
+        source_db: SourceDB, migration: tuple[Path, str]) -> None:
+    """The flow back's positions are in the store, claimed by one process at a time: a `migrate start` SIGKILLed
+    with cells still to flow back is followed by a new one that claims them and writes every row back."""
+    spec_file, store_url = migration
+    assert migrate("start", str(spec_file), "--store", store_url, "--until-caught-up").returncode == 0
+    assert migrate("switch", str(spec_file), "--reads", "100", "--store", store_url).returncode == 0
+    spec = load_migration(spec_file)
+    first = Follower(spec_file, store_url)
+    second: Follower | None = None
+    try:
+        assert migrate("switch", str(spec_file), "--writes", "--store", store_url).returncode == 0
+        expected = {}
+        with logstore.open(store_url) as store, MigrationWriter(spec, store) as writer:
+            for key in range(1, 801):
+                row = {"id": key, "rider": f"k{key}", "fare": Decimal(key) / 4 + Decimal("0.01"), "note": "killed"}
+                assert writer.put(row) == "store"
+                expected[key] = (f"k{key}", row["fare"], "killed")
+            first.kill()  # mid-flow-back, or just after: the next process must not depend on which
+            first.wait()
+            flowed = MigrationRecords(store).get("trips").flowed_back
+            second = Follower(spec_file, store_url)
+            for key in range(801, 901):
+                row = {"id": key, "rider": f"k{key}", "fare": Decimal("1.00"), "note": "second"}
+                assert writer.put(row) == "store"
+                expected[key] = (f"k{key}", Decimal("1.00"), "second")
+        back = migrate("reverse", str(spec_file), "--store", store_url)
+        assert back.returncode == 0, back.stderr + (second.said() if second else "")
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+    rows = source_rows(source_db)
+    assert {k: rows.get(k) for k in expected} == expected
+    with logstore.open(store_url) as store:
+        assert MigrationRecords(store).get("trips").flowed_back > flowed
