@@ -102,7 +102,7 @@ class PostgresSinkConfig(BaseModel):
         tables = [table_name(c, s) for c, s in self.columns.items()]
         if len(set(tables)) != len(tables):
             raise ValueError("columns: two columns load into the same table")
-        taken = {"row_key", "ref_key", "added_id", "shard", "created_at", "body"}
+        taken = {"row_key", "ref_key", "added_id", "shard", "created_at", "body", "deleted"}
         for column, spec in self.columns.items():
             names = [p.name for p in spec.promote]
             if len(set(names)) != len(names) or taken & set(names):

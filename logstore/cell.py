@@ -21,6 +21,7 @@ import math
 import re
 import uuid
 import zlib
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import msgpack
@@ -102,6 +103,16 @@ def _coordinates(cell: AnyCell) -> dict[str, Any]:
         "row_key": str(cell.row_key), "column": cell.column, "ref_key": cell.ref_key,
         "added_id": cell.added_id, "shard": cell.shard, "created_at": cell.created_at.isoformat(),
     }
+
+
+TOMBSTONE_FIELD = "_deleted"  # a body with this field true is a tombstone: its row is deleted in that column
+
+
+def is_tombstone(body: Mapping[str, Any]) -> bool:
+    """Whether a cell's body is a tombstone (``{"_deleted": true, ...}``, as a migrated row's deletion is): its row
+    has no value in that column from that version on. Secondary indexes drop the row's entry; the PostgreSQL
+    sink's ``latest`` tables delete its row; a cell's log keeps it as any other cell."""
+    return body.get(TOMBSTONE_FIELD) is True
 
 
 def shard_of(row_key: uuid.UUID, shard_count: int) -> int:

@@ -19,10 +19,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from connectors.migration.mapping import RowMapper, is_tombstone, tombstone
+from connectors.migration.mapping import RowMapper, tombstone
 from connectors.migration.source import Chunk, Key, MigrationSource
 from connectors.migration.spec import MigrationSpec
 from logstore import Store
+from logstore.cell import is_tombstone
 from logstore.errors import CorruptCellError, InvalidArgumentError
 from logstore.jobs import Throttle, ThrottleSettings
 

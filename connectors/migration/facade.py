@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from connectors.errors import MigrationSourceError, MigrationStateError
-from connectors.migration.mapping import RowMapper, is_tombstone, json_value
+from connectors.migration.mapping import RowMapper, json_value
 from connectors.migration.records import MigrationRecord, MigrationRecords
 from connectors.migration.source import Key, MigrationSource
 from connectors.migration.spec import MigrationSpec, url_kind
+from logstore.cell import is_tombstone
 from logstore.errors import InvalidArgumentError, LogstoreError
 
 if TYPE_CHECKING:

@@ -20,11 +20,10 @@ import uuid
 from typing import Any
 
 from connectors.errors import ConversionError, MigrationStateError
-from connectors.migration.mapping import is_tombstone
 from connectors.migration.source import Key, MigrationSource
 from connectors.migration.spec import MigrationSpec
 from logstore import Store
-from logstore.cell import Cell
+from logstore.cell import Cell, is_tombstone
 
 logger = logging.getLogger(__name__)
 PAGE = 1000  # cells a shard's read at most

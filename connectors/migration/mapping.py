@@ -5,8 +5,8 @@ values as a compact JSON array (``trips:[42]``, ``legs:[42,"b"]``): the same row
 so both sides can find a row by the other's id (:func:`uuid5_row_key`). A body holds the spec's source columns
 of that cell column, each value as JSON can hold it (:func:`json_value`). A deleted row becomes a tombstone: in
 each cell column, a cell whose body is ``{"_deleted": true, "_key": [...]}``, the primary key's values as JSON
-(:func:`is_tombstone` tells one; ``_key`` is absent only from a tombstone ``migrate repair`` wrote for a row the
-source never had).
+(:func:`logstore.cell.is_tombstone` tells one; indexes and the PostgreSQL sink honour it). ``_key`` is absent only
+from a tombstone ``migrate repair`` wrote for a row the source never had.
 """
 
 from __future__ import annotations
@@ -23,13 +23,9 @@ from typing import Any, NamedTuple
 from connectors.errors import ConversionError
 from connectors.migration.source import Key, SourceRow
 from connectors.migration.spec import MigrationSpec, VersionColumn
+from logstore.cell import TOMBSTONE_FIELD
 
-TOMBSTONE: dict[str, Any] = {"_deleted": True}  # the marker every tombstone body holds
-
-
-def is_tombstone(body: Mapping[str, Any]) -> bool:
-    """Whether a cell's body is a migrated row's tombstone (the row deleted at that version)."""
-    return body.get("_deleted") is True
+TOMBSTONE: dict[str, Any] = {TOMBSTONE_FIELD: True}  # the marker every tombstone body holds
 
 
 def tombstone(key: Key | None) -> dict[str, Any]:

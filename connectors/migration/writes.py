@@ -25,12 +25,13 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from connectors.errors import ConversionError, MigrationStateError, MigrationSwitchingError
-from connectors.migration.mapping import RowMapper, is_tombstone, json_value, tombstone
+from connectors.migration.mapping import RowMapper, json_value, tombstone
 from connectors.migration.opening import open_source
 from connectors.migration.records import MigrationRecord, MigrationRecords
 from connectors.migration.source import Key, MigrationSource
 from connectors.migration.spec import MigrationSpec
 from logstore import CellConflictError, Store
+from logstore.cell import is_tombstone
 from logstore.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)

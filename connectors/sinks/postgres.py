@@ -2,6 +2,8 @@
 
 Each column's table holds the cell's coordinates, the body as JSONB and the configured *promoted* fields as typed
 columns; ``history`` keeps a row per cell, ``latest`` a row per row_key replaced only by a higher ref_key. A
+tombstone cell (:func:`logstore.cell.is_tombstone`, a migrated row's deletion) is a row with ``deleted`` true and
+its promoted columns NULL: in ``latest``, the row's state from then on. A
 flush is one transaction and idempotent: writing the same cells twice, in any order, leaves the tables as if
 written once. A promoted value that does not fit its type is a ConversionError (dead-lettered); connection errors
 are SinkUnavailableError (retried). docs/connectors.md (PostgreSQL) gives the design.
@@ -26,6 +28,7 @@ from connectors.config import PostgresSinkConfig, Promoted, table_name
 from connectors.errors import ConfigurationError, ConnectorError, ConversionError, SinkUnavailableError
 from connectors.sinks.base import Position, Sink
 from logstore import Cell
+from logstore.cell import is_tombstone
 from logstore.errors import AuthenticationError
 
 logger = logging.getLogger(__name__)
@@ -101,6 +104,10 @@ class PostgresSink(Sink):
                     "CREATE TABLE IF NOT EXISTS {} (row_key uuid NOT NULL, ref_key bigint NOT NULL, added_id bigint "
                     "NOT NULL, shard integer NOT NULL, created_at timestamptz NOT NULL, body jsonb NOT NULL, "
                     "PRIMARY KEY ({}))").format(table, sql.SQL(key)))
+                # A tombstone's row (logstore.cell.is_tombstone): kept, flagged, so a older cell delivered later
+                # cannot bring the row back (Debezium's `__deleted` in its rewrite mode). Added to older tables too.
+                conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS deleted boolean NOT NULL DEFAULT false"
+                                     ).format(table))
                 for promoted in spec.promote:
                     conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
                         table, sql.Identifier(promoted.name), sql.SQL(_SQL_TYPES[promoted.type])))
@@ -111,14 +118,18 @@ class PostgresSink(Sink):
         if plan is None:
             raise ConversionError(f"postgres sink: column {cell.column} has no table in the configuration")
         body = cell.body
-        promoted = []
+        deleted = is_tombstone(body)
+        promoted: list[Any] = []
         for parts, field in plan:
+            if deleted:  # no fields: the row has no values from this version on
+                promoted.append(None)
+                continue
             try:
                 promoted.append(_value(field, _lookup(body, parts)))
             except ValueError as exc:
                 raise ConversionError(f"body field {field.field!r} does not fit {field.type}: {exc}") from None
         # The body goes as it is: the binary COPY's jsonb dumper serializes it.
-        return (cell.row_key, cell.ref_key, cell.added_id, cell.shard, cell.created_at, body, *promoted)
+        return (cell.row_key, cell.ref_key, cell.added_id, cell.shard, cell.created_at, body, deleted, *promoted)
 
     def _buffer(self, converted: tuple[Any, ...], cell: Cell, position: Position) -> None:
         self._rows.setdefault(cell.column, []).append(converted)
@@ -140,9 +151,11 @@ class PostgresSink(Sink):
     def _load(self, conn: psycopg.Connection[Any], column: str, rows: list[tuple[Any, ...]]) -> None:
         spec = self.config.columns[column]
         table = sql.Identifier(self.config.db_schema, table_name(column, spec))
-        names = ["row_key", "ref_key", "added_id", "shard", "created_at", "body", *(p.name for p in spec.promote)]
+        names = ["row_key", "ref_key", "added_id", "shard", "created_at", "body", "deleted",
+                 *(p.name for p in spec.promote)]
         columns = sql.SQL(", ").join(sql.Identifier(n) for n in names)
-        types = ["uuid", "int8", "int8", "int4", "timestamptz", "jsonb", *(_BINARY_TYPES[p.type] for p in spec.promote)]
+        types = ["uuid", "int8", "int8", "int4", "timestamptz", "jsonb", "bool",
+                 *(_BINARY_TYPES[p.type] for p in spec.promote)]
         if spec.mode == "history":
             try:
                 with conn.transaction():

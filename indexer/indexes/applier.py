@@ -6,7 +6,8 @@
 
 An app that registers an index keeps every maintained version of it current
 (:class:`IndexApplier`): the cells of a batch are turned into entries, a cell whose
-body does not fit the definition is dead-lettered with the reason, and the rest are
+body does not fit the definition is dead-lettered with the reason (a tombstone, whose
+row has no value from that version on, removes the row's entry), and the rest are
 applied in one transaction per storage node that also records the batch's source
 position (so a restart neither skips nor applies a cell twice). Applying is
 idempotent and order-insensitive (see :mod:`logstore.index_tables.persistence`).
@@ -26,11 +27,23 @@ from indexer.errors import EntryFieldError, IndexStateError, InvalidQueryError
 from indexer.indexes.catalog import IndexCatalog, IndexRecord
 from indexer.indexes.definitions import IndexDefinition, convert
 from logstore import Cell, CorruptCellError, InvalidArgumentError, LogstoreError, Store
+from logstore.cell import is_tombstone
 from logstore.index_tables.persistence import ApplyResult, Condition, IndexChange, IndexEntry, Stream
 from logstore.index_tables.store import MAX_QUERY_LIMIT
 
 logger = logging.getLogger(__name__)
 _REFRESH = 1.0  # seconds a query reuses the catalog record (which version is active)
+
+
+def change_of(definition: IndexDefinition, cell: Cell) -> IndexChange:
+    """The change a cell makes to an index version: its entry, or with ``values`` None the removal of its row's
+    entry when the cell is a tombstone (:func:`logstore.cell.is_tombstone`), which never fails.
+
+    Raises:
+        EntryFieldError: the body is not a tombstone and does not fit the definition.
+    """
+    values = None if is_tombstone(cell.body) else definition.entry(cell.body)
+    return IndexChange(cell.shard, cell.added_id, cell.row_key, cell.ref_key, values)
 
 
 def handler_name(definition: IndexDefinition) -> str:
@@ -50,8 +63,9 @@ class IndexApplier:
         self.result = ApplyResult()
 
     def prepare(self, cell: Cell) -> IndexChange:
-        """The cell's change; EntryFieldError (non-retriable) when its body does not fit the definition."""
-        return IndexChange(cell.shard, cell.added_id, cell.row_key, cell.ref_key, self.definition.entry(cell.body))
+        """The cell's change: a tombstone's removes the row's entry (``values`` None); EntryFieldError
+        (non-retriable) when any other body does not fit the definition."""
+        return change_of(self.definition, cell)
 
     def apply(self, changes: Sequence[IndexChange], batch: Sequence[Cell] = (), *,
               stream: Stream | None = "live") -> ApplyResult:

@@ -7,7 +7,8 @@ same transaction as its entries, so an interrupted backfill resumes where it was
 Cells after the targets are the app's (it was keeping the version current before
 the backfill started, which the catalog checks), and live and backfill applies of
 the same row take turns on its locator, so together they cover the whole log
-exactly once in effect. A cell whose body does not fit the definition goes to the
+exactly once in effect. A tombstone removes the row's entry, as live processing's
+does. A cell whose body does not fit the definition goes to the
 DLQ of the app that keeps the version current (replayable there); past
 ``max_dead_letters`` of them the backfill stops: the definition is likely wrong.
 """
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from indexer.errors import IndexStateError
-from indexer.indexes.applier import handler_name
+from indexer.indexes.applier import change_of, handler_name
 from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.definitions import IndexDefinition
 from indexer.runtime.dlq_store import DeadLetterStore
@@ -137,8 +138,7 @@ class _Run:
         changes = []
         for cell in cells:
             try:
-                changes.append(IndexChange(cell.shard, cell.added_id, cell.row_key, cell.ref_key,
-                                           self.definition.entry(cell.body)))
+                changes.append(change_of(self.definition, cell))  # a tombstone removes the entry, as live
             except Exception as exc:
                 self.deadletter({"mode": "backfill", "shard": cell.shard, "added_id": cell.added_id},
                                 cell.coordinates(), cell.body, exc)

@@ -2,10 +2,12 @@
 
 FriendFeed's "cleaner" for its denormalized indexes, with a brute-force reference:
 a row's entry must be the one of its highest-ref_key cell of the column that fits the
-definition, in the shard of that cell's shard field, and nowhere else; its locator
-must name that cell and shard; a row without such a cell has no entry and no
-locator. ``--sample RATE`` checks that fraction of the rows (picked by a salted hash
-of the row key, so both sides of the comparison pick the same rows).
+definition (or is a tombstone), in the shard of that cell's shard field, and nowhere
+else; its locator must name that cell and shard; a row whose highest such cell is a
+tombstone has no entry, and its locator names the tombstone with entry shard
+NO_ENTRY; a row without such a cell has no entry and no locator. ``--sample RATE``
+checks that fraction of the rows (picked by a salted hash of the row key, so both
+sides of the comparison pick the same rows).
 
 It runs beside live processing without false alarms by reading in this order:
 1. the positions: how far live processing and the backfill applied each shard (only
@@ -39,7 +41,8 @@ from indexer.errors import EntryFieldError, IndexStateError, InvalidQueryError
 from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.definitions import IndexDefinition
 from logstore import Store
-from logstore.index_tables.persistence import Fix, IndexEntry, Locator, StrayRows, encode_row
+from logstore.cell import is_tombstone
+from logstore.index_tables.persistence import NO_ENTRY, Fix, IndexEntry, Locator, StrayRows, encode_row
 
 logger = logging.getLogger(__name__)
 Kind = Literal["missing", "stale", "different", "misplaced", "orphan", "locator"]
@@ -101,7 +104,8 @@ class VerifyResult(NamedTuple):
 
 
 class _Row:
-    """What the log holds for one row: its best fitting cell up to the position, and whether one is past it."""
+    """What the log holds for one row: its best fitting cell up to the position, and whether one is past it.
+    A tombstone counts as fitting, with no values: ``ref_key`` >= 0 and ``values`` None is a removed row."""
 
     __slots__ = ("fitting", "pending", "ref_key", "values")
 
@@ -109,7 +113,7 @@ class _Row:
         self.ref_key = -1
         self.values: dict[str, Any] | None = None
         self.pending = False
-        self.fitting: set[int] = set()  # every fitting ref_key seen
+        self.fitting: set[int] = set()  # every fitting (or tombstone) ref_key seen
 
 
 class _Check:
@@ -132,8 +136,11 @@ class _Check:
             return None
 
     def newer_cell(self, row_key: uuid.UUID, locator: Locator) -> bool:
-        """Whether a locator names a real fitting cell of the row whose entry goes where it says."""
+        """Whether a locator names a real fitting cell of the row whose entry goes where it says (a tombstone,
+        for a locator of no entry)."""
         cell = self.store.get_cell(row_key, self.definition.column, locator.ref_key)
+        if cell is not None and is_tombstone(cell.body):
+            return locator.entry_shard == NO_ENTRY
         values = self.fits(cell.body) if cell is not None else None
         return values is not None and self.entry_shard(values) == locator.entry_shard
 
@@ -145,6 +152,16 @@ class _Check:
         """The mismatches of a settled row."""
         out: list[Mismatch] = []
         want = row.values if row is not None else None
+        if row is not None and want is None and row.ref_key >= 0:  # the latest cell is a tombstone
+            out.extend(Mismatch("orphan", row_key, e.shard, e.ref_key, None,
+                                f"entry of a row whose latest cell (ref_key {row.ref_key}) is a tombstone")
+                       for e in copies)
+            if locator != Locator(row.ref_key, NO_ENTRY):
+                out.append(Mismatch("locator", row_key, locator.entry_shard if locator else None,
+                                    locator.ref_key if locator else None, row.ref_key,
+                                    f"locator {tuple(locator) if locator else None}, expected "
+                                    f"{(row.ref_key, NO_ENTRY)} (a tombstone: no entry)"))
+            return out
         if want is None or row is None:
             out.extend(Mismatch("orphan", row_key, e.shard, e.ref_key, None,
                                 "entry of a row with no cell that fits the definition") for e in copies)
@@ -183,8 +200,9 @@ class _Check:
 
     def fix(self, row_key: uuid.UUID, row: _Row | None, copies: list[IndexEntry]) -> Fix:
         shard = self.store.shard_of(row_key)
-        if row is None or row.values is None:
-            return Fix(shard, row_key, -1, -1, None, tuple(sorted({e.shard for e in copies})))
+        if row is None or row.values is None:  # no entry; a tombstone's ref_key (>= 0) keeps its locator
+            return Fix(shard, row_key, row.ref_key if row is not None else -1, NO_ENTRY, None,
+                       tuple(sorted({e.shard for e in copies})))
         target = self.entry_shard(row.values)
         return Fix(shard, row_key, row.ref_key, target, row.values,
                    tuple(sorted({e.shard for e in copies if e.shard != target})))
@@ -242,8 +260,9 @@ def verify(store: Store, name: str, version: int | None = None, *, sample: float
             for cell in batch_cells:
                 if not check.sampled(cell.row_key):
                     continue
-                values = check.fits(cell.body)
-                if values is None:
+                tombstone = is_tombstone(cell.body)
+                values = None if tombstone else check.fits(cell.body)
+                if values is None and not tombstone:
                     continue
                 seen = rows.setdefault(cell.row_key, _Row())
                 seen.fitting.add(cell.ref_key)

@@ -12,7 +12,10 @@ changes' source shards is one transaction that
 2. locks and reads the rows' locators,
 3. plans the writes (:func:`plan`): a change older than or equal to the row's
    locator is a no-op; a newer one puts the entry in its shard and deletes the copy
-   in the old shard when the shard field changed,
+   in the old shard when the shard field changed; a newer *removal* (a tombstone's
+   change, ``values`` None) deletes the entry where the locator says it is and
+   leaves a locator at its ref_key with entry shard :data:`NO_ENTRY`, so an older
+   change delivered later is still superseded,
 4. hands the writes for other nodes to ``remote`` (each node its own transaction,
    idempotent: guarded by ref_key), then writes its own, the locators and the new
    position, and commits.
@@ -135,7 +138,7 @@ class IndexChange(NamedTuple):
     added_id: int
     row_key: uuid.UUID
     ref_key: int
-    values: dict[str, Any]
+    values: dict[str, Any] | None  # None: a removal (the cell is a tombstone): the row has no entry from it on
 
 
 class IndexEntry(NamedTuple):
@@ -154,9 +157,12 @@ class IndexEntry(NamedTuple):
         return out
 
 
+NO_ENTRY = -1  # a locator's entry shard when its cell removed the row's entry (a tombstone)
+
+
 class Locator(NamedTuple):
-    ref_key: int  # of the cell the row's entry reflects
-    entry_shard: int
+    ref_key: int  # of the cell the row's entry reflects (or that removed it)
+    entry_shard: int  # NO_ENTRY: the row has no entry (its ref_key >= 0; a placeholder's is negative)
 
 
 class EntryWrite(NamedTuple):
@@ -177,13 +183,14 @@ class EntryWrite(NamedTuple):
 
 class Fix(NamedTuple):
     """A repair of one row, found by verification: its entry becomes the one of cell ``ref_key`` with
-    ``values`` in ``entry_shard`` (with ``values`` None: the row has no entry and no locator), whatever
-    the index holds, and its copies in the ``clear`` shards are deleted."""
+    ``values`` in ``entry_shard``, whatever the index holds, and its copies in the ``clear`` shards are
+    deleted. With ``values`` None the row has no entry: its locator is deleted when ``ref_key`` is -1 (no
+    cell), or records the removal (``ref_key``, NO_ENTRY) when ``ref_key`` is a tombstone's."""
 
     shard: int  # the row's own shard, where its locator lives
     row_key: uuid.UUID
-    ref_key: int  # -1 without values
-    entry_shard: int  # -1 without values
+    ref_key: int  # -1 without values and without a tombstone
+    entry_shard: int  # NO_ENTRY without values
     values: dict[str, Any] | None
     clear: tuple[int, ...] = ()
 
@@ -378,8 +385,9 @@ def plan(
 ) -> tuple[list[EntryWrite], dict[uuid.UUID, tuple[int, Locator]], int]:
     """The entry writes and new locators (with each row's source shard) of ``changes`` applied in order
     over ``locators``, and how many changes were superseded. ``entry`` gives a change's entry shard and
-    encoded row. A locator with a negative ref_key is a placeholder (a row whose locator is being
-    created) and counts as none."""
+    encoded row (it is not called for a removal). A locator with a negative ref_key is a placeholder (a
+    row whose locator is being created) and counts as none. A removal newer than the locator deletes
+    the entry where the locator says it is (if any) and locates the row at NO_ENTRY."""
     # Keyed by the row key's int: hashing a UUID goes through Python code, hashing an int does not.
     current = {k.int: v for k, v in locators.items() if v.ref_key >= 0}
     writes: dict[tuple[int, int], EntryWrite] = {}
@@ -391,8 +399,15 @@ def plan(
         if found is not None and found.ref_key >= change.ref_key:
             superseded += 1
             continue
+        if change.values is None:
+            if found is not None and found.entry_shard != NO_ENTRY:
+                writes[(found.entry_shard, key)] = EntryWrite(found.entry_shard, change.row_key, change.ref_key,
+                                                              None)
+            current[key] = located = Locator(change.ref_key, NO_ENTRY)
+            updated[change.row_key] = (change.shard, located)
+            continue
         target, row = entry(change)
-        if found is not None and found.entry_shard != target:
+        if found is not None and found.entry_shard not in (target, NO_ENTRY):
             writes[(found.entry_shard, key)] = EntryWrite(found.entry_shard, change.row_key, change.ref_key, None)
         writes[(target, key)] = EntryWrite(target, change.row_key, change.ref_key, change.values, row=row)
         current[key] = located = Locator(change.ref_key, target)

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from logstore.errors import InvalidArgumentError, ShardMovedError
 from logstore.index_tables.persistence import (
+    NO_ENTRY,
     ApplyResult,
     Condition,
     EntryWrite,
@@ -139,8 +140,9 @@ class IndexStore:
         shards, which also records the stream's position in each shard: the last change's added_id, or
         ``through[shard]`` when higher (the end of a page whose last cells were not for the index).
         Changes at or below the stream's position are skipped (applied before). With ``stream`` None
-        no position is read or written (a replay of one cell). Every change is checked before anything
-        is written: a bad one raises InvalidArgumentError and nothing changes."""
+        no position is read or written (a replay of one cell). A change with ``values`` None removes its row's
+        entry (a tombstone). Every change is checked before anything is written: a bad one raises
+        InvalidArgumentError and nothing changes."""
         if stream not in ("live", "backfill", None):
             raise InvalidArgumentError(f"stream must be 'live', 'backfill' or None, got {stream!r}")
         positions = new_positions(changes)
@@ -156,6 +158,8 @@ class IndexStore:
             self._store.check_shard(change.shard)
             if type(change.added_id) is not int or change.added_id < 1 or type(change.ref_key) is not int:
                 raise InvalidArgumentError(f"change #{index}: added_id and ref_key must be integers")
+            if change.values is None:  # a removal: plan() asks no entry of it
+                continue
             targets[id(change)] = (
                 shard_of_value(kind, change.values[spec.shard_field], shards), encode_row(spec, change.values))
         total = ApplyResult()
@@ -180,7 +184,11 @@ class IndexStore:
             if fix.shard != self._store.shard_of(fix.row_key):
                 raise InvalidArgumentError(f"fix #{index}: row {fix.row_key} is in shard "
                                            f"{self._store.shard_of(fix.row_key)}, not {fix.shard}")
-            if fix.values is not None:
+            if fix.values is None:
+                if fix.entry_shard != NO_ENTRY:
+                    raise InvalidArgumentError(f"fix #{index}: row {fix.row_key} has no entry, so its entry shard "
+                                               f"must be {NO_ENTRY}, not {fix.entry_shard}")
+            else:
                 encode_row(spec, fix.values)
                 if fix.entry_shard != self.entry_shard(spec, fix.values[spec.shard_field]):
                     raise InvalidArgumentError(f"fix #{index}: the entry of row {fix.row_key} belongs in shard "

@@ -207,3 +207,43 @@ def test_a_history_replay_falls_back_from_the_direct_copy_to_the_upsert(postgres
         sink.close()
     rows = psql(postgres_database, "SELECT row_key, ref_key, done FROM cells_status ORDER BY added_id")
     assert rows == [[str(c.row_key), str(c.ref_key), "t" if c.body["done"] else "f"] for c in cells]
+
+
+def test_a_tombstone_marks_its_row_deleted_whatever_the_order(postgres_database: str) -> None:
+    """A tombstone cell (a migrated row's deletion) is the row's state from its version on: ``deleted`` true and
+    the promoted fields NULL in ``latest``, and an older cell loaded after it does not bring the row back;
+    ``history`` keeps it as a row of its own."""
+    from connectors.sinks.base import Position
+    from connectors.sinks.postgres import PostgresSink, PostgresSinkConfig
+
+    at = dt.datetime(2026, 11, 27, tzinfo=dt.UTC)
+    row, kept = uuid.uuid4(), uuid.uuid4()
+
+    def cell(key: uuid.UUID, ref_key: int, body: dict[str, object], added_id: int) -> logstore.Cell:
+        return logstore.Cell(row_key=key, column="BASE", ref_key=ref_key, body=body, added_id=added_id, shard=1,
+                             created_at=at)
+
+    # Logged in this order (added_ids 1-4), the older version last: ref_keys need not follow the log.
+    live, dead, older = (cell(row, 1, {"fare": 2.5}, 1), cell(row, 3, {"_deleted": True, "_key": [7]}, 3),
+                         cell(row, 2, {"fare": 9.0}, 4))
+    config = PostgresSinkConfig.model_validate(
+        {"url": postgres_database, "columns": {"BASE": {"mode": "latest", "promote": [
+            {"field": "fare", "type": "double"}]}, "NOTE": {"mode": "history"}}})
+    sink = PostgresSink(config)
+    try:
+        for batch in ([live, cell(kept, 1, {"fare": 1.0}, 2)], [dead], [older]):
+            for c in batch:
+                sink.add(c, Position(c.shard, c.added_id))
+            sink.flush()
+        note = logstore.Cell(row_key=row, column="NOTE", ref_key=5, body={"_deleted": True}, added_id=5, shard=1,
+                             created_at=at)
+        sink.add(note, Position(1, 5))
+        sink.flush()
+    finally:
+        sink.close()
+    rows = psql(postgres_database, "SELECT row_key, ref_key, deleted, fare FROM cells_base ORDER BY ref_key DESC")
+    assert rows == [[str(row), "3", "t", ""], [str(kept), "1", "f", "1"]]
+    assert psql(postgres_database, "SELECT deleted FROM cells_note") == [["t"]]
+    with pytest.raises(Exception, match="collide"):
+        PostgresSinkConfig.model_validate({"url": postgres_database, "columns": {"BASE": {
+            "mode": "latest", "promote": [{"field": "deleted", "type": "boolean"}]}}})

@@ -359,10 +359,11 @@ class MySQLIndexRecorder(IndexRecorder):
             todo, writes = repair_plan(fixes, locators, keep)
             local = remote(writes)
             statements = self._entry_statements(spec, local)
-            # Every locked row gets its locator set or deleted: no placeholder (ref_key -1) stays behind.
+            # Every locked row gets its locator set or deleted: no placeholder (ref_key -1) stays behind. A fix
+            # with a cell (an entry's, or a tombstone's: entry shard NO_ENTRY) sets it.
             statements.extend((sql.force_locator, [f.row_key.bytes, f.shard, f.ref_key, f.entry_shard])
-                              for f in todo if f.values is not None)
-            statements.extend((sql.delete_locator, [f.row_key.bytes]) for f in todo if f.values is None)
+                              for f in todo if f.ref_key >= 0)
+            statements.extend((sql.delete_locator, [f.row_key.bytes]) for f in todo if f.ref_key < 0)
             self._fenced_script(cur, statements, {*(f.shard for f in fixes), *(w.shard for w in local)})
             return len(todo)
         return self._transaction("repair index", run)

@@ -186,9 +186,10 @@ class SQLiteIndexRecorder(IndexRecorder):
             locators = self._locators(conn, sql, sorted({f.row_key.bytes for f in fixes}))
             todo, writes = repair_plan(fixes, locators, keep)
             self._write_entries(conn, spec, remote(writes))
+            # A fix with a cell (an entry's, or a tombstone's: entry shard NO_ENTRY) sets the locator.
             conn.executemany(sql.force_locator, [(f.row_key.bytes, f.shard, f.ref_key, f.entry_shard)
-                                                 for f in todo if f.values is not None])
-            conn.executemany(sql.delete_locator, [(f.row_key.bytes,) for f in todo if f.values is None])
+                                                 for f in todo if f.ref_key >= 0])
+            conn.executemany(sql.delete_locator, [(f.row_key.bytes,) for f in todo if f.ref_key < 0])
         return len(todo)
 
     def _write_entries(self, conn: sqlite3.Connection, spec: IndexSpec, writes: Sequence[EntryWrite]) -> None:
