@@ -60,7 +60,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     a.add_argument("--max-load", type=int, default=None, metavar="N",
                    help="the copy waits while more than N statements run on the source (the changes go on)")
     a.add_argument("--max-replica-lag", type=float, default=None, metavar="S",
-                   help="the copy waits while the source's replicas are more than S seconds behind (PostgreSQL)")
+                   help="the copy waits while the source's replicas are more than S seconds behind (PostgreSQL's "
+                        "standbys; a MySQL source's source.replicas)")
     a.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     a.add_argument("--lag-warning", type=float, default=60.0, metavar="S",
                    help="log a warning when the capture is more than S seconds behind the source (60)")

@@ -46,4 +46,5 @@ def open_source(spec: MigrationSpec, *, capture: bool = True) -> MigrationSource
 
     # A binlog reader is a replica to the server: an id of its own, the same for every run of this migration.
     server_id = 1_000_000 + zlib.crc32(spec.name.encode()) % 1_000_000 if capture else 0
-    return MySQLSource(url, spec.source.table, server_id=server_id)
+    return MySQLSource(url, spec.source.table, server_id=server_id,
+                       replicas=[r.get_secret_value() for r in spec.source.replicas])

@@ -4,6 +4,7 @@
     source:
       url: postgresql://user:password@10.0.0.5:5432/app   # or mysql://... (a MySQL/MariaDB server)
       table: trips
+      # replicas: [mysql://user:password@10.0.0.7:3306/app]   # MySQL: replicas whose lag holds the copy
     row_key:
       column: trip_uuid                # a UUID column of the table, or:
       # uuid5: 6ba7b811-9dad-11d1-80b4-00c04fd430c8   # uuid5(namespace, "trips:" + the primary key)
@@ -42,6 +43,18 @@ class SourceSpec(BaseModel):
     table: str = Field(pattern=_IDENTIFIER)
     schema_name: str | None = Field(None, alias="schema", pattern=_IDENTIFIER,
                                     description="PostgreSQL's schema (public); MySQL's database is the URL's")
+    replicas: list[SecretStr] = Field(default_factory=list, description="MySQL/MariaDB replicas whose lag holds "
+                                      "the copy (gh-ost's --throttle-control-replicas): mysql:// URLs, never "
+                                      "printed; PostgreSQL reports its standbys' lag itself")
+
+    @model_validator(mode="after")
+    def _replicas_of_mysql(self) -> SourceSpec:
+        if self.replicas and self.kind != "mysql":
+            raise ValueError("replicas: PostgreSQL reports its standbys' lag itself; replicas are for a MySQL source")
+        for replica in self.replicas:
+            if url_kind(replica.get_secret_value()) != "mysql":
+                raise ValueError("replicas: each is a mysql:// URL")
+        return self
 
     @field_validator("url")
     @classmethod

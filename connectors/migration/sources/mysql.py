@@ -22,6 +22,7 @@ import base64
 import contextlib
 import json
 import logging
+import math
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -84,6 +85,16 @@ def decode_position(position: int, base: str) -> tuple[str, int]:
     return f"{base}.{position >> _OFFSET_BITS:06d}", position & ((1 << _OFFSET_BITS) - 1)
 
 
+def _connect(target: MySQLTarget, settings: dict[str, Any]) -> Connection:
+    """A connection with the target's TLS settings; with ``PREFERRED``, in the clear when the server has none."""
+    try:
+        return pymysql.connect(**settings, **target.ssl_options())
+    except pymysql.err.OperationalError as exc:
+        if target.ssl_mode != "PREFERRED" or exc.args[0] != _SSL_UNSUPPORTED:
+            raise
+        return pymysql.connect(**settings, ssl_disabled=True)
+
+
 @contextlib.contextmanager
 def _translated(what: str) -> Iterator[None]:
     """The one boundary where driver errors become the connectors' typed ones (the password never in them)."""
@@ -112,16 +123,19 @@ class MySQLSource(MigrationSource):
         table: the table's name in that database.
         server_id: the replica id the binlog reader registers with: unique among the source's replicas and
             readers (two readers with one id cut each other off).
+        replicas: URLs of the source's replicas whose lag :meth:`load` reports (their database part unused).
 
     Raises:
         ConfigurationError: the URL cannot be parsed.
     """
 
-    def __init__(self, url: str, table: str, *, server_id: int) -> None:
+    def __init__(self, url: str, table: str, *, server_id: int, replicas: Sequence[str] = ()) -> None:
         try:
             self._target: MySQLTarget = parse_url(url)
+            self._replicas = [parse_url(replica) for replica in replicas]
         except InvalidArgumentError as exc:
             raise ConfigurationError(f"migration source: {exc}") from exc
+        self._replica_conns: dict[int, Connection] = {}
         self._table = table
         self._server_id = server_id
         self._where = f"{self._target.redacted()} table {table}"
@@ -147,14 +161,9 @@ class MySQLSource(MigrationSource):
         if self._conn is not None:
             return self._conn
         with _translated(f"connecting to {self._where}"):
-            settings = {**self._settings(), "database": self._target.database, "autocommit": True}
-            try:
-                conn = pymysql.connect(**settings, **self._ssl())
-            except pymysql.err.OperationalError as exc:
-                if self._target.ssl_mode != "PREFERRED" or exc.args[0] != _SSL_UNSUPPORTED:
-                    raise
-                conn = pymysql.connect(**settings, ssl_disabled=True)  # PREFERRED, and the server has no TLS
-                self._in_clear = True
+            conn = _connect(self._target, {**self._settings(), "database": self._target.database,
+                                           "autocommit": True})
+            self._in_clear = self._target.ssl_mode == "PREFERRED" and not conn.ssl
             with conn.cursor() as cur:
                 cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")  # a snapshot per chunk
                 try:
@@ -177,16 +186,9 @@ class MySQLSource(MigrationSource):
         capture must see the writes), and it commits explicitly (autocommit off: one transaction per call)."""
         if self._writer is not None:
             return self._writer
-        settings = {**self._settings(), "database": self._target.database, "autocommit": False}
-        try:
-            conn = pymysql.connect(**settings, **({"ssl_disabled": True} if self._in_clear else self._ssl()))
-        except pymysql.err.OperationalError as exc:
-            if self._target.ssl_mode != "PREFERRED" or exc.args[0] != _SSL_UNSUPPORTED:
-                raise
-            conn = pymysql.connect(**settings, ssl_disabled=True)  # PREFERRED, and the server has no TLS
-            self._in_clear = True
-        self._writer = conn
-        return conn
+        self._writer = _connect(self._target, {**self._settings(), "database": self._target.database,
+                                                "autocommit": False})
+        return self._writer
 
     def _query(self, sql: str, args: Any = None) -> list[tuple[Any, ...]]:
         with _translated(f"reading {self._where}"):
@@ -706,9 +708,39 @@ class MySQLSource(MigrationSource):
         return self._status() + 1
 
     def load(self) -> SourceLoad:
-        """``Threads_running`` but this connection's; a MySQL primary does not report its replicas' lag."""
+        """``Threads_running`` but this connection's, and the largest lag of the replicas given (a primary does
+        not know its replicas' lag): ``Seconds_Behind_Master`` (``_Source`` on MySQL 8), infinite for one whose
+        replication is stopped or that does not answer (gh-ost's throttle does the same). None without
+        replicas."""
         [(_, running)] = self._query("SHOW GLOBAL STATUS LIKE 'Threads_running'")
-        return SourceLoad(max(0, int(running) - 1), None)
+        lags = [self._replica_lag(i) for i in range(len(self._replicas))]
+        return SourceLoad(max(0, int(running) - 1), max(lags) if lags else None)
+
+    def _replica_lag(self, index: int) -> float:
+        target = self._replicas[index]
+        try:
+            with _translated(f"reading the replication status of {target.redacted()}"):
+                conn = self._replica_conns.get(index)
+                if conn is None:
+                    conn = self._replica_conns[index] = _connect(target, {
+                        "host": target.host, "port": target.port, "user": target.user, "password": target.password,
+                        "connect_timeout": 5, "autocommit": True, "cursorclass": pymysql.cursors.DictCursor})
+                with conn.cursor() as cur:
+                    try:
+                        cur.execute("SHOW REPLICA STATUS")
+                    except pymysql.err.ProgrammingError:  # MariaDB before 10.5, MySQL before 8.0.22
+                        cur.execute("SHOW SLAVE STATUS")
+                    rows: list[dict[str, Any]] = list(cur.fetchall())  # type: ignore[arg-type]  # a DictCursor
+        except MigrationSourceError as exc:
+            self._replica_conns.pop(index, None)
+            logger.warning("%s: the copy waits: %s", self._where, exc)
+            return math.inf
+        lag = rows[0].get("Seconds_Behind_Master", rows[0].get("Seconds_Behind_Source")) if rows else None
+        if lag is None:
+            logger.warning("%s: replica %s does not replicate (stopped, or not a replica): the copy waits",
+                           self._where, target.redacted())
+            return math.inf
+        return float(lag)
 
     def stop_changes(self) -> None:
         """End the capture: its position row is deleted (idempotent). The binlog itself is the server's, purged
@@ -724,6 +756,10 @@ class MySQLSource(MigrationSource):
         """Close the connections (the capture's position stays for the next run)."""
         self._drop_connection()
         self._drop_writer()
+        for conn in self._replica_conns.values():
+            with contextlib.suppress(pymysql.err.Error, OSError):
+                conn.close()
+        self._replica_conns.clear()
 
 
 def _python(value: Any, column: _Column) -> Any:

@@ -83,6 +83,7 @@ def test_json_value(value: object, want: object) -> None:
     (("BASE: [rider, fare]", "BASE: []"), "names no source column"),
     (("BASE:", "_BASE:"), "reserved"),
     (("table: trips", "table: 'trips; drop'"), "table"),
+    (("table: trips", "table: trips, replicas: ['mysql://u:p@h:3306/db']"), "replicas are for a MySQL source"),
 ])
 def test_a_wrong_declaration_is_named(change: tuple[str, str], problem: str) -> None:
     with pytest.raises(ConfigFileError, match=problem):

@@ -426,3 +426,57 @@ def test_a_sampled_diff_of_another_key_steps_over_whole_chunks(source_db: Source
     assert 0 < sampled.rows <= 100 and sampled.different == sampled.rows  # every one listed
     assert compared == {k for chunk in chunks if chunk[0] in compared for k in chunk}  # whole chunks
     assert everything.rows == len(keys) and everything.different == len(keys)
+
+
+def test_the_copy_waits_while_a_mysql_replica_lags(tmp_path: Path) -> None:
+    """``source.replicas``: the copy of a MySQL source waits while a replica is more than --max-replica-lag
+    behind (gh-ost's throttle-control replicas), the changes going on meanwhile, and goes on once it caught up."""
+    from tests.harness.replica_pair import ReplicaPair
+
+    with ReplicaPair(tmp_path / "pair", delay=3) as pair:  # the replica applies each event 3 s late
+        url = pair.primary.url("app")
+        db = SourceDB("mysql", url)
+        try:
+            db.execute("SET GLOBAL binlog_row_metadata = FULL")  # the private server's text is not UTF-8
+            create_table(db)
+            db.execute("CREATE TABLE beat (n int PRIMARY KEY, at double)")
+            spec = load_migration(spec_text(url).replace("table: trips}", f'table: trips, replicas: '
+                                                         f'["{pair.replica.url("app")}"]}}'))
+            stop, beats = threading.Event(), SourceDB("mysql", url)
+
+            def beat() -> None:
+                n = 0
+                while not stop.wait(0.05):
+                    n += 1
+                    beats.execute("INSERT INTO beat VALUES (%s, %s)", (n, time.time()))
+            beating = threading.Thread(target=beat, daemon=True)
+            beating.start()
+            metrics = MoveMetrics()
+            with logstore.open(f"sqlite:///{tmp_path}/store", shards=16) as store:
+                source = open_source(spec)
+                try:
+                    deadline = time.monotonic() + 30
+                    while (lag := source.load().replica_lag) is None or lag < 1.0:
+                        assert time.monotonic() < deadline, lag
+                        time.sleep(0.2)
+                    mover = Mover(spec, source, store, chunk_rows=500, max_replica_lag=0.5, metrics=metrics)
+                    copy = threading.Thread(target=mover.run, kwargs={"follow": False}, daemon=True)
+                    copy.start()
+                    time.sleep(1.5)
+                    db.execute("UPDATE trips SET note = 'during' WHERE id = 7")
+                    time.sleep(1.5)
+                    waiting = MigrationRecords(store).get("trips")
+                    assert waiting.rows_copied == 0 and waiting.changes_applied >= 1  # held; the changes go on
+                    stop.set()  # the replica catches up 3 s later, then the copy goes on
+                    copy.join(timeout=60)
+                    assert not copy.is_alive()
+                    assert MigrationRecords(store).get("trips").phase == "copied"
+                finally:
+                    source.stop_changes()
+                    source.close()
+            waited = metrics.registry.get_sample_value("cellstream_migration_copy_throttled_seconds_total",
+                                                       {"migration": "trips"})
+            assert waited is not None and waited >= 3.0
+        finally:
+            stop.set()
+            db.close()
