@@ -5,8 +5,8 @@
                           [--max-load N] [--max-replica-lag S] [--metrics-port PORT] [--lag-warning S]
   cellstream migrate status FILE [--max-lag S]
   cellstream migrate cancel FILE
-  cellstream migrate diff FILE [--chunk-rows N] [--sample RATE] [--rate ROWS/S]
-  cellstream migrate repair FILE [--chunk-rows N] [--sample RATE] [--rate ROWS/S]
+  cellstream migrate diff FILE [--chunk-rows N] [--sample RATE] [--rate ROWS/S] [--resume]
+  cellstream migrate repair FILE [--chunk-rows N] [--sample RATE] [--rate ROWS/S] [--resume]
   cellstream migrate switch FILE --reads N | --writes [--max-lag S] [--wait S]
   cellstream migrate reverse FILE [--max-behind N] [--wait S]
   cellstream migrate complete FILE [--wait S]
@@ -84,6 +84,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                             "looked for only without it")
         a.add_argument("--rate", type=float, default=None, metavar="ROWS/S",
                        help="source rows compared a second at most")
+        a.add_argument("--resume", action="store_true",
+                       help=f"go on with the last {action} that did not finish (killed, or stopped), from its "
+                            "last chunk")
         a.set_defaults(run=cmd_diff, repair=action == "repair")
     a = actions.add_parser("switch", parents=[common], help="turn the read dial, or send the writes to the store")
     a.add_argument("file", type=Path, help="the migration's YAML declaration")
@@ -169,17 +172,33 @@ def cmd_status(store: Store, args: argparse.Namespace, out: Output) -> int:
         print(f"cellstream: migration {spec.name}: the capture is {lag.seconds:.0f} s behind the source (over "
               f"--max-lag {args.max_lag:g}): run `cellstream migrate start`, or `migrate cancel` to free the "
               "source's log", file=sys.stderr)
-    out.emit({**record.model_dump(mode="json"), "lag_bytes": lag.bytes, "lag_seconds": lag.seconds},
+    last = MigrationRecords(store).last_diff(spec.name)
+    out.emit({**record.model_dump(mode="json"), "lag_bytes": lag.bytes, "lag_seconds": lag.seconds,
+              "last_diff": None if last is None else last.model_dump(mode="json", exclude={"listed"})},
              f"migration {spec.name} ({record.source}): {record.phase}; {record.rows_copied:,} rows copied, "
              f"{record.changes_applied:,} changes applied; the capture is {lag.bytes:,} bytes "
              f"({lag.seconds:.1f} s) behind the source; writes go to the {record.writes}"
-             + (f", {record.flowed_back:,} cells flowed back" if record.flowed_back else ""))
+             + (f", {record.flowed_back:,} cells flowed back" if record.flowed_back else "")
+             + _last_diff(last))
     return Exit.STALLED if lagging else Exit.OK
 
 
+def _last_diff(state: Any) -> str:
+    """The status line's words on the last diff (a DiffState, or None)."""
+    if state is None:
+        return ""
+    kind = "repair" if state.repair else "diff"
+    if not state.done:
+        return f"; the last {kind} stopped after {state.rows:,} rows (`migrate {kind} --resume`)"
+    return (f"; the last {kind} ({state.updated_at:%Y-%m-%d %H:%M} UTC): {state.rows:,} rows, "
+            f"{state.missing} missing, {state.different} different, {state.extra} extra")
+
+
 def cmd_diff(store: Store, args: argparse.Namespace, out: Output) -> int:
+    from connectors.errors import MigrationStateError
     from connectors.migration.diff import diff
     from connectors.migration.opening import open_source
+    from connectors.migration.records import MigrationRecords
     from connectors.migration.spec import load_migration
 
     if args.chunk_rows < 1:
@@ -189,11 +208,26 @@ def cmd_diff(store: Store, args: argparse.Namespace, out: Output) -> int:
     if args.rate is not None and args.rate <= 0:
         raise UsageError("--rate must be above 0")
     spec = load_migration(args.file)
+    records = MigrationRecords(store)
+    records.get(spec.name)  # a migration of that name, or a typed error saying so
+    resume = records.last_diff(spec.name) if args.resume else None
+    if args.resume:
+        if resume is None or resume.done or resume.repair != args.repair:
+            what = "repair" if args.repair else "diff"
+            raise MigrationStateError(f"migration {spec.name}: no {what} left unfinished to resume: run `migrate "
+                                      f"{what}` without --resume")
+        if args.sample is not None and args.sample != resume.sample:
+            raise UsageError(f"--resume goes on with the diff's own sample ({resume.sample}), not --sample")
+        args.sample = resume.sample
+
     source = open_source(spec, capture=False)
     try:
         with Bar(out, "rows", desc=f"diff {spec.name}") as bar:
+            if resume is not None:
+                bar.show(resume.rows, None)
             report = diff(spec, source, store, chunk_rows=args.chunk_rows, progress=lambda n: bar.show(n),
-                          repair=args.repair, sample=args.sample, rate=args.rate)
+                          repair=args.repair, sample=args.sample, rate=args.rate, resume=resume,
+                          save=lambda state: records.save_diff(spec.name, state))
     finally:
         source.close()
     listed = [{"kind": kind, "key": None if d.key is None else list(d.key), "row_key": str(d.row_key),

@@ -14,12 +14,15 @@ on (pt-table-checksum's spirit), which finds a steady drift but not every row.
 
 from __future__ import annotations
 
+import datetime as dt
 import random
 import uuid
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from connectors.migration.mapping import RowMapper, tombstone
+from pydantic import BaseModel, ConfigDict, Field
+
+from connectors.migration.mapping import RowMapper, json_value, tombstone
 from connectors.migration.source import Chunk, Key, MigrationSource
 from connectors.migration.spec import MigrationSpec
 from logstore import Store
@@ -53,6 +56,37 @@ class DiffReport(NamedTuple):
         return not (self.missing or self.different or self.extra)
 
 
+class DiffState(BaseModel):
+    """Where a diff is, saved after each chunk (in the migration's record, ``diff``), so ``migrate diff --resume``
+    goes on from there after a kill (Vitess's VDiff could not: vitessio/vitess#10495), and ``migrate status``
+    shows the last diff's result once it is ``done``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sample: float | None = None
+    seed: int
+    repair: bool = False
+    started_at: dt.datetime
+    updated_at: dt.datetime
+    done: bool = False
+    after: list[Any] | None = Field(None, description="the last key compared or stepped over (walking the key)")
+    draws: int = Field(0, description="the sample's draws made so far (walking the key)")
+    probes: list[int] | None = Field(None, description="a sample's probe keys (an integer key), in order")
+    probes_done: int = 0
+    rows: int = 0
+    missing: int = 0
+    different: int = 0
+    extra: int = 0
+    ahead: int = 0
+    position: int = 0
+    listed: list[list[Any]] = Field(default_factory=list, description="[kind, key, row key, column, fields]")
+
+    def report(self) -> DiffReport:
+        return DiffReport(self.rows, self.missing, self.different, self.extra, [
+            (kind, Difference(None if key is None else tuple(key), uuid.UUID(row_key), column, fields))
+            for kind, key, row_key, column, fields in self.listed], self.ahead)
+
+
 def latest_cells(store: Store, columns: list[str], page: int = 5000) -> dict[tuple[uuid.UUID, str], tuple[int, Any]]:
     """The latest (ref_key, body) of every (row key, column) of ``columns`` in the store, from one pass over
     every shard's log.
@@ -80,7 +114,8 @@ def latest_cells(store: Store, columns: list[str], page: int = 5000) -> dict[tup
 
 def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_rows: int = 1000,
          progress: Callable[[int], None] | None = None, repair: bool = False, sample: float | None = None,
-         rate: float | None = None, seed: int | None = None) -> DiffReport:
+         rate: float | None = None, seed: int | None = None, resume: DiffState | None = None,
+         save: Callable[[DiffState], None] | None = None) -> DiffReport:
     """Compare the source table with the cells of ``spec``; with ``repair``, also write what makes the cells
     match (``cellstream migrate repair``): a missing or different row's cells as the source holds it, at the
     chunk's position (a version one above the newest stored, when versioned by a column), and a tombstone for an
@@ -96,6 +131,10 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
             for only without a sample.
         rate: source rows compared a second at most (the jobs' token bucket; None: no limit).
         seed: the seed of the sample's draw (None: random).
+        resume: a diff's saved state to go on from (its sample, seed and repair are used, not the arguments'). A
+            full diff resumed reads the rows it compared before once more, by their keys' chunks, to know
+            which cells are extra.
+        save: called with the state after each chunk (and once done), to resume from.
 
     Returns:
         What differed (before the repair, when repairing).
@@ -105,8 +144,14 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
         row has no cells' form. CorruptCellError: a cell cannot be read. StorageUnavailableError: a repair's
         write did not reach the store (retriable: run it again).
     """
+    if resume is not None:
+        sample, repair = resume.sample, resume.repair
     if sample is not None and not 0 < sample <= 1:
         raise InvalidArgumentError(f"a diff's sample is a share of the rows, 0 < sample <= 1, not {sample}")
+    at = dt.datetime.now(dt.UTC)
+    state = resume.model_copy(deep=True) if resume is not None else DiffState(
+        sample=sample, seed=random.randrange(1 << 31) if seed is None else seed, repair=repair, started_at=at,
+        updated_at=at)
     mapper = RowMapper(spec)
     latest = latest_cells(store, list(spec.columns)) if sample is None else {}
 
@@ -116,16 +161,22 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
         cell = store.get_cell_latest(row_key, column)
         return None if cell is None else (cell.ref_key, cell.body)
 
-    draw = random.Random(seed)
+    draw = random.Random(state.seed)
+    for _ in range(state.draws):  # where a resumed walk's draw was
+        draw.random()
     throttle = Throttle(ThrottleSettings(rate=rate))
-    listed: list[tuple[str, Difference]] = []
-    counts = {"missing": 0, "different": 0, "extra": 0, "ahead": 0}
     fixes: list[tuple[uuid.UUID, str, int, dict[str, Any]]] = []
 
     def note(kind: str, difference: Difference) -> None:
-        counts[kind] += 1
-        if len(listed) < LISTED:
-            listed.append((kind, difference))
+        setattr(state, kind, getattr(state, kind) + 1)
+        if len(state.listed) < LISTED:
+            key = None if difference.key is None else [json_value(v) for v in difference.key]
+            state.listed.append([kind, key, str(difference.row_key), difference.column, difference.fields])
+
+    def saved() -> None:
+        if save is not None:
+            state.updated_at = dt.datetime.now(dt.UTC)
+            save(state.model_copy(deep=True))
 
     def write() -> None:
         if fixes:
@@ -134,11 +185,9 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
 
     seen: set[uuid.UUID] = set()
     compared: set[Key] = set()  # a sample's probes may read a row twice: compared once
-    rows, position = 0, 0
 
     def compare(chunk: Chunk) -> None:
-        nonlocal rows, position
-        position = max(position, chunk.position)
+        state.position = max(state.position, chunk.position)
         fresh = [row for row in chunk.rows if row.key not in compared]
         if sample is not None:
             compared.update(row.key for row in fresh)
@@ -147,7 +196,7 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
                 seen.add(cell.row_key)
                 found = newest(cell.row_key, cell.column)
                 if found is not None and mapper.versioned_by_position and found[0] > chunk.position:
-                    counts["ahead"] += 1  # changed after this read, and the cells have it
+                    state.ahead += 1  # changed after this read, and the cells have it
                     continue
                 if found is None or is_tombstone(found[1]):
                     note("missing", Difference(row.key, cell.row_key, cell.column, []))
@@ -163,35 +212,68 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
             write()
         else:
             fixes.clear()
-        rows += len(fresh)
+        state.rows += len(fresh)
         if progress is not None:
-            progress(rows)
+            progress(state.rows)
         throttle.wait(len(fresh))
 
-    span = source.key_span() if sample is not None else None
-    if sample is not None and span is not None:
-        # Probes: chunks read from random points of an integer key, a range read of the key's index each, so
-        # the source does the sample's work and no more (stepping over the rest reads its whole index).
-        low, high, estimate = span
-        for start in sorted(draw.randint(low, high) for _ in range(max(1, round(estimate * sample / chunk_rows)))):
-            compare(source.read_chunk((start - 1,), chunk_rows))
+    if sample is not None and state.probes is None and state.after is None and not state.draws:
+        span = source.key_span()
+        if span is not None:
+            # Probes: chunks read from random points of an integer key, a range read of the key's index each, so
+            # the source does the sample's work and no more (stepping over the rest reads its whole index).
+            low, high, estimate = span
+            state.probes = sorted(draw.randint(low, high)
+                                  for _ in range(max(1, round(estimate * sample / chunk_rows))))
+    if state.probes is not None:
+        while state.probes_done < len(state.probes):
+            compare(source.read_chunk((state.probes[state.probes_done] - 1,), chunk_rows))
+            state.probes_done += 1
+            saved()
     else:
-        after: Key | None = None
+        after: Key | None = None if state.after is None else tuple(state.after)
+        if sample is None and after is not None:
+            seen.update(_row_keys_through(source, mapper, after, chunk_rows))
         while True:
-            if sample is not None and draw.random() >= sample:
-                after = source.skip_keys(after, chunk_rows)
-                if after is None:
-                    break
-                continue
+            if sample is not None:
+                state.draws += 1
+                if draw.random() >= sample:
+                    after = source.skip_keys(after, chunk_rows)
+                    if after is None:
+                        break
+                    state.after = [json_value(v) for v in after]
+                    continue
             chunk = source.read_chunk(after, chunk_rows)
             compare(chunk)
             if chunk.last is None or len(chunk.rows) < chunk_rows:
                 break
             after = chunk.last
+            state.after = [json_value(v) for v in after]
+            saved()
     for (row_key, column), (ref_key, body) in latest.items():
         if row_key not in seen and not is_tombstone(body):
             note("extra", Difference(None, row_key, column, []))
-            fixes.append((row_key, column, max(ref_key + 1, position), tombstone(None)))
+            fixes.append((row_key, column, max(ref_key + 1, state.position), tombstone(None)))
     if repair:
         write()
-    return DiffReport(rows, counts["missing"], counts["different"], counts["extra"], listed, counts["ahead"])
+    state.done = True
+    saved()
+    return state.report()
+
+
+def _row_keys_through(source: MigrationSource, mapper: RowMapper, last: Key, chunk_rows: int) -> set[uuid.UUID]:
+    """The row keys of the source rows up to the one keyed ``last`` (in its JSON form: a resumed full diff's
+    rows compared before), or of them all if it is gone: the extra cells are those of no source row, and a key
+    past it here is compared again anyway. The server orders the keys; only equality is asked of ``last``."""
+    keys: set[uuid.UUID] = set()
+    wanted = list(last)
+    after: Key | None = None
+    while True:
+        chunk = source.read_chunk(after, chunk_rows)
+        for row in chunk.rows:
+            keys.add(mapper.row_key(row.key, row.values))
+            if [json_value(v) for v in row.key] == wanted:
+                return keys
+        if chunk.last is None or len(chunk.rows) < chunk_rows:
+            return keys
+        after = chunk.last

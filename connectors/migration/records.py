@@ -20,9 +20,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from connectors.errors import MigrationStateError
+from connectors.migration.diff import DiffState
 from logstore import CellConflictError, Store
 
 MIGRATION_COLUMN = "_migration"
+DIFF_COLUMN = "_migration_diff"  # the last diff's state, a revision per chunk: apart, so the record stays small
 _NAMESPACE = uuid.UUID("8e1f0c52-7d3b-4a96-b2e5-1f6a9c3d7e40")
 _WRITE_TRIES = 16
 Phase = Literal["copying", "copied", "switching", "switched", "reversing", "completing", "completed", "cancelled"]
@@ -122,6 +124,24 @@ class MigrationRecords:
                 continue
         raise MigrationStateError(f"migration {name}: the record changed {_WRITE_TRIES} times while this change "
                                   "was made")
+
+    def last_diff(self, name: str) -> DiffState | None:
+        """The state of the migration's last diff (or repair), or None when none ran."""
+        cell = self.store.get_cell_latest(self.row_key(name), DIFF_COLUMN)
+        return None if cell is None else DiffState.model_validate(cell.body)
+
+    def save_diff(self, name: str, state: DiffState) -> None:
+        """Keep a diff's state as the migration's last (one diff at a time: a later save wins)."""
+        for _ in range(_WRITE_TRIES):
+            latest = self.store.get_cell_latest(self.row_key(name), DIFF_COLUMN)
+            try:
+                self.store.put_system_cells([(self.row_key(name), DIFF_COLUMN, 1 if latest is None else
+                                              latest.ref_key + 1, state.model_dump(mode="json"))])
+                return
+            except CellConflictError:
+                continue
+        raise MigrationStateError(f"migration {name}: its diff state changed {_WRITE_TRIES} times while this one "
+                                  "was saved (two diffs at once?)")
 
     def _write(self, record: MigrationRecord, revision: int) -> MigrationRecord:
         body = record.model_dump(mode="json", exclude={"revision"})

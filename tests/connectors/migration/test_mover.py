@@ -480,3 +480,48 @@ def test_the_copy_waits_while_a_mysql_replica_lags(tmp_path: Path) -> None:
         finally:
             stop.set()
             db.close()
+
+
+def test_a_diff_killed_midway_goes_on_from_its_last_chunk(table: SourceDB, postgres_source_database: str,
+                                                         tmp_path: Path) -> None:
+    """``migrate diff --resume``: a diff SIGKILLed midway goes on from the last chunk it saved and ends with the
+    counts of a diff run whole, the extra rows included; `status` shows the result."""
+    spec = spec_for(postgres_source_database)
+    spec_file = tmp_path / "trips.yaml"
+    spec_file.write_text(spec_text(postgres_source_database))
+    store_url = f"sqlite:///{tmp_path}/store"
+    with logstore.open(store_url, shards=16) as store:
+        source = open_source(spec)
+        try:
+            Mover(spec, source, store, chunk_rows=500).run(until_caught_up=True)
+        finally:
+            source.close()
+    # No migration runs to apply these: they stay differences.
+    table.execute("UPDATE trips SET fare = fare + 1 WHERE MOD(id, 10) = 0")
+    table.execute("DELETE FROM trips WHERE id > 1990")
+    cli = [sys.executable, "-m", "cellstream", "migrate"]
+    run = [str(spec_file), "--store", store_url, "--chunk-rows", "50", "--json"]
+    killed = subprocess.Popen([*cli, "diff", *run, "--rate", "500"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    with logstore.open(store_url) as store:
+        deadline = time.monotonic() + 60
+        while (state := MigrationRecords(store).last_diff("trips")) is None or state.rows < 500:
+            assert time.monotonic() < deadline and killed.poll() is None
+            time.sleep(0.05)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        stopped = MigrationRecords(store).last_diff("trips")
+    assert stopped is not None and not stopped.done and 500 <= stopped.rows < 1990
+    resumed = subprocess.run([*cli, "diff", *run, "--resume"], capture_output=True, text=True, timeout=120)
+    with logstore.open(store_url) as store:
+        ended = MigrationRecords(store).last_diff("trips")
+    assert ended is not None and ended.done and ended.started_at == stopped.started_at  # the same diff, gone on
+    whole = subprocess.run([*cli, "diff", *run], capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == whole.returncode == 8, resumed.stderr
+    counts = [{k: json.loads(r.stdout)[k] for k in ("rows", "missing", "different", "extra")} for r in (resumed, whole)]
+    assert counts[0] == counts[1] == {"rows": 1990, "missing": 0, "different": 199, "extra": 20}
+    again = subprocess.run([*cli, "diff", *run, "--resume"], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 9 and "no diff left unfinished" in again.stderr
+    status = subprocess.run([*cli, "status", str(spec_file), "--store", store_url, "--max-lag", "1e9"],
+                            capture_output=True, text=True, timeout=60)
+    assert "the last diff" in status.stdout and "199 different, 20 extra" in status.stdout, status.stdout
