@@ -120,6 +120,13 @@ def test_separate_tailer_and_app_processes_follow_the_promotion(pair: ReplicaPai
         consumers.append(running)
         writers = PutWriters(store, 2, body=lambda _: trip(DRIVERS[0], CITIES[0], 1), pause=0.01)
         time.sleep(2.0)
+        # The app claimed its offsets on node a and the replica holds the claims: on a loaded machine a process
+        # can start after the cut, and its claim, on the lost primary alone, would be lost with it.
+        deadline = time.monotonic() + 60
+        while not running.handled():
+            assert time.monotonic() < deadline, "the app handled nothing" + running.tail("app")
+            time.sleep(0.1)
+        pair.wait_caught_up()
         pair.cut()
         time.sleep(1.0)
         pair.primary.kill()
