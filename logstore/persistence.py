@@ -284,6 +284,11 @@ class NodeRecorder(ABC):
     @abstractmethod
     def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None: ...
 
+    def get_latest_many(self, coordinates: Sequence[tuple[int, uuid.UUID, str]]) -> list[Cell | None]:
+        """The latest cell of each (shard, row key, column), in the order given (None: there is none). Here a
+        read each; a backend that can reads many in one statement."""
+        return [self.get_latest(shard, row_key, column) for shard, row_key, column in coordinates]
+
     @abstractmethod
     def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
         """The highest-ref_key cell of every column of the row."""

@@ -818,6 +818,29 @@ class Store:
         shard = shard_of(key, self._cluster.shards)
         return self._recorder(shard).get_latest(shard, key, check_column(column, allow_reserved=True))
 
+    def get_cells_latest(self, coordinates: Iterable[tuple[uuid.UUID | str, str]]) -> list[Cell | None]:
+        """The latest cell of each (row_key, column), in the order given: a read per storage node (a statement a
+        few hundred on MySQL/MariaDB) where :meth:`get_cell_latest` is one a coordinate.
+
+        Returns:
+            A cell or None (none there) for each coordinate.
+
+        Raises:
+            As :meth:`get_cell_latest`'s.
+        """
+        shards = self._cluster.shards
+        wanted = [(shard_of(key, shards), key, check_column(column, allow_reserved=True))
+                  for key, column in ((coerce_row_key(r), c) for r, c in coordinates)]
+        self._fresh_map()
+        by_node: dict[str, list[int]] = {}
+        for i, (shard, _, _) in enumerate(wanted):
+            by_node.setdefault(self._node_of[shard], []).append(i)
+        out: list[Cell | None] = [None] * len(wanted)
+        for node, indexes in by_node.items():
+            for i, cell in zip(indexes, self._named(node).get_latest_many([wanted[i] for i in indexes]), strict=True):
+                out[i] = cell
+        return out
+
     def get_row(self, row_key: uuid.UUID | str) -> dict[str, Cell]:
         """The latest cell (highest ref_key) of every column of the row, by column name ({} for an unknown row).
 

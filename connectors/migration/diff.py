@@ -127,8 +127,8 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
         sample: compare about that share of the rows (0 < sample <= 1), in chunks drawn at random: read from
             random points of the key when it is one integer column (:meth:`MigrationSource.key_span`), else
             chosen while stepping over the others by their keys alone (:meth:`MigrationSource.skip_keys`). Each
-            compared row's cells are read by point reads instead of a scan of the store. Extra rows are looked
-            for only without a sample.
+            compared chunk's cells are read at once (:meth:`~logstore.Store.get_cells_latest`) instead of a scan
+            of the store. Extra rows are looked for only without a sample.
         rate: source rows compared a second at most (the jobs' token bucket; None: no limit).
         seed: the seed of the sample's draw (None: random).
         resume: a diff's saved state to go on from (its sample, seed and repair are used, not the arguments'). A
@@ -154,12 +154,6 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
         updated_at=at)
     mapper = RowMapper(spec)
     latest = latest_cells(store, list(spec.columns)) if sample is None else {}
-
-    def newest(row_key: uuid.UUID, column: str) -> tuple[int, Any] | None:
-        if sample is None:
-            return latest.get((row_key, column))
-        cell = store.get_cell_latest(row_key, column)
-        return None if cell is None else (cell.ref_key, cell.body)
 
     draw = random.Random(state.seed)
     for _ in range(state.draws):  # where a resumed walk's draw was
@@ -189,12 +183,17 @@ def diff(spec: MigrationSpec, source: MigrationSource, store: Store, *, chunk_ro
     def compare(chunk: Chunk) -> None:
         state.position = max(state.position, chunk.position)
         fresh = [row for row in chunk.rows if row.key not in compared]
-        if sample is not None:
+        mapped = [(row, mapper.cells(row, chunk.position)) for row in fresh]
+        newest = latest
+        if sample is not None:  # the chunk's cells in a read per storage node, not a scan of the store
             compared.update(row.key for row in fresh)
-        for row in fresh:
-            for cell in mapper.cells(row, chunk.position):
+            wanted = [(cell.row_key, cell.column) for _, cells in mapped for cell in cells]
+            newest = {at: (cell.ref_key, cell.body) for at, cell in zip(wanted, store.get_cells_latest(wanted),
+                                                                         strict=True) if cell is not None}
+        for row, cells in mapped:
+            for cell in cells:
                 seen.add(cell.row_key)
-                found = newest(cell.row_key, cell.column)
+                found = newest.get((cell.row_key, cell.column))
                 if found is not None and mapper.versioned_by_position and found[0] > chunk.position:
                     state.ahead += 1  # changed after this read, and the cells have it
                     continue

@@ -128,3 +128,26 @@ def test_every_read_of_the_logs_is_one_recorder_call_through_read_pages(sqlite_u
     assert recorder_calls == [(1, False), (4, False), (4, True), (4, True)]
     assert store_calls == [False, True, True]
     store.close()
+
+
+@pytest.fixture(params=["sqlite", "mysql"])
+def backend_url(request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue("mysql_database" if request.param == "mysql" else "sqlite_url"))
+
+
+def test_the_latest_cells_of_many_coordinates_are_those_read_one_by_one(backend_url: str) -> None:
+    """Store.get_cells_latest: in the order asked, None where there is no cell, the highest ref_key however the
+    versions were written, across more coordinates than a MySQL statement takes (500)."""
+    with logstore.open(backend_url, shards=64) as store:
+        rows = [uuid.uuid4() for _ in range(400)]
+        store.put_cells([(r, "A", v, {"v": v, "i": i}) for i, r in enumerate(rows) for v in (1, 3, 2)]
+                        + [(r, "B", 5, {"b": i}) for i, r in enumerate(rows[:10])])
+        coordinates = [(r, c) for r in rows for c in ("A", "B")] + [(uuid.uuid4(), "A"), (str(rows[7]), "_A")]
+        got = store.get_cells_latest(coordinates)
+        assert got == [store.get_cell_latest(r, c) for r, c in coordinates]
+        assert [(c.ref_key, c.body) if c else None for c in got[:4]] == [(3, {"v": 3, "i": 0}), (5, {"b": 0}),
+                                                                           (3, {"v": 3, "i": 1}), (5, {"b": 1})]
+        assert got[-2] is None and got[-1] is None and sum(c is None for c in got) == 390 + 2
+        assert store.get_cells_latest([]) == []
+        with pytest.raises(logstore.InvalidCellError):
+            store.get_cells_latest([(rows[0], "no such column!")])

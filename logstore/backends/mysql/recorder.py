@@ -139,6 +139,8 @@ _FENCES = "SELECT GROUP_CONCAT(CONCAT(shard, ' ', fence)) FROM cellstream_shards
 # The table of a row per shard, before logstore.offsets: moved over when a node opens.
 _OLD_OFFSETS = "SELECT consumer, shard, location, owner, doc FROM cellstream_offsets ORDER BY consumer, shard"
 CELL_COLUMNS = "shard, added_id, row_key, column_name, ref_key, body, created_at"
+_QUALIFIED_CELL_COLUMNS = ", ".join(f"c.{name}" for name in CELL_COLUMNS.split(", "))
+_LATEST_BATCH = 500  # coordinates a statement of get_latest_many
 # A log row as three fields: pymysql spends more on each field of a row than on its bytes, so a page of
 # cells comes back with the key, time, ref_key, column and body packed in one (see _log_row_to_cell).
 LOG_COLUMNS = "shard, added_id, CONCAT(row_key, CAST(created_at AS CHAR), ref_key, ' ', column_name, ' ', body)"
@@ -801,6 +803,24 @@ class MySQLRecorder(NodeRecorder):
         rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE row_key = %s AND column_name = %s"
                           " ORDER BY ref_key DESC LIMIT 1", (row_key.bytes, column))
         return _row_to_cell(rows[0], self._max_body) if rows else None
+
+    def get_latest_many(self, coordinates: Sequence[tuple[int, uuid.UUID, str]]) -> list[Cell | None]:
+        """A statement a few hundred coordinates: the newest ref_key of each (row key, column) found through the
+        ``cell`` unique key, joined back to its cell."""
+        found: dict[tuple[bytes, str], Cell] = {}
+        for start in range(0, len(coordinates), _LATEST_BATCH):
+            part = coordinates[start:start + _LATEST_BATCH]
+            keys = list({row_key.bytes for _, row_key, _ in part})
+            columns = list({column for _, _, column in part})
+            rows = self._read(
+                f"SELECT {_QUALIFIED_CELL_COLUMNS} FROM cells c JOIN (SELECT row_key, column_name, MAX(ref_key) AS top "
+                f"FROM cells WHERE row_key IN ({', '.join(['%s'] * len(keys))}) AND column_name IN "
+                f"({', '.join(['%s'] * len(columns))}) GROUP BY row_key, column_name) m ON c.row_key = m.row_key "
+                "AND c.column_name = m.column_name AND c.ref_key = m.top", (*keys, *columns))
+            for row in rows:
+                cell = _row_to_cell(row, self._max_body)
+                found[(cell.row_key.bytes, cell.column)] = cell
+        return [found.get((row_key.bytes, column)) for _, row_key, column in coordinates]
 
     def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
         rows = self._read(
