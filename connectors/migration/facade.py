@@ -240,8 +240,8 @@ class MigrationReader:
 
     def _read_store(self, row_key: uuid.UUID) -> Row | None:
         row: Row = {}
-        for column in self.spec.columns:
-            cell = self.store.get_cell_latest(row_key, column)
+        columns = list(self.spec.columns)
+        for column, cell in zip(columns, self.store.get_cells_latest([(row_key, c) for c in columns]), strict=True):
             if cell is not None and not is_tombstone(cell.body):
                 row[column] = dict(cell.body)
         self._count_read("store")

@@ -96,8 +96,10 @@ class FlowBack:
                 read[shard] = page[-1].added_id
         upserts: list[dict[str, Any]] = []
         deletes: list[Key] = []
-        for row_key in rows:
-            state = self._state(row_key)
+        columns = self._columns
+        latest = self.store.get_cells_latest([(row_key, column) for row_key in rows for column in columns])
+        for i, row_key in enumerate(rows):
+            state = self._state(row_key, latest[i * len(columns):(i + 1) * len(columns)])
             if isinstance(state, dict):
                 upserts.append(state)
             elif state is not None:
@@ -106,14 +108,14 @@ class FlowBack:
         self._commit(read)
         return count
 
-    def _state(self, row_key: Any) -> dict[str, Any] | Key | None:
-        """The source row a row key's latest cells say: its values (an upsert), its key (a delete), or None (a
-        deleted row whose key no tombstone holds: ``migrate repair``'s, of a row the source never had)."""
+    def _state(self, row_key: Any, latest: list[Cell | None]) -> dict[str, Any] | Key | None:
+        """The source row a row key's ``latest`` cells (one per column, in the spec's order) say: its values (an
+        upsert), its key (a delete), or None (a deleted row whose key no tombstone holds: ``migrate repair``'s,
+        of a row the source never had)."""
         values: dict[str, Any] = {}
         key: Key | None = None
         live = False
-        for column in self._columns:
-            cell: Cell | None = self.store.get_cell_latest(row_key, column)
+        for column, cell in zip(self._columns, latest, strict=True):
             if cell is None:
                 continue
             if is_tombstone(cell.body):

@@ -288,8 +288,8 @@ class Mover:
         """After a reverse, each cell above the latest version of its column: the store's writes numbered their
         versions from the copy's positions up, and a source position is not bound to be above them."""
         out = []
-        for cell in cells:
-            latest = self.store.get_cell_latest(cell.row_key, cell.column)
+        for cell, latest in zip(cells, self.store.get_cells_latest([(c.row_key, c.column) for c in cells]),
+                                strict=True):
             if latest is not None and latest.ref_key >= cell.ref_key and latest.body != cell.body:
                 cell = cell._replace(ref_key=latest.ref_key + 1)
             out.append(cell)
@@ -303,8 +303,8 @@ class Mover:
             return self.mapper.tombstones(change.key, change.values, change.position)
         # Versioned by a column the deleted row no longer advances: one above the newest version stored.
         row_key = self.mapper.row_key(change.key, change.values)
-        latest = max((cell.ref_key for column in self.spec.columns
-                      if (cell := self.store.get_cell_latest(row_key, column)) is not None), default=0)
+        latest = max((cell.ref_key for cell in self.store.get_cells_latest([(row_key, c) for c in self.spec.columns])
+                      if cell is not None), default=0)
         return self.mapper.tombstones(change.key, change.values, latest + 1)
 
     def _put(self, cells: list[MigratedCell]) -> None:

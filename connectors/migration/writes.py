@@ -145,8 +145,8 @@ class MigrationWriter:
         that column unchanged): at ``version``, or one above each column's latest."""
         for _ in range(_VERSION_TRIES):
             cells = []
-            for column in self.spec.columns:
-                latest = self.store.get_cell_latest(row_key, column)
+            newest = self.store.get_cells_latest([(row_key, column) for column in self.spec.columns])
+            for column, latest in zip(self.spec.columns, newest, strict=True):
                 live = None if latest is None or is_tombstone(latest.body) else dict(latest.body)
                 body = body_of(column, live)
                 if body is None:

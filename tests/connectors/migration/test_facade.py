@@ -44,8 +44,18 @@ class CountingStore:
             self.row_reads += 1
         return self.store.get_cell_latest(row_key, column)
 
+    def get_cells_latest(self, coordinates: Any) -> Any:
+        wanted = list(coordinates)
+        self.row_reads += sum(column != "_migration" for _, column in wanted)
+        return self.store.get_cells_latest(wanted)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
+
+
+def by_label(metrics: MigrationReadMetrics, name: str, label: str) -> dict[str, float]:
+    """The values of a series of ``metrics`` by one of its labels."""
+    return {s.labels[label]: s.value for f in metrics.registry.collect() for s in f.samples if s.name == name}
 
 
 class CountingReader:
@@ -105,8 +115,7 @@ def test_reads_at_0_touch_only_the_source_and_at_100_only_the_store(
         assert reader.get((ROWS + 1,)) is None and reader.get((9,)) is None  # no row; a tombstone
         assert (source.calls, store.row_reads) == (51, 5 * len(spec.columns))
         assert reader.report().compared == 0
-    sides = {s.labels["side"]: s.value for f in metrics.registry.collect() for s in f.samples
-             if s.name == "cellstream_migration_reads_total"}
+    sides = by_label(metrics, "cellstream_migration_reads_total", "side")
     assert sides == {"source": 51, "store": 5}
 
 
@@ -152,8 +161,7 @@ def test_a_row_the_cells_lag_behind_is_a_mismatch_naming_its_field(
                                  Comparison((6,), mapper.row_key((6,), None), "extra", [])]
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "BASE.fare" in logged and "4321" not in logged and "6.25" not in logged  # names, never values
-    kinds = {s.labels["kind"]: s.value for f in metrics.registry.collect() for s in f.samples
-             if s.name == "cellstream_migration_read_mismatches_total"}
+    kinds = by_label(metrics, "cellstream_migration_read_mismatches_total", "kind")
     assert kinds == {"different": 1, "extra": 1}
 
 
@@ -185,8 +193,7 @@ def test_a_full_queue_drops_comparisons_without_blocking_the_reads(
     finally:
         release.set()
         reader.close()
-    value = {s.labels["reason"]: s.value for f in metrics.registry.collect() for s in f.samples
-             if s.name == "cellstream_migration_read_comparisons_dropped_total"}
+    value = by_label(metrics, "cellstream_migration_read_comparisons_dropped_total", "reason")
     assert value == {"queue_full": dropped}
 
 
