@@ -14,6 +14,7 @@ import logstore
 from indexer import App
 from indexer.errors import EntryFieldError
 from indexer.indexes.definitions import IndexDefinition, load_indexes
+from logstore.cell import is_tombstone
 from logstore.index_tables.persistence import IndexEntry
 
 SEED_YAML = """
@@ -45,22 +46,23 @@ def trip(driver: uuid.UUID, city: uuid.UUID, minute: int, fare: float = 10.0, st
 
 def expected(store: logstore.Store, definition: IndexDefinition) -> dict[uuid.UUID, tuple[int, dict[str, Any]]]:
     """What the index must hold, by brute force: for every row, its highest-ref_key cell of the column
-    whose body fits the definition (a cell that does not fit is dead-lettered, never indexed)."""
-    best: dict[uuid.UUID, tuple[int, dict[str, Any]]] = {}
+    whose body fits the definition (a cell that does not fit is dead-lettered, never indexed) or is a
+    tombstone (then the row has no entry)."""
+    best: dict[uuid.UUID, tuple[int, dict[str, Any] | None]] = {}
     for shard in range(store.shard_count):
         location = 0
         while True:
             cells, location = store.get_cells_for_shard(shard, location, 1000, columns=[definition.column])
             for cell in cells:
                 try:
-                    entry = definition.entry(cell.body)
+                    entry = None if is_tombstone(cell.body) else definition.entry(cell.body)
                 except EntryFieldError:
                     continue
-                if cell.ref_key > best.get(cell.row_key, (-1, {}))[0]:
+                if cell.ref_key > best.get(cell.row_key, (-1, None))[0]:
                     best[cell.row_key] = (cell.ref_key, entry)
             if not cells:
                 break
-    return best
+    return {row: (ref_key, entry) for row, (ref_key, entry) in best.items() if entry is not None}
 
 
 def actual(store: logstore.Store, definition: IndexDefinition) -> dict[uuid.UUID, tuple[int, dict[str, Any]]]:

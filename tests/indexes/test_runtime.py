@@ -21,16 +21,9 @@ from indexer.indexes.backfill import backfill
 from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.verify import verify
 from tests.harness.app_worker import kill_mid_handler_then_drain
-from tests.harness.index_support import SEED_YAML, T0, actual, expected, row_keys, seed, trip
+from tests.harness.index_support import T0, actual, expected, row_keys, seed, trip
 
 SHARDS = 8
-
-
-@pytest.fixture
-def yaml_file(tmp_path: Path) -> Path:
-    path = tmp_path / "indexes.yaml"
-    path.write_text(SEED_YAML)
-    return path
 
 
 @pytest.fixture

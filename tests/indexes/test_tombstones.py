@@ -5,62 +5,33 @@ clusters of two nodes (an entry and its row's locator are often on different nod
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import logstore
 from indexer import App
-from indexer.errors import EntryFieldError
 from indexer.indexes.applier import Index, IndexApplier
 from indexer.indexes.backfill import backfill
 from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.definitions import IndexDefinition
 from indexer.indexes.verify import VerifyProgress, verify
 from logstore.index_tables.persistence import NO_ENTRY, ApplyResult, EntryWrite, IndexChange, Locator, plan
-from tests.harness.index_support import SEED_YAML, actual, seed, trip
-from tests.harness.stores import two_nodes
+from tests.harness.index_support import actual, expected, seed, trip
 
-SHARDS = 8
 NAME = "driver_partner_index"
 GONE = {"_deleted": True}
 
 
-@pytest.fixture
-def yaml_file(tmp_path: Path) -> Path:
-    path = tmp_path / "indexes.yaml"
-    path.write_text(SEED_YAML)
-    return path
-
-
-@pytest.fixture(params=["sqlite", "mysql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[logstore.Store]:
-    if request.param == "sqlite":
-        urls = [f"sqlite:///{tmp_path / name}" for name in ("a", "b")]
-    else:
-        make: Callable[[], str] = request.getfixturevalue("mysql_database_factory")
-        urls = [make(), make()]
-    with logstore.open(str(two_nodes(tmp_path / "cluster.toml", urls, SHARDS))) as opened:
-        yield opened
-
-
-def expected(store: logstore.Store, definition: IndexDefinition) -> dict[uuid.UUID, tuple[int, dict[str, Any]]]:
-    """By brute force: each row's highest-ref_key cell that fits or is a tombstone; a tombstone: no entry."""
-    best: dict[uuid.UUID, tuple[int, dict[str, Any] | None]] = {}
-    for shard in range(store.shard_count):
-        location = 0
-        while cells := store.get_cells_for_shard(shard, location, 1000, columns=[definition.column])[0]:
-            location = cells[-1].added_id
-            for cell in cells:
-                try:
-                    values = None if cell.body.get("_deleted") is True else definition.entry(cell.body)
-                except EntryFieldError:
-                    continue
-                if cell.ref_key > best.get(cell.row_key, (-1, None))[0]:
-                    best[cell.row_key] = (cell.ref_key, values)
-    return {k: (ref, values) for k, (ref, values) in best.items() if values is not None}
+def active_index(store: logstore.Store, yaml_file: Path, count: int) -> tuple[uuid.UUID, list[uuid.UUID]]:
+    """``count`` rows of one driver's trips, indexed live and by a backfill, the version active: the driver and
+    the rows."""
+    driver, city = uuid.uuid4(), uuid.uuid4()
+    rows = [uuid.uuid4() for _ in range(count)]
+    store.put_cells([(r, "BASE", 1, trip(driver, city, n)) for n, r in enumerate(rows)])
+    drain(store, yaml_file)
+    backfill(store, NAME, 1)
+    IndexCatalog(store).activate(NAME, 1)
+    return driver, rows
 
 
 def drain(store: logstore.Store, yaml_file: Path) -> tuple[Any, App]:
@@ -160,12 +131,7 @@ def test_verify_reports_and_repairs_an_entry_left_for_a_tombstoned_row(store: lo
                                                                       yaml_file: Path) -> None:
     definition = seed()
     spec = definition.spec
-    driver, city = uuid.uuid4(), uuid.uuid4()
-    rows = [uuid.uuid4() for _ in range(4)]
-    store.put_cells([(r, "BASE", 1, trip(driver, city, n)) for n, r in enumerate(rows)])
-    drain(store, yaml_file)
-    backfill(store, NAME, 1)
-    IndexCatalog(store).activate(NAME, 1)
+    driver, rows = active_index(store, yaml_file, 4)
     # A tombstone the live position passed without applying it (as before tombstones were honoured).
     tomb = store.put_cell(rows[0], "BASE", 2, GONE)
     store.indexes.apply(spec, [], "live", through={tomb.shard: tomb.added_id})
@@ -196,12 +162,7 @@ def actual_fields(store: logstore.Store, definition: IndexDefinition, row: uuid.
 def test_a_tombstone_applied_while_verify_runs_is_pending_not_a_mismatch(store: logstore.Store,
                                                                          yaml_file: Path) -> None:
     definition = seed()
-    driver, city = uuid.uuid4(), uuid.uuid4()
-    rows = [uuid.uuid4() for _ in range(3)]
-    store.put_cells([(r, "BASE", 1, trip(driver, city, n)) for n, r in enumerate(rows)])
-    drain(store, yaml_file)
-    backfill(store, NAME, 1)
-    IndexCatalog(store).activate(NAME, 1)
+    _, rows = active_index(store, yaml_file, 3)
 
     def tombstone_after_the_log(progress: VerifyProgress) -> None:
         """Once verification read every log, before it reads the locators: a tombstone is written and applied."""

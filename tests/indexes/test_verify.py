@@ -8,7 +8,6 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,34 +21,10 @@ from indexer.indexes.backfill import backfill
 from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.verify import verify
 from logstore.index_tables.persistence import EntryWrite
-from tests.harness.index_support import SEED_YAML, Background, actual, expected, seed, trip
-from tests.harness.stores import two_nodes
+from tests.harness.index_support import Background, actual, expected, seed, trip
+from tests.indexes.conftest import SHARDS
 
-SHARDS = 8
 NAME = "driver_partner_index"
-
-
-@pytest.fixture
-def yaml_file(tmp_path: Path) -> Path:
-    path = tmp_path / "indexes.yaml"
-    path.write_text(SEED_YAML)
-    return path
-
-
-@pytest.fixture(params=["sqlite", "mysql"])
-def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        urls = [f"sqlite:///{tmp_path / name}" for name in ("a", "b")]
-    else:
-        make: Callable[[], str] = request.getfixturevalue("mysql_database_factory")
-        urls = [make(), make()]
-    return str(two_nodes(tmp_path / "cluster.toml", urls, SHARDS))
-
-
-@pytest.fixture
-def store(cluster: str) -> Iterator[logstore.Store]:
-    with logstore.open(cluster) as store:
-        yield store
 
 
 def populate(store: logstore.Store, rnd: random.Random, rows: int = 60) -> list[uuid.UUID]:
