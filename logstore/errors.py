@@ -227,3 +227,20 @@ class RestoreTargetNotEmptyError(BackupError):
 class ReadOnlyStoreError(ConfigurationError):
     """The store is a standby mirror of another instance (``cellstream mirror run``): only the mirror writes to
     it until ``cellstream mirror promote`` makes it writable. Nothing was written."""
+
+
+class InvalidConditionError(InvalidArgumentError):
+    """A query condition an index cannot take (``logstore.index_tables.query``): ``field`` is the condition's
+    key as given (``where.<key>`` over HTTP), ``problem`` what is wrong with it."""
+
+    def __init__(self, message: str, field: str, problem: str) -> None:
+        self.field, self.problem = field, problem
+        super().__init__(message)
+
+
+class IndexUnknownError(LogstoreError):
+    """No index of that name in the index catalog, or no such version of it (a worker node answers 404)."""
+
+
+class IndexInactiveError(LogstoreError):
+    """The index has no active version yet: a query must name one (a worker node answers 409)."""

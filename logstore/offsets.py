@@ -25,6 +25,13 @@ from logstore.errors import StorageError
 
 _VERSION = 1
 EMPTY_DOC = "{}"
+#: The owner an offsets reset takes shards over with (``reset:ID``): a reset's, not a process's.
+RESET_OWNER = "reset:"
+
+
+def is_reset_owner(owner: str) -> bool:
+    """Whether ``owner`` is an offsets reset's (``cellstream offsets reset``) rather than a consumer process's."""
+    return owner.startswith(RESET_OWNER)
 
 
 class OffsetRecord(NamedTuple):

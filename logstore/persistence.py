@@ -35,8 +35,11 @@ FORMAT_VERSION = 1
 _BLOCK_PAGE = 5000  # cells a page of the default read_blocks
 _BLOCK_LEVEL = 6  # zlib's default: the stored bytes of a backend that cannot give its own
 Coordinates = tuple[bytes, str, int]
+# A coordinate of a batched read: (shard, row key, column, ref_key), a ref_key of None for the latest.
+CellRead = tuple[int, uuid.UUID, str, int | None]
 R = TypeVar("R")
 C = TypeVar("C", bound=AnyCell)
+_Item = TypeVar("_Item")  # of a TruncatedPage: a log page's cells, or a batched read's (cells or None)
 
 
 class PendingCell(NamedTuple):
@@ -282,16 +285,38 @@ class NodeRecorder(ABC):
     def get_cell(self, shard: int, row_key: uuid.UUID, column: str, ref_key: int) -> Cell | None: ...
 
     @abstractmethod
-    def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None: ...
+    def get_latest(self, shard: int, row_key: uuid.UUID, column: str, as_of: dt.datetime | None = None) -> Cell | None:
+        """The cell of the highest ref_key, among those created at or before ``as_of`` (UTC) when given."""
 
-    def get_latest_many(self, coordinates: Sequence[tuple[int, uuid.UUID, str]]) -> list[Cell | None]:
-        """The latest cell of each (shard, row key, column), in the order given (None: there is none). Here a
-        read each; a backend that can reads many in one statement."""
-        return [self.get_latest(shard, row_key, column) for shard, row_key, column in coordinates]
+    def read_cells(self, coordinates: Sequence[CellRead], as_of: dt.datetime | None,
+                   budget: ReadBudget) -> list[Cell | None]:
+        """Each coordinate's cell, in the order given (None: there is none): with a ref_key the cell at it, without
+        one the latest (:meth:`get_latest`, as of ``as_of``). The bodies draw on ``budget`` in that order: once it
+        is spent the answer ends with the cell that spent it, a :class:`TruncatedPage` shorter than
+        ``coordinates`` (one coordinate answered at least). Here a read each; a backend that can reads many in one
+        statement."""
+        out: list[Cell | None] = []
+        for i, (shard, row_key, column, ref_key) in enumerate(coordinates):
+            if budget.room <= 0 and i:
+                return TruncatedPage(out)
+            cell = (self.get_latest(shard, row_key, column, as_of) if ref_key is None
+                    else self.get_cell(shard, row_key, column, ref_key))
+            if cell is not None:
+                budget.room -= len(msgpack.packb(cell.body))
+            out.append(cell)
+        return out
 
     @abstractmethod
-    def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
-        """The highest-ref_key cell of every column of the row."""
+    def get_versions(self, shard: int, row_key: uuid.UUID, column: str, before: int | None, limit: int,
+                     budget: ReadBudget) -> list[Cell]:
+        """The cell's versions with ``ref_key < before`` (all when None), the highest ref_key first, at most
+        ``limit``; their bodies draw on ``budget``: once it is spent the page ends with the cell that spent it, a
+        :class:`TruncatedPage` when more versions follow (:func:`decode_log`)."""
+
+    @abstractmethod
+    def get_row(self, shard: int, row_key: uuid.UUID, as_of: dt.datetime | None = None) -> list[Cell]:
+        """The highest-ref_key cell of every column of the row, among those created at or before ``as_of`` (UTC)
+        when given."""
 
     @abstractmethod
     def read_logs(
@@ -348,6 +373,10 @@ class NodeRecorder(ABC):
     @abstractmethod
     def first_at(self, shard: int, when: dt.datetime) -> int | None:
         """The lowest added_id created at or after ``when`` (UTC), or None."""
+
+    def firsts_at(self, shards: Sequence[int], when: dt.datetime) -> dict[int, int]:
+        """:meth:`first_at` of many shards: those with a cell that recent (a backend batches the reads)."""
+        return {shard: first for shard in shards if (first := self.first_at(shard, when)) is not None}
 
     @abstractmethod
     def head(self, shard: int) -> int:
@@ -530,10 +559,11 @@ class ReadBudget:
         self.room = room
 
 
-class TruncatedPage(list[C]):
+class TruncatedPage(list[_Item]):
     """A log page cut short by its read's byte budget (:class:`ReadBudget`): the shard holds cells after its last
     one, so its reader reads on from there. Only such a page is cut short: a plain list holding fewer cells than
-    the ``limit`` asked for reached the end of the log."""
+    the ``limit`` asked for reached the end of the log. A cell's versions (:meth:`NodeRecorder.get_versions`) and a
+    batched read (:meth:`NodeRecorder.read_cells`: the cells of its first coordinates) are cut short the same way."""
 
     __slots__ = ()
 
@@ -559,6 +589,28 @@ def decode_log(rows: Sequence[R], to_cell: Callable[[R, int], tuple[C, int]], ma
     finally:
         budget.room = room
     return cells
+
+
+def decode_in_order(rows: Sequence[R | None], to_cell: Callable[[R, int], tuple[Cell, int]], max_body: int,
+                    budget: ReadBudget) -> list[Cell | None]:
+    """The rows of a batched read (:meth:`NodeRecorder.read_cells`), one per coordinate in its order (None: no
+    cell), as cells within ``max_body`` and ``budget``: once the budget is spent the answer ends with the cell
+    that spent it, a :class:`TruncatedPage` when coordinates follow."""
+    out: list[Cell | None] = []
+    room = budget.room
+    try:
+        for i, row in enumerate(rows):
+            if room <= 0 and i:
+                return TruncatedPage(out)
+            if row is None:
+                out.append(None)
+                continue
+            cell, size = to_cell(row, max_body)
+            out.append(cell)
+            room -= size
+    finally:
+        budget.room = room
+    return out
 
 
 def decode_pages(pages: Mapping[int, list[R]], to_cell: Callable[[R, int], tuple[C, int]],

@@ -41,6 +41,7 @@ from logstore.index_tables.store import IndexStore
 from logstore.log_blocks import LogBlock
 from logstore.offsets import OffsetRecord, offset_doc
 from logstore.persistence import (
+    CellRead,
     ChangedCounts,
     Coordinates,
     NodeMeta,
@@ -50,6 +51,7 @@ from logstore.persistence import (
     PendingRecord,
     PendingReport,
     ReadBudget,
+    TruncatedPage,
     UndecodedPages,
 )
 from logstore.shard_map import MapNode, ShardMapDoc, ranges, seed, where_of
@@ -809,46 +811,163 @@ class Store:
             shard, key, check_column(column, allow_reserved=True), check_ref_key(ref_key)
         )
 
-    def get_cell_latest(self, row_key: uuid.UUID | str, column: str) -> Cell | None:
+    def get_cell_latest(self, row_key: uuid.UUID | str, column: str, *, as_of: dt.datetime | None = None
+                        ) -> Cell | None:
         """The cell of (row_key, column) with the highest ref_key, or None when there is none.
 
-        Args and Raises: as :meth:`get_cell`'s (without ``ref_key``).
+        Args:
+            row_key, column: as :meth:`get_cell`'s.
+            as_of: a timezone-aware time: the highest ref_key among the versions created at or before it (the
+                cell as the store held it then, if no version was written with a lower ref_key later).
+
+        Raises:
+            InvalidArgumentError: ``as_of`` not a timezone-aware datetime; otherwise as :meth:`get_cell`'s.
         """
         key = coerce_row_key(row_key)
         shard = shard_of(key, self._cluster.shards)
-        return self._recorder(shard).get_latest(shard, key, check_column(column, allow_reserved=True))
+        name = check_column(column, allow_reserved=True)
+        return self._recorder(shard).get_latest(shard, key, name, _check_as_of(as_of))
 
-    def get_cells_latest(self, coordinates: Iterable[tuple[uuid.UUID | str, str]]) -> list[Cell | None]:
+    def get_cells_latest(self, coordinates: Iterable[tuple[uuid.UUID | str, str]], *,
+                         as_of: dt.datetime | None = None) -> list[Cell | None]:
         """The latest cell of each (row_key, column), in the order given: a read per storage node (a statement a
         few hundred on MySQL/MariaDB) where :meth:`get_cell_latest` is one a coordinate.
+
+        Args:
+            coordinates: (row_key, column) pairs.
+            as_of: as :meth:`get_cell_latest`'s.
 
         Returns:
             A cell or None (none there) for each coordinate.
 
         Raises:
-            As :meth:`get_cell_latest`'s.
+            InvalidCellError: a coordinate that is not valid (``index`` says which).
+            InvalidArgumentError: ``as_of`` not a timezone-aware datetime; otherwise as :meth:`get_cell`'s.
         """
+        return self.read_cells(((r, c, None) for r, c in coordinates), as_of=as_of)
+
+    def get_cells(self, coordinates: Iterable[tuple[uuid.UUID | str, str, int]]) -> list[Cell | None]:
+        """The cell at each (row_key, column, ref_key), in the order given: a read per storage node (a statement
+        a few hundred on MySQL/MariaDB, one per 500 on SQLite) where :meth:`get_cell` is one a coordinate.
+
+        Returns:
+            A cell or None (none there) for each coordinate.
+
+        Raises:
+            InvalidCellError: a coordinate that is not valid (``index`` says which); otherwise as
+                :meth:`get_cell`'s.
+        """
+        return self.read_cells(coordinates)
+
+    def read_cells(self, coordinates: Iterable[tuple[uuid.UUID | str, str, int | None]], *,
+                   as_of: dt.datetime | None = None, max_bytes: int | None = None) -> list[Cell | None]:
+        """The batched read :meth:`get_cells` and :meth:`get_cells_latest` are: the cell of each (row_key, column,
+        ref_key), the latest (as of ``as_of``) where ref_key is None, in the order given, a read per storage node.
+
+        Args:
+            coordinates: (row_key, column, ref_key or None) triples.
+            as_of: as :meth:`get_cell_latest`'s, for the coordinates without a ref_key.
+            max_bytes: the bodies (their MessagePack form) an answer brings at most, as a log page's
+                ``max_read_bytes`` (what a worker node answers within); None: every coordinate's cell.
+
+        Returns:
+            A cell or None (none there) for each coordinate; when ``max_bytes`` was spent before the last, a
+            :class:`~logstore.persistence.TruncatedPage` of the first coordinates' (one at least): read the rest
+            in another call.
+
+        Raises:
+            InvalidCellError: a coordinate that is not valid (``index`` says which; nothing is read).
+            InvalidArgumentError: ``as_of`` or ``max_bytes`` not valid.
+            CorruptCellError: a stored cell cannot be decoded.
+            StorageUnavailableError: a storage node did not answer within the retry policy (retriable).
+            StorageError: the store is closed, or a node failed otherwise.
+        """
+        at = _check_as_of(as_of)
+        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 1):
+            raise InvalidArgumentError(f"max_bytes must be a positive integer or None, got {max_bytes!r}")
         shards = self._cluster.shards
-        wanted = [(shard_of(key, shards), key, check_column(column, allow_reserved=True))
-                  for key, column in ((coerce_row_key(r), c) for r, c in coordinates)]
-        self._fresh_map()
-        by_node: dict[str, list[int]] = {}
-        for i, (shard, _, _) in enumerate(wanted):
-            by_node.setdefault(self._node_of[shard], []).append(i)
+        wanted: list[CellRead] = []
+        for i, coordinate in enumerate(coordinates):
+            try:
+                row_key, column, ref_key = coordinate
+                key = coerce_row_key(row_key)
+                wanted.append((shard_of(key, shards), key, check_column(column, allow_reserved=True),
+                               None if ref_key is None else check_ref_key(ref_key)))
+            except InvalidCellError as exc:
+                raise InvalidCellError(exc.field, exc.problem, index=i) from None
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(f"coordinates[{i}] must be a (row_key, column, ref_key) triple, "
+                                           f"got {coordinate!r}") from None
+        budget = ReadBudget(max_bytes if max_bytes is not None else 1 << 62)  # 2**62: unbounded (see the HTTP client)
         out: list[Cell | None] = [None] * len(wanted)
-        for node, indexes in by_node.items():
-            for i, cell in zip(indexes, self._named(node).get_latest_many([wanted[i] for i in indexes]), strict=True):
-                out[i] = cell
+        todo = list(range(len(wanted)))
+        while todo:
+            self._fresh_map()
+            by_node: dict[str, list[int]] = {}
+            for i in todo:
+                by_node.setdefault(self._node_of[wanted[i][0]], []).append(i)
+            answered: set[int] = set()
+            # A pass starts with room left, and its first node (the first coordinate's) answers one coordinate at
+            # least: the loop ends.
+            for node, indexes in by_node.items():
+                if budget.room <= 0:
+                    break
+                got = self._named(node).read_cells([wanted[i] for i in indexes], at, budget)
+                for i, cell in zip(indexes, got, strict=False):
+                    out[i] = cell
+                    answered.add(i)
+            todo = [i for i in todo if i not in answered]
+            if todo and budget.room <= 0:  # spent: the answer is the coordinates before the first not read
+                return TruncatedPage(out[:todo[0]])
         return out
 
-    def get_row(self, row_key: uuid.UUID | str) -> dict[str, Cell]:
+    def get_cell_versions(self, row_key: uuid.UUID | str, column: str, *, before: int | None = None,
+                          limit: int = 100) -> list[Cell]:
+        """A page of the versions of (row_key, column), the highest ref_key first: one indexed read of the
+        storage node. Page on with ``before=`` the last ref_key of a page until a page is empty (or not a
+        :class:`~logstore.persistence.TruncatedPage` and shorter than ``limit``).
+
+        Args:
+            row_key, column: as :meth:`get_cell`'s.
+            before: only versions with a lower ref_key (None: from the highest), in [0, 2**63).
+            limit: the most versions of the page, in [1, 100000].
+
+        Returns:
+            The versions, newest (highest ref_key) first. Their bodies hold to the store's ``max_read_bytes``
+            as a log page's: a page cut short is a TruncatedPage (one version at least), and versions follow it.
+
+        Raises:
+            InvalidArgumentError: ``before`` or ``limit`` not valid (the message names it); a row key or column
+                that is not valid is an InvalidCellError.
+            CorruptCellError: a version cannot be decoded.
+            StorageUnavailableError: the storage node did not answer within the retry policy (retriable).
+            StorageError: the store is closed, or the node failed otherwise.
+        """
+        key = coerce_row_key(row_key)
+        name = check_column(column, allow_reserved=True)
+        if before is not None and (type(before) is not int or not 0 <= before < 1 << 63):
+            raise InvalidArgumentError(f"before must be a ref_key in [0, 2**63) or None, got {before!r}")
+        if type(limit) is not int or not 1 <= limit <= MAX_PAGE:
+            raise InvalidArgumentError(f"limit must be an integer in [1, {MAX_PAGE}], got {limit!r}")
+        shard = shard_of(key, self._cluster.shards)
+        return self._recorder(shard).get_versions(shard, key, name, before, limit,
+                                                  ReadBudget(self._options.max_read_bytes))
+
+    def get_row(self, row_key: uuid.UUID | str, *, as_of: dt.datetime | None = None) -> dict[str, Cell]:
         """The latest cell (highest ref_key) of every column of the row, by column name ({} for an unknown row).
 
-        Args and Raises: as :meth:`get_cell`'s (without ``column`` and ``ref_key``).
+        Args:
+            row_key: as :meth:`get_cell`'s.
+            as_of: as :meth:`get_cell_latest`'s: each column's highest ref_key among its versions created at or
+                before it (a column with none then is left out).
+
+        Raises:
+            InvalidArgumentError: ``as_of`` not a timezone-aware datetime; otherwise as :meth:`get_cell`'s.
         """
         key = coerce_row_key(row_key)
         shard = shard_of(key, self._cluster.shards)
-        return {cell.column: cell for cell in self._recorder(shard).get_row(shard, key)}
+        at = _check_as_of(as_of)
+        return {cell.column: cell for cell in self._recorder(shard).get_row(shard, key, at)}
 
     # -- log access -------------------------------------------------------
     def get_cells_for_shard(
@@ -976,18 +1095,29 @@ class Store:
         ``when`` must be timezone-aware. If no cell is that recent, the shard's head.
         """
         self.check_shard(shard)
-        if not isinstance(when, dt.datetime) or when.tzinfo is None or when.utcoffset() is None:
-            raise InvalidArgumentError("location_at needs a timezone-aware datetime")
-        try:
-            utc = when.astimezone(dt.UTC)
-        except OverflowError:
-            raise InvalidArgumentError(f"{when.isoformat()} is out of range in UTC") from None
+        utc = _utc(when, "location_at")
         recorder = self._recorder(shard)
         # The head is read first: a cell committed between the two reads has a higher
         # id than this head, so falling back to it can never skip that cell.
         head = recorder.head(shard)
         first = recorder.first_at(shard, utc)
         return first - 1 if first is not None else head
+
+    def locations_at(self, when: dt.datetime, shards: Iterable[int] | None = None) -> dict[int, int]:
+        """:meth:`location_at` of many shards (default: all): the heads, then the first cells that recent, a
+        few reads per storage node.
+
+        Raises:
+            InvalidArgumentError: ``when`` is naive or a shard is out of range.
+            StorageError: a storage node cannot be read.
+        """
+        wanted = range(self.shard_count) if shards is None else sorted({self.check_shard(s) for s in shards})
+        utc = _utc(when, "locations_at")
+        heads = self.heads(wanted)  # first, as location_at: a cell committed between the reads is not skipped
+        firsts: dict[int, int] = {}
+        for node, group in self._by_node(wanted).items():
+            firsts.update(self._named(node).firsts_at(list(wanted) if group is None else group, utc))
+        return {shard: firsts[shard] - 1 if shard in firsts else heads[shard] for shard in wanted}
 
     def count_after(self, shard: int, location: int, *, columns: Sequence[str] | None = None) -> int:
         """How many cells of the shard (of ``columns`` if given) lie after ``location``: a reader's lag in cells."""
@@ -1199,6 +1329,29 @@ class Store:
     def __repr__(self) -> str:
         nodes = ", ".join(f"{n.name}={n.target.redacted()}[{n.shards or 'joined'}]" for n in self._cluster.nodes)
         return f"<logstore.Store shards={self._cluster.shards} {nodes}>"
+
+
+def _check_as_of(as_of: object) -> dt.datetime | None:
+    """``as_of`` in UTC (None stays None); a time before year 1 or after 9999 in UTC is before, or after, every
+    cell."""
+    if as_of is None:
+        return None
+    if not isinstance(as_of, dt.datetime) or as_of.tzinfo is None or as_of.utcoffset() is None:
+        raise InvalidArgumentError(f"as_of must be a timezone-aware datetime, got {as_of!r}")
+    try:
+        return as_of.astimezone(dt.UTC)
+    except OverflowError:
+        return (dt.datetime.min if as_of.year == 1 else dt.datetime.max).replace(tzinfo=dt.UTC)
+
+
+def _utc(when: object, what: str) -> dt.datetime:
+    """``when`` in UTC, or InvalidArgumentError naming ``what`` needs an aware datetime in range."""
+    if not isinstance(when, dt.datetime) or when.tzinfo is None or when.utcoffset() is None:
+        raise InvalidArgumentError(f"{what} needs a timezone-aware datetime")
+    try:
+        return when.astimezone(dt.UTC)
+    except OverflowError:
+        raise InvalidArgumentError(f"{when.isoformat()} is out of range in UTC") from None
 
 
 def _bad_location(location: object) -> NoReturn:

@@ -19,16 +19,17 @@ import datetime as dt
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from indexer.errors import EntryFieldError, IndexStateError, InvalidQueryError
+from indexer.errors import IndexStateError, InvalidQueryError
 from indexer.indexes.catalog import IndexCatalog, IndexRecord
-from indexer.indexes.definitions import IndexDefinition, convert
+from indexer.indexes.definitions import IndexDefinition
 from logstore import Cell, CorruptCellError, InvalidArgumentError, LogstoreError, Store
 from logstore.cell import is_tombstone
+from logstore.errors import InvalidConditionError
 from logstore.index_tables.persistence import ApplyResult, Condition, IndexChange, IndexEntry, Stream
+from logstore.index_tables.query import conditions
 from logstore.index_tables.store import MAX_QUERY_LIMIT
 
 logger = logging.getLogger(__name__)
@@ -160,35 +161,11 @@ class Index:
                                             limit=limit, scatter=scatter)
 
     def _conditions(self, definition: IndexDefinition, fields: dict[str, Any]) -> list[Condition]:
-        out: list[Condition] = []
-        for name, given in fields.items():
-            if name not in definition.keys:
-                raise InvalidQueryError(f"index {self.name}: {name!r} is not a query key "
-                                        f"(keys: {', '.join(definition.keys)})")
-            column = definition.field(name)
-            if isinstance(given, tuple | list):
-                if len(given) != 2:
-                    raise InvalidQueryError(f"index {self.name}: {name} range must be (start, end)")
-                start, end = given
-                if start is not None:
-                    out.append(Condition(name, ">=", self._value(column, start)))
-                if end is not None:
-                    out.append(Condition(name, "<", self._value(column, end)))
-            else:
-                out.append(Condition(name, "=", self._value(column, given)))
-        return out
-
-    def _value(self, column: Any, value: Any) -> Any:
-        if column.type == "uuid" and isinstance(value, uuid.UUID):
-            return value
-        if column.type == "datetime" and isinstance(value, dt.datetime):
-            if value.utcoffset() is None:
-                raise InvalidQueryError(f"index {self.name}: {column.name} needs a time with a zone")
-            return value  # stored as microseconds since the epoch, whatever its zone
+        # logstore's reading of conditions, which a worker node's index queries use too
         try:
-            return convert(self.name, column, value)
-        except EntryFieldError as exc:
-            raise InvalidQueryError(f"index {self.name}: {column.name}: {str(exc).split(': ', 2)[-1]}") from None
+            return [Condition(*c) for c in conditions(definition.spec, self.name, fields)]
+        except InvalidConditionError as exc:
+            raise InvalidQueryError(str(exc)) from None
 
 
 def lag(store: Store, definition: IndexDefinition) -> tuple[int, float]:

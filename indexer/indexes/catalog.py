@@ -26,10 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from indexer.errors import ConfigurationError, IndexNotFoundError, IndexStateError
 from indexer.indexes.definitions import IndexDefinition
 from logstore import CellConflictError, Store
+from logstore.index_tables.query import CATALOG_COLUMN, catalog_row_key
 
 logger = logging.getLogger(__name__)
-CATALOG_COLUMN = "_index"
-_NAMESPACE = uuid.UUID("0b6f6a9e-4f0e-4d0c-9a55-3c1f3e7a2b41")
 _WRITE_TRIES = 16
 State = Literal["building", "ready", "active", "retired", "dropped"]
 MAINTAINED: frozenset[str] = frozenset({"building", "ready", "active", "retired"})
@@ -82,7 +81,7 @@ class IndexCatalog:
 
     @staticmethod
     def row_key(name: str) -> uuid.UUID:
-        return uuid.uuid5(_NAMESPACE, name)
+        return catalog_row_key(name)
 
     def get(self, name: str) -> IndexRecord:
         cell = self.store.get_cell_latest(self.row_key(name), CATALOG_COLUMN)

@@ -10,10 +10,7 @@ line and the field; a cell whose body lacks a declared field, or has it with the
 
 from __future__ import annotations
 
-import datetime as dt
 import functools
-import math
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,7 @@ from logstore import InvalidCellError
 from logstore.cell import check_column
 from logstore.configfile import load_yaml
 from logstore.index_tables.persistence import MAX_KEY_CHARS, IndexColumn, IndexSpec
+from logstore.index_tables.query import convert_value
 
 IndexField = IndexColumn  # one body field copied into the entries (name, type, key)
 
@@ -86,60 +84,12 @@ class IndexFile(BaseModel):
 
 
 def convert(index: str, f: IndexField, value: Any) -> Any:
-    """A JSON value as the typed value of field ``f``; EntryFieldError when it does not fit."""
-    def wrong(expected: str) -> EntryFieldError:
-        return EntryFieldError(index, f.name, f"expected {expected}, got {type(value).__name__} {value!r:.60}")
-
-    if f.type == "uuid":
-        if not isinstance(value, str):
-            raise wrong("a UUID string")
-        try:
-            return uuid.UUID(value)
-        except ValueError:
-            raise wrong("a UUID string") from None
-    if f.type == "str":
-        if not isinstance(value, str):
-            raise wrong("a string")
-        return value
-    if f.type == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise wrong("an integer")
-        if not -(2**63) <= value < 2**63:
-            raise wrong("an integer within 64 bits")
-        return value
-    if f.type == "float":
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise wrong("a finite number")
-        return float(value)
-    if f.type == "bool":
-        if not isinstance(value, bool):
-            raise wrong("true or false")
-        return value
-    if f.type == "datetime":
-        return _datetime(value, wrong)
-    return value  # json: any JSON value, stored as it is
-
-
-def _datetime(value: Any, wrong: Any) -> dt.datetime:
-    """ISO-8601 with a zone, or seconds since the epoch; always returned in UTC."""
-    if isinstance(value, bool):
-        raise wrong("an ISO-8601 time with a zone, or epoch seconds")
-    if isinstance(value, int | float):
-        if not math.isfinite(value):
-            raise wrong("an ISO-8601 time with a zone, or epoch seconds")
-        try:
-            return dt.datetime.fromtimestamp(value, dt.UTC)
-        except (OverflowError, OSError, ValueError):
-            raise wrong("epoch seconds in range") from None
-    if isinstance(value, str):
-        try:
-            when = dt.datetime.fromisoformat(value)
-        except ValueError:
-            raise wrong("an ISO-8601 time with a zone") from None
-        if when.tzinfo is None:
-            raise wrong("an ISO-8601 time with a zone (this one has none)")
-        return when.astimezone(dt.UTC)
-    raise wrong("an ISO-8601 time with a zone, or epoch seconds")
+    """A JSON value as the typed value of field ``f``; EntryFieldError when it does not fit (the rules are
+    logstore's, :func:`logstore.index_tables.query.convert_value`: a worker node's queries read the same)."""
+    try:
+        return convert_value(f, value)
+    except ValueError as exc:
+        raise EntryFieldError(index, f.name, str(exc)) from None
 
 
 # -- loading, with the line of every error ---------------------------------------------

@@ -11,9 +11,11 @@ document (the worker node's JSON; plain text for the console: :class:`ErrorStyle
 - At most ``max_connections_per_client`` of them from one client address (an IPv6 address's /64): one more
   is answered 503 the same way, saying so, so that one client cannot take every connection and starve the
   others. The count of each address is exact as connections close.
-- A request the parser refuses (an unknown method, a path that is not UTF-8, Content-Length with chunked
+- A request the parser refuses (a malformed method, a path that is not UTF-8, Content-Length with chunked
   encoding, an oversize line or header) gets the error document, and is logged at DEBUG, without a
-  traceback: it is the client's error, not the server's.
+  traceback: it is the client's error, not the server's. A well-formed method the parser does not know
+  (``BREW``, ``get``) is a 501 (RFC 9110 9.1), not a 400. A body the client cuts off or garbles, met while
+  aiohttp drains it after the answer, is logged at DEBUG too.
 
 aiohttp has no header deadline or connection cap of its own, so a server makes its connections itself
 (``loop.create_server`` with :func:`protocol_factory`) from aiohttp's public ``RequestHandler``; its
@@ -26,11 +28,14 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import BadHttpMethod
+from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 
 from logstore.node import wire
@@ -43,6 +48,11 @@ SLOW_HEAD = "slow_head"  # 408
 INTERNAL = "internal"  # 500
 MAX_CONNECTIONS = "max_connections"  # 503: the server is full
 MAX_PER_CLIENT = "max_connections_per_client"  # 503: this client holds its share
+UNKNOWN_METHOD = "unknown_method"  # 501: a well-formed method the parser does not know (BREW, get)
+
+# A method is a token (RFC 9110 5.6.2); the parser's message quotes the request line as a bytes repr.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_QUOTED_LINE = re.compile(r"\n {2}b['\"]([^ ]*) [^ ]+ HTTP/[0-9]\.[0-9](?:\\r\\n|['\"]\n)")
 
 OnError = Callable[[int, str], None]
 
@@ -53,6 +63,7 @@ class Limits:
     idle_timeout: float
     max_connections: int
     max_line_bytes: int = 8190
+    max_headers: int = 128  # fields in a head: each under max_line_bytes, so a head holds about 1 MiB at most
     linger: float = 2.0  # after an answer sent before its request's body was read: to drain it, at most
     max_connections_per_client: int = 64  # of max_connections; more than it in effect only when lower
 
@@ -141,6 +152,7 @@ class Connection(web.RequestHandler):
         # access_log=None: no access log (aiohttp's own runners pass None too, though its annotation says Logger)
         super().__init__(manager, keepalive_timeout=limits.idle_timeout, access_log=None,  # type: ignore[arg-type]
                          max_line_size=limits.max_line_bytes, max_field_size=limits.max_line_bytes,
+                         max_headers=limits.max_headers,
                          lingering_time=limits.linger, **kwargs)
         self.limits = limits
         self.on_error = on_error
@@ -223,13 +235,39 @@ class Connection(web.RequestHandler):
             raise ConnectionError("the response was partly sent already")
         kind = "BadHttpRequest" if status < 500 else "InternalError"
         text = str(getattr(exc, "message", None) or message or exc or "the request could not be served")
-        if status >= 500:
+        unknown = unknown_method(exc) if status == 400 else None
+        if unknown is not None:  # RFC 9110 9.1: a method the server does not recognize is a 501, not a 400
+            status, kind = 501, "NotImplemented"
+            text = (f"the {server} knows no method {unknown!r} (methods are case-sensitive: "
+                    "GET, HEAD, POST, PUT, ...)")
+        elif status >= 500:
             text = f"the {server} failed unexpectedly; its log says why"
         response = web.Response(body=self.errors.render(kind, text.strip(), False), status=status,
                                 content_type=self.errors.content_type)
         response.force_close()
-        self.on_error(status, UNPARSABLE if status < 500 else INTERNAL)
+        self.on_error(status, UNKNOWN_METHOD if unknown is not None else UNPARSABLE if status < 500 else INTERNAL)
         return response
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        """aiohttp's log of a failure outside a handler: a body the client cut off or sent undecodable (bad
+        Content-Encoding), met while draining it after the answer, is the client's error: DEBUG, no traceback."""
+        exc = kw.get("exc_info")
+        if isinstance(exc, RequestPayloadError | ConnectionResetError):
+            logger.debug("%s: a request's body could not be read: %s", self.errors.server, exc)
+            return
+        super().log_exception(*args, **kw)
+
+
+def unknown_method(exc: BaseException | None) -> str | None:
+    """The method of a request line the parser refused for its method, when it is a well-formed token that
+    is no method the parser knows (``BREW``, or ``get``: methods are case-sensitive); None otherwise (a
+    method with a control character is malformed: a 400)."""
+    if not isinstance(exc, BadHttpMethod):
+        return None
+    found = _QUOTED_LINE.search(str(getattr(exc, "message", "")))
+    if found is None or not _TOKEN.fullmatch(found[1]) or found[1] in hdrs.METH_ALL:
+        return None
+    return found[1]
 
 
 @web.middleware

@@ -18,11 +18,13 @@ import datetime as dt
 import functools
 import math
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, create_model
 from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
+
+from logstore.index_tables.store import MAX_QUERY_LIMIT
 
 MAX_LOCATION = (1 << 63) - 1
 NUMBER_MIN, NUMBER_MAX = -(1 << 63), (1 << 64) - 1  # MessagePack's integers
@@ -32,6 +34,8 @@ USER_COLUMN_PATTERN = r"^[A-Za-z][A-Za-z0-9_]{0,63}$"  # writes through the toke
 NAME_PATTERN = r"^[A-Za-z0-9_.:@-]{1,200}$"  # consumers and owners
 MARK_PATTERN = r"^[A-Za-z0-9_-]{1,4000}$"  # a mark of the cell counts, base64url (logstore.node.wire)
 MAX_BATCH = 10_000
+INDEX_NAME_PATTERN = r"^[a-z][a-z0-9_]{0,47}$"  # an index's name (logstore.index_tables.persistence.IndexSpec)
+MAX_READ_BATCH = 1000  # coordinates of a batched read (POST /v1/cells/read)
 MAX_PAGE = 100_000
 _DIGITS = re.compile(r"0|[1-9][0-9]{0,18}")
 
@@ -145,6 +149,24 @@ Body = Annotated[dict[str, Any], BeforeValidator(_numbers_in_range),
                                  "description": "a JSON object; numbers in [-2**63, 2**64)"})]
 
 
+_SCALAR = [{"type": "string"}, {"type": "number"}, {"type": "boolean"}]
+
+
+def _condition(value: object) -> object:
+    """An index query's condition: a value (equality), or [start, end] (a range; null for an open end)."""
+    scalar = (str, int, float)  # bool is an int
+    if isinstance(value, scalar) or (isinstance(value, list) and len(value) == 2 and
+                                     all(v is None or isinstance(v, scalar) for v in value)):
+        return value
+    raise PydanticCustomError("condition", "a condition is a value (equality) or [start, end] (a range, start "
+                                           "included, end excluded, null for an open end), not {text}",
+                              {"text": repr(value)[:60]})
+
+
+Condition = Annotated[Any, BeforeValidator(_condition), WithJsonSchema({"anyOf": [
+    *_SCALAR, {"type": "array", "minItems": 2, "maxItems": 2, "items": {"anyOf": [*_SCALAR, {"type": "null"}]}}]})]
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -190,6 +212,14 @@ class Models:
             None, description="the mark of an earlier answer of this node (opaque)")))
         self.LocationQuery = model("LocationQuery", at=(DateTime, Field(
             description="an ISO 8601 time with a UTC offset, e.g. 2026-11-24T10:00:00Z")))
+        as_of = (DateTime | None, Field(None, description="an RFC 3339 time with a UTC offset: the newest version "
+                                                          "(highest ref_key) among those created at or before it"))
+        self.AsOfQuery = model("AsOfQuery", as_of=as_of)
+        self.VersionsQuery = model(
+            "VersionsQuery", before=(Annotated[int, Field(ge=0, le=MAX_LOCATION), BeforeValidator(_text_int)] | None,
+                                     Field(None, description=(
+                "only versions with a lower ref_key: the `next` of the previous page (default: from the highest)"))),
+            limit=(TextInt, Field(100, ge=1, le=MAX_PAGE, description="versions at most (default 100)")))
         # bodies
         cell = model("CellIn", row_key=(row_key, ...), column=(user_column, ...), ref_key=(Location, ...),
                      body=(Body, ...))
@@ -198,7 +228,27 @@ class Models:
         batch = Field(min_length=1, max_length=MAX_BATCH)
         self.PutCells = model("PutCells", cells=(list[cell], batch))  # type: ignore[valid-type]
         self.PutSystemCells = model("PutSystemCells", cells=(list[system_cell], batch))  # type: ignore[valid-type]
+        wanted = model("CellWanted", row_key=(row_key, ...), column=(column, ...), ref_key=(Location | None, Field(
+            None, description="the version; without it (or null) the latest, as of `as_of` when given")))
+        self.ReadCells = model("ReadCells", cells=(list[wanted], Field(  # type: ignore[valid-type]
+            min_length=1, max_length=MAX_READ_BATCH)), as_of=as_of, max_bytes=(
+                Annotated[int, Field(ge=1, le=MAX_LOCATION), BeforeValidator(_json_int)] | None, Field(
+                    None, description="the bodies the answer may bring (their MessagePack bytes), below the node's "
+                                      "own budget (default: that budget)")))
         self.CellBody = Body
+        # secondary indexes
+        self.IndexPath = model("IndexPath", name=(Annotated[str, Field(pattern=INDEX_NAME_PATTERN)], ...))
+        self.IndexQuery = model(
+            "IndexQuery",
+            where=(dict[str, Condition], Field(default_factory=dict, description=(
+                "query key -> a value (equality) or [start, end] (a range, start included, end excluded, null for "
+                "an open end), as the index's field types take them in a cell's body"))),
+            order=(Literal["asc", "desc"], Field("asc", description="by the keys after the shard field, then row_key")),
+            limit=(JsonInt, Field(100, ge=1, le=MAX_QUERY_LIMIT, description="entries at most")),
+            scatter=(bool, Field(False, description="required without an equality on the shard field: reads every "
+                                                    "shard")),
+            version=(Annotated[int, Field(ge=1, le=9999), BeforeValidator(_json_int)] | None, Field(
+                None, description="the version to read (default: the active one)")))
         self.LogsQuery = model(
             "LogsQuery", locations=(dict[shard_key, Location], Field(
                 min_length=1, json_schema_extra=keyed, description="shard (as a string) -> location to read after")),

@@ -35,7 +35,8 @@ _ERROR = {
 _MEANINGS = {400: "bad input: the error names the field", 401: "missing or wrong Bearer token",
              403: "the token does not allow this (the admin token does), or a request from a web page or for a "
                   "Host the node does not answer", 404: "not found",
-             409: "a different cell exists at these coordinates", 413: "request body too large",
+             409: "a different cell exists at these coordinates (an index query: the index has no active version)",
+             413: "request body too large",
              415: "the request body is not labelled application/json",
              429: "too many wrong tokens from this client or from all: retry after Retry-After seconds",
              503: "a storage node is unavailable, or the node is at its connection limit (retriable)"}
@@ -115,8 +116,10 @@ def document(shard_count: int) -> dict[str, Any]:
     doc: dict[str, Any] = _refs({
         "openapi": "3.1.0",
         "info": {"title": "cellstream worker node", "version": "1",
-                 "description": f"The logstore API over {shard_count} shards: cells, rows, shard logs and consumer "
-                                "offsets. Every error is the Error document."},
+                 "description": f"The logstore API over {shard_count} shards: cells, rows, shard logs, consumer "
+                                "offsets and secondary index queries. Every error is the Error document. Every GET "
+                                "operation answers HEAD too (its status and headers, no body); a method an operation "
+                                "does not list is a 405 with Allow, one the node does not know a 501."},
         "paths": paths,
         "components": {"schemas": schemas,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},

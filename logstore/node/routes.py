@@ -29,6 +29,12 @@ class Route:
     media: str = "application/json"
 
 
+def methods_of(route: Route) -> tuple[str, ...]:
+    """The methods a route answers: its own, and HEAD beside GET (RFC 9110 9.3.2: GET's status and headers,
+    no body)."""
+    return (route.method, "HEAD") if route.method == "GET" else (route.method,)
+
+
 _CELLS = {"type": "object", "required": ["cells"], "additionalProperties": False,
           "properties": {"cells": {"type": "array", "items": ref("Cell")}}}
 _TRUNCATED = {"type": "boolean", "description": "true when the page was cut short by the answer's byte budget "
@@ -45,6 +51,21 @@ _HOLDERS = {"type": "object", "additionalProperties": {
     "type": "object", "required": ["waiting", "failed"], "additionalProperties": False,
     "properties": {"waiting": {"type": "integer"}, "failed": {"type": "integer"}}}}
 _NODES = {"type": "array", "items": {"type": "string"}}
+_ENTRY = {"type": "object", "required": ["row_key", "ref_key", "shard"],
+          "description": "an index entry: its row, the ref_key of the cell it reflects, its shard, and its fields",
+          "properties": {"row_key": {"type": "string", "format": "uuid"}, "ref_key": {"type": "integer"},
+                         "shard": {"type": "integer"}}}
+_INDEX = {"type": "object", "required": ["name", "active", "versions"], "additionalProperties": False, "properties": {
+    "name": {"type": "string"}, "active": {"type": ["integer", "null"]}, "versions": {"type": "array", "items": {
+        "type": "object", "required": ["version", "state", "column", "shard_field", "keys", "fields"],
+        "additionalProperties": False, "properties": {
+            "version": {"type": "integer"}, "state": {"enum": ["building", "ready", "active", "retired"]},
+            "column": {"type": "string"}, "shard_field": {"type": "string"},
+            "keys": {"type": "array", "items": {"type": "string"}},
+            "fields": {"type": "array", "items": {
+                "type": "object", "required": ["name", "type", "key"], "additionalProperties": False,
+                "properties": {"name": {"type": "string"}, "type": {"type": "string"},
+                               "key": {"type": "boolean"}}}}}}}}}
 
 ROUTES: list[Route] = [
     Route("GET", "/healthz", "healthz", "the process answers", _PROBE, access="open"),
@@ -64,11 +85,28 @@ ROUTES: list[Route] = [
     Route("POST", "/v1/system/cells", "put_system_cells",
           "write cells of any column, cellstream's own `_` ones (dead letters, offsets, the index catalog) too; "
           "needs the admin token", _CELLS, (403, 409, 413), body_model="PutSystemCells", access="admin"),
-    Route("GET", "/v1/rows/{row_key}", "get_row", "the latest cell of every column of the row", {
+    Route("POST", "/v1/cells/read", "read_cells",
+          "many cells at once, in the order asked (null: none there): a coordinate with a ref_key is that version, "
+          "one without it the latest (as of `as_of` when given). An answer holds to the byte budget of a log page: "
+          "one cut short says `\"truncated\": true` and holds the first coordinates' cells; ask again for the rest", {
+              "type": "object", "required": ["cells"], "additionalProperties": False,
+              "properties": {"cells": {"type": "array", "items": {"oneOf": [ref("Cell"), {"type": "null"}]}},
+                             "truncated": _TRUNCATED}},
+          (413,), body_model="ReadCells"),
+    Route("GET", "/v1/rows/{row_key}", "get_row", "the latest cell of every column of the row (as of `as_of`)", {
         "type": "object", "required": ["cells"],
-        "properties": {"cells": {"type": "object", "additionalProperties": ref("Cell")}}}, path_model="Row"),
-    Route("GET", "/v1/rows/{row_key}/{column}", "get_latest", "the cell of the highest ref_key", ref("Cell"), (404,),
-          path_model="RowColumn"),
+        "properties": {"cells": {"type": "object", "additionalProperties": ref("Cell")}}}, path_model="Row",
+          query_model="AsOfQuery"),
+    Route("GET", "/v1/rows/{row_key}/{column}", "get_latest", "the cell of the highest ref_key (as of `as_of`)",
+          ref("Cell"), (404,), path_model="RowColumn", query_model="AsOfQuery"),
+    # Not under /v1/rows/{row_key}/{column}/: a literal segment there would shadow the PUT of a {ref_key}.
+    Route("GET", "/v1/versions/{row_key}/{column}", "get_versions",
+          "a page of the cell's versions, the highest ref_key first; `next`: the `before` of the next page (null: "
+          "none follows)", {
+              "type": "object", "required": ["cells", "next"], "additionalProperties": False,
+              "properties": {"cells": {"type": "array", "items": ref("Cell")},
+                             "next": {"type": ["integer", "null"]}, "truncated": _TRUNCATED}},
+          path_model="RowColumn", query_model="VersionsQuery"),
     Route("GET", "/v1/rows/{row_key}/{column}/{ref_key}", "get_cell", "one cell", ref("Cell"), (404,),
           path_model="CellAt"),
     Route("PUT", "/v1/rows/{row_key}/{column}/{ref_key}", "put_cell",
@@ -106,6 +144,21 @@ ROUTES: list[Route] = [
           "a location from which paging yields every cell created at or after a time", {
               "type": "object", "required": ["location"], "properties": {"location": {"type": "integer"}}},
           path_model="Shard", query_model="LocationQuery"),
+    Route("GET", "/v1/indexes", "list_indexes",
+          "the secondary indexes in the index catalog: their versions (not dropped), states and fields, the active one",
+          {"type": "object", "required": ["indexes"], "additionalProperties": False,
+           "properties": {"indexes": {"type": "array", "items": _INDEX}}}),
+    Route("POST", "/v1/indexes/{name}/query", "query_index",
+          "entries of an index (its active version, or `version`) whose query keys match `where`, ordered by the keys "
+          "after the shard field, then row_key; without an equality on the shard field `scatter` must be true. "
+          "An answer holds to the byte budget of a log page: one cut short says `\"truncated\": true` and holds "
+          "the first entries; narrow the query (a range from the last entry's keys) for the rest", {
+              "type": "object", "required": ["index", "version", "entries"], "additionalProperties": False,
+              "properties": {"index": {"type": "string"}, "version": {"type": "integer"},
+                             "entries": {"type": "array", "items": _ENTRY}, "truncated": {
+                                 "type": "boolean", "description": "true when the entries were cut short by the "
+                                 "answer's byte budget (the store's max_read_bytes)"}}},
+          (404, 409, 413), path_model="IndexPath", body_model="IndexQuery"),
     Route("POST", "/v1/logs", "logs", "pages of many shards' logs at once (a shard that cannot be read: its error)", {
         "type": "object", "required": ["pages"], "properties": {"pages": {
             "type": "object", "additionalProperties": {"oneOf": [_PAGE, ref("Error")]}}}},

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import ssl
 import threading
 import time
@@ -26,12 +27,21 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from aiohttp import web
+from aiohttp import HttpVersion10, HttpVersion11, web
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError, model_validator
 
 from logstore.build_info import register_build_info
-from logstore.errors import ConfigurationError, InvalidArgumentError, LogstoreError
+from logstore.errors import (
+    ConfigurationError,
+    IndexInactiveError,
+    IndexUnknownError,
+    InvalidArgumentError,
+    InvalidConditionError,
+    LogstoreError,
+)
+from logstore.index_tables.query import index_info, index_names, query_index
 from logstore.jobs import JobRecordsCollector, JobStore
 from logstore.net import is_loopback
 from logstore.node import openapi, wire
@@ -39,7 +49,7 @@ from logstore.node.connections import Connection, Limits, protocol_factory
 from logstore.node.guard import AuthLimits, AuthThrottle, HostAllowList, check_token, cross_site, retry_after
 from logstore.node.health import CachedCollector, NodeHealth
 from logstore.node.models import models
-from logstore.node.routes import ROUTES, Route
+from logstore.node.routes import ROUTES, Route, methods_of
 from logstore.persistence import TruncatedPage
 from logstore.store import Store
 from logstore.tls import server_context
@@ -172,7 +182,7 @@ class WorkerNode:
         self._reported: set[str] = set()  # the storage nodes the metrics name
         self._models = models(store.shard_count)
         self._openapi = wire.dumps(openapi.document(store.shard_count))
-        self._routes: dict[tuple[str, str], Route] = {(r.method, r.path): r for r in ROUTES}
+        self._routes: dict[tuple[str, str], Route] = {(m, r.path): r for r in ROUTES for m in methods_of(r)}
         # Marks of the cell counts are this process's: a restarted node answers an old one with every count.
         self._instance = uuid.uuid4().hex[:16]
 
@@ -185,7 +195,10 @@ class WorkerNode:
         app = web.Application(client_max_size=self.config.max_body_bytes,
                               middlewares=[self._errors, self._guard, self._auth])
         for route in ROUTES:
-            app.router.add_route(route.method, route.path, self._endpoint(route))
+            endpoint = self._endpoint(route)
+            for method in methods_of(route):  # HEAD wherever GET: the same route, aiohttp leaves out the body
+                app.router.add_route(method, router_path(route.path, [r.path for r in ROUTES]), endpoint,
+                                     expect_handler=_continue_later)
         return app
 
     def _endpoint(self, route: Route) -> Handler:
@@ -201,9 +214,13 @@ class WorkerNode:
 
         async def endpoint(request: web.Request) -> web.StreamResponse:
             shards = self.store.shard_count
+            _check_framing(request, body is not None, self.config.max_body_bytes)
             got_path = _validated(path, dict(request.match_info), "path", shards) if path else None
             if query is None and request.query:
                 raise _BadInput(next(iter(request.query)), "unknown query parameter (this route takes none)")
+            if len(set(request.query)) != len(request.query):  # ?limit=1&limit=2: which one was meant?
+                twice = next(k for k in request.query if len(request.query.getall(k)) > 1)
+                raise _BadInput(twice, "given more than once")
             got_query = _validated(query, dict(request.query), "query", shards, known) if query else None
             got_body = None
             if body is not None:
@@ -335,11 +352,18 @@ class WorkerNode:
         except _SlowBody as exc:
             response = _json(wire.error("RequestTimeout", str(exc)), 408)
             response.force_close()
+        except _Refused as exc:
+            response = _json(exc.document(), exc.status)
+            if exc.close:
+                response.force_close()
         except _Throttled as exc:
             response = _json(wire.error("TooManyFailedTokens", str(exc)), 429)
             response.headers["Retry-After"] = retry_after(exc.wait)
         except web.HTTPException as exc:
-            response = _json(wire.error("HTTPError", exc.reason), exc.status)
+            message = exc.reason
+            if isinstance(exc, web.HTTPMethodNotAllowed):
+                message = f"{exc.method} is not a method of this route: {', '.join(sorted(exc.allowed_methods))}"
+            response = _json(wire.error("HTTPError", message), exc.status)
             for name in ("WWW-Authenticate", "Allow"):
                 if name in exc.headers:
                     response.headers[name] = exc.headers[name]
@@ -478,14 +502,35 @@ class WorkerNode:
         return _json(cell.to_json())
 
     async def get_latest(self, got: Got) -> web.Response:
-        cell = await self._call(self.store.get_cell_latest, got.path.row_key, got.path.column)
+        cell = await self._call(self.store.get_cell_latest, got.path.row_key, got.path.column, as_of=got.query.as_of)
         if cell is None:
-            return _not_found("no cell in this row and column")
+            return _not_found("no cell in this row and column" + (" created by then" if got.query.as_of else ""))
         return _json(cell.to_json())
 
     async def get_row(self, got: Got) -> web.Response:
-        row = await self._call(self.store.get_row, got.path.row_key)
+        row = await self._call(self.store.get_row, got.path.row_key, as_of=got.query.as_of)
         return _json({"cells": {column: cell.to_json() for column, cell in row.items()}})
+
+    async def get_versions(self, got: Got) -> web.Response:
+        query = got.query
+        cells = await self._call(self.store.get_cell_versions, got.path.row_key, got.path.column,
+                                 before=query.before, limit=query.limit)
+        more = isinstance(cells, TruncatedPage) or len(cells) == query.limit
+        answer: dict[str, Any] = {"cells": [c.to_json() for c in cells],
+                                  "next": cells[-1].ref_key if cells and more else None}
+        if isinstance(cells, TruncatedPage):
+            answer["truncated"] = True
+        return _json(answer)
+
+    async def read_cells(self, got: Got) -> web.Response:
+        # The answer's bodies hold to the store's budget of a log page: the store stops reading once it is spent.
+        wanted = [(c.row_key, c.column, c.ref_key) for c in got.body.cells]
+        budget = min(self.store.options.max_read_bytes, got.body.max_bytes or self.store.options.max_read_bytes)
+        cells = await self._call(self.store.read_cells, wanted, as_of=got.body.as_of, max_bytes=budget)
+        answer: dict[str, Any] = {"cells": [c.to_json() if c is not None else None for c in cells]}
+        if isinstance(cells, TruncatedPage):
+            answer["truncated"] = True
+        return _json(answer)
 
     # -- shards and logs --------------------------------------------------------------
     async def shards(self, got: Got) -> web.Response:
@@ -549,6 +594,40 @@ class WorkerNode:
         self.metrics.pending.set(report.waiting)
         return _json(report._asdict())
 
+    # -- secondary indexes ------------------------------------------------------------
+    async def list_indexes(self, got: Got) -> web.Response:
+        def read() -> list[dict[str, Any]]:
+            found = []
+            for name in index_names(self.store):
+                with contextlib.suppress(IndexUnknownError):  # tables without a catalog record: not served
+                    found.append(index_info(self.store, name).to_json())
+            return found
+        return _json({"indexes": await self._call(read)})
+
+    async def query_index(self, got: Got) -> web.Response:
+        """What ``cellstream index query`` (``indexer.indexes.applier.Index.query``) gives, within the answer's byte
+        budget (the store's max_read_bytes, as a log page): an answer cut short holds the first entries."""
+        asked = got.body
+        try:
+            spec, entries = await self._call(query_index, self.store, got.path.name, asked.where, order=asked.order,
+                                             limit=asked.limit, scatter=asked.scatter, version=asked.version)
+        except IndexUnknownError as exc:
+            return _not_found(str(exc))
+        except IndexInactiveError as exc:
+            return _json(wire.error(type(exc).__name__, str(exc)), 409)
+        except InvalidConditionError as exc:
+            raise _BadInput(exc.field if exc.field == "scatter" else f"where.{exc.field}", exc.problem) from None
+        budget, used = self.store.options.max_read_bytes, 0
+        answer: dict[str, Any] = {"index": spec.name, "version": spec.version, "entries": []}
+        for entry in entries:
+            doc = entry.to_json()
+            used += len(wire.dumps(doc))
+            if answer["entries"] and used > budget:
+                answer["truncated"] = True
+                break
+            answer["entries"].append(doc)
+        return _json(answer)
+
     # -- offsets --------------------------------------------------------------------
     async def read_offsets(self, got: Got) -> web.Response:
         records = await self._call(self.store.read_offsets, got.path.consumer)
@@ -610,15 +689,82 @@ def _bearer(request: web.Request) -> bytes:
     return value.strip().encode() if scheme.lower() == "bearer" else b""
 
 
+def router_path(path: str, paths: list[str]) -> str:
+    """``path`` for aiohttp's router: a parameter does not match the literal segment a sibling route has in its
+    place (``/v1/rows/{row_key}/{column}/{ref_key}`` is not ``.../versions``), so a method only the literal's
+    route lacks is a 405 there with that route's Allow, not a 400 for a ``ref_key`` nobody meant."""
+    segments = path.split("/")
+    out = []
+    for i, segment in enumerate(segments):
+        literals = sorted({other[i] for other in (p.split("/") for p in paths) if len(other) == len(segments)
+                           and not other[i].startswith("{") and segment.startswith("{")
+                           and all(other[j] == segments[j] for j in range(len(segments)) if j != i)})
+        if literals:
+            alternatives = "|".join(re.escape(literal) for literal in literals)
+            segment = f"{segment[:-1]}:(?!(?:{alternatives})(?:/|$))[^{{}}/]+}}"
+        out.append(segment)
+    return "/".join(out)
+
+
+async def _continue_later(request: web.Request) -> None:
+    """Every route's Expect handler: nothing at routing time. aiohttp's own sends ``100 Continue`` before
+    the middlewares run, so a client without a token, or with a body too large, was told to send it;
+    :func:`_json_body` says it once the request passed every check, :func:`_check_framing` refuses an
+    expectation other than 100-continue (RFC 9110 10.1.1)."""
+    return None
+
+
+def _check_framing(request: web.Request, takes_body: bool, max_body_bytes: int) -> None:
+    """Refuse, from its head alone, a request whose framing the route cannot serve: an HTTP version other
+    than 1.0 and 1.1 (505), an expectation other than 100-continue (417), a body on a route that takes
+    none (400: GET content has no meaning, and a proxy that disagrees could smuggle a request in it), a
+    declared Content-Length over ``max_body_bytes`` (413, before a byte of it is read)."""
+    if request.version not in (HttpVersion10, HttpVersion11):
+        raise _Refused(505, "HTTPVersionNotSupported",
+                       f"HTTP/{request.version.major}.{request.version.minor} is not served: HTTP/1.1 is", close=True)
+    expect = request.headers.get("Expect")
+    if expect is not None and expect.lower() != "100-continue":
+        raise _Refused(417, "ExpectationFailed", f"Expect: {expect[:100]!r} cannot be met (only 100-continue)",
+                       close=True)
+    if not takes_body:
+        if request.body_exists:
+            raise _Refused(400, "InvalidArgumentError", f"{request.method} on this route takes no request body",
+                           close=True, field="body")
+    elif request.content_length is not None and request.content_length > max_body_bytes:
+        raise _Refused(413, "HTTPError", f"the request's body ({request.content_length} bytes) is over the node's "
+                                         f"limit of {max_body_bytes} bytes", close=True)
+
+
+class _Refused(Exception):
+    """A request refused with ``status``; ``close``: its body was not read, so the connection goes."""
+
+    def __init__(self, status: int, kind: str, message: str, *, close: bool = False, field: str | None = None) -> None:
+        self.status, self.kind, self.close, self.field = status, kind, close, field
+        super().__init__(message)
+
+    def document(self) -> dict[str, Any]:
+        if self.field is not None:
+            return wire.bad_request(self.field, str(self).removeprefix(f"{self.field}: "))
+        return wire.error(self.kind, str(self))
+
+
 async def _json_body(request: web.Request, timeout: float) -> Any:
     # A browser sends text/plain or a form cross-site without asking first (no CORS preflight): only a body
     # labelled JSON is read, so no web page can write to a node on this machine.
     if request.content_type != "application/json":
         raise _NotJSON(request.content_type)
+    if request.version >= HttpVersion11 and request.headers.get("Expect", "").lower() == "100-continue":
+        # Only now, every check of the head passed (auth, path, query, declared size): a client waiting for
+        # the go-ahead is refused before it sends a byte of a body that would be refused anyway.
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer proper has not started (as aiohttp's own expect handler)
     try:
         raw = await asyncio.wait_for(request.read(), timeout)  # over client_max_size: 413
     except TimeoutError:
         raise _SlowBody(timeout) from None
+    except (ConnectionResetError, RequestPayloadError) as exc:  # the client's doing: no traceback, no 500
+        why = getattr(exc.__cause__, "message", None) or str(exc) or type(exc).__name__
+        raise _Refused(400, "BadRequestBody", f"the request's body could not be read: {why}", close=True) from None
     if not raw:
         raise _BadInput("body", "a JSON document is required")
     try:

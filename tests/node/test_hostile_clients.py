@@ -65,7 +65,8 @@ UNPARSABLE = [
     pytest.param(b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", id="oversize-url"),
     pytest.param(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"b" * 9000 + b"\r\n\r\n", id="oversize-header"),
     pytest.param(b"NOT HTTP AT ALL\r\n\r\n", id="not-http"),
-    pytest.param(b"BREW /v1/info HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", id="unknown-method"),
+    pytest.param(b"GET /v1/info HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(200))
+                 + b"\r\n", id="too-many-headers"),  # 200 small ones: each under the line limit, together not
 ]
 
 

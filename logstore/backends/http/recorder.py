@@ -22,14 +22,18 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
+import msgpack
+
 from logstore.backends.http.target import HttpTarget
 from logstore.cell import AnyCell, Cell
 from logstore.config import StoreOptions
 from logstore.errors import AuthenticationError, ConfigurationError, CorruptCellError, StorageUnavailableError
 from logstore.index_tables.persistence import IndexRecorder
+from logstore.node.models import MAX_READ_BATCH
 from logstore.node.wire import cell_from_json, dumps, error_from_json, loads
 from logstore.offsets import OffsetRecord
 from logstore.persistence import (
+    CellRead,
     ChangedCounts,
     NodeMeta,
     NodeRecorder,
@@ -44,6 +48,7 @@ from logstore.persistence import (
 from logstore.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
+_UNBOUNDED = 1 << 62  # a budget this large is a read without max_bytes (Store.read_cells)
 
 
 class HttpRecorder(NodeRecorder):
@@ -161,12 +166,44 @@ class HttpRecorder(NodeRecorder):
         doc = self._request("GET", f"/v1/rows/{row_key}/{column}/{ref_key}", missing_ok=True)
         return cell_from_json(doc) if doc is not None else None
 
-    def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None:
-        doc = self._request("GET", f"/v1/rows/{row_key}/{column}", missing_ok=True)
+    def get_latest(self, shard: int, row_key: uuid.UUID, column: str, as_of: dt.datetime | None = None) -> Cell | None:
+        doc = self._request("GET", f"/v1/rows/{row_key}/{column}{_as_of(as_of)}", missing_ok=True)
         return cell_from_json(doc) if doc is not None else None
 
-    def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
-        return [cell_from_json(doc) for doc in self._request("GET", f"/v1/rows/{row_key}")["cells"].values()]
+    def get_row(self, shard: int, row_key: uuid.UUID, as_of: dt.datetime | None = None) -> list[Cell]:
+        return [cell_from_json(doc)
+                for doc in self._request("GET", f"/v1/rows/{row_key}{_as_of(as_of)}")["cells"].values()]
+
+    def get_versions(self, shard: int, row_key: uuid.UUID, column: str, before: int | None, limit: int,
+                     budget: ReadBudget) -> list[Cell]:
+        """A page of ``GET /v1/versions/{row_key}/{column}``. The node holds it to its store's
+        ``max_read_bytes`` (``budget`` is this process's, which the node does not take): a page it cut short
+        comes back a TruncatedPage."""
+        query = {"limit": limit, **({"before": before} if before is not None else {})}
+        answer = self._request("GET", f"/v1/versions/{row_key}/{column}?{urlencode(query)}")
+        cells = [cell_from_json(doc) for doc in answer["cells"]]
+        return TruncatedPage(cells) if answer.get("truncated") is True and cells else cells
+
+    def read_cells(self, coordinates: Sequence[CellRead], as_of: dt.datetime | None,
+                   budget: ReadBudget) -> list[Cell | None]:
+        """One ``POST /v1/cells/read`` of the first MAX_READ_BATCH coordinates. The node holds its answer to its
+        store's ``max_read_bytes`` and to a ``budget`` that is bounded (``max_bytes``): an answer shorter than
+        ``coordinates`` is a TruncatedPage, and the store asks again for the rest while its budget lasts."""
+        part = coordinates[:MAX_READ_BATCH]
+        body: dict[str, Any] = {"cells": [{"row_key": str(key), "column": column, "ref_key": ref}
+                                          for _, key, column, ref in part]}
+        if as_of is not None:
+            body["as_of"] = as_of.isoformat()
+        bounded = budget.room < _UNBOUNDED
+        if bounded:
+            body["max_bytes"] = max(budget.room, 1)
+        answer = self._request("POST", "/v1/cells/read", body)
+        cells = [cell_from_json(doc) if doc is not None else None for doc in answer["cells"]]
+        if bounded:  # spent as the node counted it: the bodies' MessagePack bytes
+            budget.room -= sum(len(msgpack.packb(c.body)) for c in cells if c is not None)
+            if answer.get("truncated") is True:
+                budget.room = min(budget.room, 0)
+        return TruncatedPage(cells) if len(cells) < len(coordinates) else cells
 
     # -- logs -----------------------------------------------------------------------
     def read_logs(self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None,
@@ -264,6 +301,11 @@ class HttpRecorder(NodeRecorder):
         for conn in conns:
             conn.close()
         self._local = threading.local()
+
+
+def _as_of(as_of: dt.datetime | None) -> str:
+    """The query string of a read as of a time ("" for the latest)."""
+    return "" if as_of is None else f"?{urlencode({'as_of': as_of.isoformat()})}"
 
 
 def _segment(text: str) -> str:

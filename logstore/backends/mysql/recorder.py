@@ -59,6 +59,7 @@ from logstore.log_blocks import encode as encode_block
 from logstore.offsets import ConsumerOffsets, OffsetRecord, move_old_offsets
 from logstore.persistence import (
     FORMAT_VERSION,
+    CellRead,
     ChangedCounts,
     Coordinates,
     NodeMeta,
@@ -69,6 +70,8 @@ from logstore.persistence import (
     RestoredCell,
     check_meta,
     concat_counts,
+    decode_in_order,
+    decode_log,
     decode_pages,
     make_cell,
     make_sized_cell,
@@ -140,7 +143,7 @@ _FENCES = "SELECT GROUP_CONCAT(CONCAT(shard, ' ', fence)) FROM cellstream_shards
 _OLD_OFFSETS = "SELECT consumer, shard, location, owner, doc FROM cellstream_offsets ORDER BY consumer, shard"
 CELL_COLUMNS = "shard, added_id, row_key, column_name, ref_key, body, created_at"
 _QUALIFIED_CELL_COLUMNS = ", ".join(f"c.{name}" for name in CELL_COLUMNS.split(", "))
-_LATEST_BATCH = 500  # coordinates a statement of get_latest_many
+_LATEST_BATCH = 500  # coordinates a statement of read_cells
 # A log row as three fields: pymysql spends more on each field of a row than on its bytes, so a page of
 # cells comes back with the key, time, ref_key, column and body packed in one (see _log_row_to_cell).
 LOG_COLUMNS = "shard, added_id, CONCAT(row_key, CAST(created_at AS CHAR), ref_key, ' ', column_name, ' ', body)"
@@ -235,6 +238,16 @@ def _increments(counts: Mapping[int, int]) -> str:
 def _row_to_cell(row: tuple[Any, ...], max_bytes: int) -> Cell:
     shard, added_id, row_key, column, ref_key, blob, created = row
     return make_cell(shard, added_id, row_key, column, ref_key, blob, created, max_bytes)
+
+
+def _row_to_sized_cell(row: tuple[Any, ...], max_bytes: int) -> tuple[Cell, int]:
+    shard, added_id, row_key, column, ref_key, blob, created = row
+    return make_sized_cell(shard, added_id, row_key, column, ref_key, blob, created, max_bytes)
+
+
+def _datetime_text(when: dt.datetime) -> str:
+    """A UTC time as a DATETIME(6) literal (``created_at`` holds UTC)."""
+    return when.astimezone(dt.UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
 # Time texts parsed by _log_row, and their datetimes. A transaction's cells share their time, and a page of a
@@ -799,34 +812,70 @@ class MySQLRecorder(NodeRecorder):
                           (row_key.bytes, column, ref_key))
         return _row_to_cell(rows[0], self._max_body) if rows else None
 
-    def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None:
-        rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE row_key = %s AND column_name = %s"
-                          " ORDER BY ref_key DESC LIMIT 1", (row_key.bytes, column))
+    def get_latest(self, shard: int, row_key: uuid.UUID, column: str, as_of: dt.datetime | None = None) -> Cell | None:
+        if as_of is None:
+            rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE row_key = %s AND column_name = %s"
+                              " ORDER BY ref_key DESC LIMIT 1", (row_key.bytes, column))
+        else:  # down the ``cell`` key from the highest ref_key, to the first version created by then
+            rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE row_key = %s AND column_name = %s"
+                              " AND created_at <= %s ORDER BY ref_key DESC LIMIT 1",
+                              (row_key.bytes, column, _datetime_text(as_of)))
         return _row_to_cell(rows[0], self._max_body) if rows else None
 
-    def get_latest_many(self, coordinates: Sequence[tuple[int, uuid.UUID, str]]) -> list[Cell | None]:
-        """A statement a few hundred coordinates: the newest ref_key of each (row key, column) found through the
-        ``cell`` unique key, joined back to its cell."""
-        found: dict[tuple[bytes, str], Cell] = {}
+    def read_cells(self, coordinates: Sequence[CellRead], as_of: dt.datetime | None,
+                   budget: ReadBudget) -> list[Cell | None]:
+        """A statement a few hundred coordinates: those with a ref_key as point ranges of the ``cell`` unique
+        key, the others through it too, the newest ref_key of each (row key, column) joined back to its cell."""
+        rows: list[tuple[Any, ...] | None] = []
         for start in range(0, len(coordinates), _LATEST_BATCH):
             part = coordinates[start:start + _LATEST_BATCH]
-            keys = list({row_key.bytes for _, row_key, _ in part})
-            columns = list({column for _, _, column in part})
-            rows = self._read(
-                f"SELECT {_QUALIFIED_CELL_COLUMNS} FROM cells c JOIN (SELECT row_key, column_name, MAX(ref_key) AS top "
-                f"FROM cells WHERE row_key IN ({', '.join(['%s'] * len(keys))}) AND column_name IN "
-                f"({', '.join(['%s'] * len(columns))}) GROUP BY row_key, column_name) m ON c.row_key = m.row_key "
-                "AND c.column_name = m.column_name AND c.ref_key = m.top", (*keys, *columns))
-            for row in rows:
-                cell = _row_to_cell(row, self._max_body)
-                found[(cell.row_key.bytes, cell.column)] = cell
-        return [found.get((row_key.bytes, column)) for _, row_key, column in coordinates]
+            exact = [(key.bytes, column, ref) for _, key, column, ref in part if ref is not None]
+            latest = [(key.bytes, column) for _, key, column, ref in part if ref is None]
+            parts, args = [], []
+            if exact:
+                parts.append(f"(SELECT 0, {CELL_COLUMNS} FROM cells WHERE {' OR '.join([_SAME_CELL] * len(exact))})")
+                args += [a for triple in exact for a in triple]
+            if latest:
+                keys, columns = list({k for k, _ in latest}), list({c for _, c in latest})
+                parts.append(
+                    f"(SELECT 1, {_QUALIFIED_CELL_COLUMNS} FROM cells c JOIN (SELECT row_key, column_name, "
+                    f"MAX(ref_key) AS top FROM cells WHERE row_key IN ({', '.join(['%s'] * len(keys))}) AND "
+                    f"column_name IN ({', '.join(['%s'] * len(columns))})"
+                    f"{'' if as_of is None else ' AND created_at <= %s'} GROUP BY"
+                    " row_key, column_name) m ON c.row_key = m.row_key AND c.column_name = m.column_name"
+                    " AND c.ref_key = m.top)")
+                args += [*keys, *columns, *([] if as_of is None else [_datetime_text(as_of)])]
+            found_exact: dict[tuple[bytes, str, int], tuple[Any, ...]] = {}
+            found_latest: dict[tuple[bytes, str], tuple[Any, ...]] = {}
+            for newest, *row in self._read(" UNION ALL ".join(parts), args):
+                if newest:  # one a (row key, column)
+                    found_latest[(row[2], row[3])] = tuple(row)
+                else:
+                    found_exact[(row[2], row[3], row[4])] = tuple(row)
+            rows += [found_exact.get((key.bytes, column, ref)) if ref is not None
+                     else found_latest.get((key.bytes, column)) for _, key, column, ref in part]
+        return decode_in_order(rows, _row_to_sized_cell, self._max_body, budget)
 
-    def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
-        rows = self._read(
-            f"SELECT {CELL_COLUMNS} FROM cells c WHERE row_key = %s AND ref_key = ("
-            " SELECT MAX(ref_key) FROM cells m WHERE m.row_key = c.row_key AND m.column_name = c.column_name)"
-            " ORDER BY column_name", (row_key.bytes,))
+    def get_versions(self, shard: int, row_key: uuid.UUID, column: str, before: int | None, limit: int,
+                     budget: ReadBudget) -> list[Cell]:
+        """One statement, a range of the ``cell`` unique key read backwards."""
+        below = "" if before is None else " AND ref_key < %s"
+        rows = self._read(f"SELECT {CELL_COLUMNS} FROM cells WHERE row_key = %s AND column_name = %s{below}"
+                          " ORDER BY ref_key DESC LIMIT %s",
+                          (row_key.bytes, column, *(() if before is None else (before,)), limit))
+        return decode_log(rows, _row_to_sized_cell, self._max_body, budget)
+
+    def get_row(self, shard: int, row_key: uuid.UUID, as_of: dt.datetime | None = None) -> list[Cell]:
+        if as_of is None:
+            rows = self._read(
+                f"SELECT {CELL_COLUMNS} FROM cells c WHERE row_key = %s AND ref_key = ("
+                " SELECT MAX(ref_key) FROM cells m WHERE m.row_key = c.row_key AND m.column_name = c.column_name)"
+                " ORDER BY column_name", (row_key.bytes,))
+        else:
+            rows = self._read(
+                f"SELECT {CELL_COLUMNS} FROM cells c WHERE row_key = %s AND ref_key = ("
+                " SELECT MAX(ref_key) FROM cells m WHERE m.row_key = c.row_key AND m.column_name = c.column_name"
+                " AND m.created_at <= %s) ORDER BY column_name", (row_key.bytes, _datetime_text(as_of)))
         return [_row_to_cell(r, self._max_body) for r in rows]
 
     def _gappy(self, locations: Sequence[tuple[int, int]]) -> set[int]:
@@ -959,6 +1008,17 @@ class MySQLRecorder(NodeRecorder):
         rows = self._read("SELECT MIN(added_id) FROM cells WHERE shard = %s AND created_at >= %s",
                           (shard, when.astimezone(dt.UTC).replace(tzinfo=None)))
         return int(rows[0][0]) if rows and rows[0][0] is not None else None
+
+    def firsts_at(self, shards: Sequence[int], when: dt.datetime) -> dict[int, int]:
+        utc = when.astimezone(dt.UTC).replace(tzinfo=None)
+        out: dict[int, int] = {}
+        for start in range(0, len(shards), 500):  # a UNION of 500 ranges of the (shard, created_at) key
+            group = shards[start:start + 500]
+            sql = " UNION ALL ".join(["SELECT %s, MIN(added_id) FROM cells WHERE shard = %s AND created_at >= %s"]
+                                     * len(group))
+            out.update((int(s), int(first)) for s, first in self._read(
+                sql, [a for shard in group for a in (shard, shard, utc)]) if first is not None)
+        return out
 
     def head(self, shard: int) -> int:
         rows = self._read("SELECT last_id FROM cellstream_shards WHERE shard = %s", (shard,))

@@ -42,6 +42,7 @@ from logstore.log_blocks import encode as encode_block
 from logstore.offsets import ConsumerOffsets, OffsetRecord, move_old_offsets
 from logstore.persistence import (
     FORMAT_VERSION,
+    CellRead,
     ChangedCounts,
     Coordinates,
     NodeMeta,
@@ -51,6 +52,8 @@ from logstore.persistence import (
     RestoredCell,
     check_meta,
     concat_counts,
+    decode_in_order,
+    decode_log,
     decode_pages,
     make_cell,
     make_sized_cell,
@@ -95,6 +98,13 @@ _SELECT_LATEST = (
 _SELECT_ROW = f"""SELECT {_COLS} FROM cells c WHERE row_key = ? AND ref_key = (
     SELECT MAX(ref_key) FROM cells m WHERE m.row_key = c.row_key AND m.column_name = c.column_name)
     ORDER BY column_name"""
+# As of a time: the versions created by then. Each read goes down the UNIQUE (row_key, column_name, ref_key) index.
+_SELECT_LATEST_AS_OF = (f"SELECT {_COLS} FROM cells WHERE row_key = ? AND column_name = ? AND created_at <= ?"
+                        " ORDER BY ref_key DESC LIMIT 1")
+_SELECT_ROW_AS_OF = f"""SELECT {_COLS} FROM cells c WHERE row_key = ? AND ref_key = (
+    SELECT MAX(ref_key) FROM cells m WHERE m.row_key = c.row_key AND m.column_name = c.column_name
+    AND m.created_at <= ?) ORDER BY column_name"""
+_SELECT_VERSIONS = f"SELECT {_COLS} FROM cells WHERE row_key = ? AND column_name = ?{{}} ORDER BY ref_key DESC LIMIT ?"
 _SELECT_LOG = f"SELECT {_COLS} FROM cells WHERE shard = ? AND added_id > ? ORDER BY added_id LIMIT ?"
 _SELECT_BLOCK = ("SELECT added_id, created_at, ref_key, column_name, row_key, body FROM cells"
                  " WHERE shard = ? AND added_id > ? AND added_id <= ? ORDER BY added_id")
@@ -372,14 +382,47 @@ class SQLiteRecorder(NodeRecorder):
             row = self._conn().execute(_SELECT_CELL, (row_key.bytes, column, ref_key)).fetchone()
         return None if row is None else _row_to_cell(row, self._max_body)
 
-    def get_latest(self, shard: int, row_key: uuid.UUID, column: str) -> Cell | None:
+    def get_latest(self, shard: int, row_key: uuid.UUID, column: str, as_of: dt.datetime | None = None) -> Cell | None:
         with self._errors("read"):
-            row = self._conn().execute(_SELECT_LATEST, (row_key.bytes, column)).fetchone()
+            row = (self._conn().execute(_SELECT_LATEST, (row_key.bytes, column)) if as_of is None else
+                   self._conn().execute(_SELECT_LATEST_AS_OF, (row_key.bytes, column, _micros(as_of)))).fetchone()
         return None if row is None else _row_to_cell(row, self._max_body)
 
-    def get_row(self, shard: int, row_key: uuid.UUID) -> list[Cell]:
+    def read_cells(self, coordinates: Sequence[CellRead], as_of: dt.datetime | None,
+                   budget: ReadBudget) -> list[Cell | None]:
+        """A statement per 500 coordinates: each found by its rowid, which one lookup in the unique index gives
+        (the newest as of ``as_of`` where no ref_key is given)."""
+        latest = ("" if as_of is None else "AND created_at <= ? ") + "ORDER BY ref_key DESC LIMIT 1"
+        rows: list[_Row | None] = []
         with self._errors("read"):
-            rows = self._conn().execute(_SELECT_ROW, (row_key.bytes,)).fetchall()
+            conn = self._conn()
+            for group in _chunks(coordinates):  # 2,001 of SQLite's 32,766 variables a statement
+                sql = (f"WITH w(i, k, c, r) AS (VALUES {', '.join(['(?, ?, ?, ?)'] * len(group))})"
+                       f" SELECT w.i, {', '.join('x.' + c for c in _COLS.split(', '))} FROM w JOIN cells x"
+                       " ON x.added_id = CASE WHEN w.r IS NOT NULL THEN (SELECT added_id FROM cells"
+                       " WHERE row_key = w.k AND column_name = w.c AND ref_key = w.r) ELSE (SELECT added_id FROM cells"
+                       f" WHERE row_key = w.k AND column_name = w.c {latest}) END")
+                params: list[object] = [a for i, (_, key, column, ref) in enumerate(group)
+                                        for a in (i, key.bytes, column, ref)]
+                if as_of is not None:
+                    params.append(_micros(as_of))
+                found = {row[0]: row[1:] for row in conn.execute(sql, params).fetchall()}
+                rows += [found.get(i) for i in range(len(group))]
+        return decode_in_order(rows, _row_to_sized_cell, self._max_body, budget)
+
+    def get_versions(self, shard: int, row_key: uuid.UUID, column: str, before: int | None, limit: int,
+                     budget: ReadBudget) -> list[Cell]:
+        """One statement down the unique (row_key, column_name, ref_key) index."""
+        sql = _SELECT_VERSIONS.format("" if before is None else " AND ref_key < ?")
+        params = (row_key.bytes, column, limit) if before is None else (row_key.bytes, column, before, limit)
+        with self._errors("read"):
+            rows = self._conn().execute(sql, params).fetchall()
+        return decode_log(rows, _row_to_sized_cell, self._max_body, budget)
+
+    def get_row(self, shard: int, row_key: uuid.UUID, as_of: dt.datetime | None = None) -> list[Cell]:
+        with self._errors("read"):
+            rows = (self._conn().execute(_SELECT_ROW, (row_key.bytes,)) if as_of is None else self._conn().execute(
+                _SELECT_ROW_AS_OF, (row_key.bytes, _micros(as_of)))).fetchall()
         return [_row_to_cell(r, self._max_body) for r in rows]
 
     def read_blocks(self, ranges: Sequence[tuple[int, int, int]]) -> list[LogBlock]:
