@@ -25,6 +25,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from indexer.runtime.redrive import RedrivePolicy
 from logstore import InvalidCellError
 from logstore.cell import check_column
 from logstore.configfile import load_yaml
@@ -168,6 +169,9 @@ class ConnectorConfig(BaseModel):
     page_size: int = Field(1000, ge=1, le=10_000, description="cells read per shard at a time")
     max_attempts: int = Field(5, ge=1, description="attempts at a batch before it is retried cell by cell")
     sink: ParquetSinkSpec | PostgresSinkSpec | IcebergSinkSpec = Field(discriminator="type")
+    redrive: RedrivePolicy | None = Field(
+        None, description="redrive the connector's dead letters by itself: delay, max_redrives, errors, ... "
+                          "(indexer.runtime.redrive; docs/indexer.md, Redrive policies)")
 
     @field_validator("columns")
     @classmethod

@@ -120,7 +120,7 @@ def connector_app(config: ConnectorConfig, store: str | Store, sink: Sink | None
         applier.sink.check(config.columns)
         app = App(config.name, store=store, brokers=config.brokers, commit_interval=config.checkpoint_interval,
                   start_from=config.start_from, page_size=config.page_size, topic_prefix=config.topic_prefix,
-                  **security)
+                  redrive=config.redrive, **security)
     except BaseException:
         applier.sink.close()
         raise

@@ -82,6 +82,11 @@ class HandlerMissingError(IndexerError):
     """A dead letter names a handler the app no longer has, so it cannot be replayed."""
 
 
+class InvalidPolicyError(ConfigurationError, ValueError):
+    """A redrive policy (:mod:`indexer.runtime.redrive`) has an unknown field or a bad value: declared in an
+    app's code or a connector's file, or given by an operator (``cellstream dlq policy set``, the console)."""
+
+
 # -- secondary indexes -----------------------------------------------------------
 # A bad index definition file is the project's ConfigFileError; its old name stays for callers that catch it.
 DefinitionError = ConfigFileError

@@ -74,3 +74,16 @@ class TopicPartitionsError(ConfigurationError):
         self.logged = False
         super().__init__(f"topic {topic} has {found} partitions but the tailer maps shards onto {needed} (shard mod "
                          f"{needed}): its column is not published until they match. {fix}")
+
+
+class ConsumerNotFoundError(TailerError):
+    """No consumer of that name keeps offsets in the place asked."""
+
+
+class ConsumerRunningError(TailerError):
+    """The consumer's offsets are held by running processes (named in the message) and its place cannot
+    coordinate a reset with them: stop them first, as Kafka asks of a group before resetting it."""
+
+    def __init__(self, message: str, holders: list[str]) -> None:
+        self.holders = holders
+        super().__init__(message)

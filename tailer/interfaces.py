@@ -117,6 +117,12 @@ class Coordinator(ABC):
         for claim in claims:
             self.release(claim)
 
+    def report_published(self, published: Mapping[int, int]) -> None:  # noqa: B027 - optional
+        """Where this worker's deliveries stand past its commits: the location the sink acknowledged in each
+        shard that is ahead of its committed one (the others are where their commit says). Shown by ``cellstream
+        offsets`` and ``tail status``, so that a tailer between two commits is not reported behind. Kept where
+        readers of the offsets find it while the worker lives; by default nowhere. Called from a thread."""
+
 
 class Sink(ABC):
     """Where the worker delivers the cells of the shards it owns, each acknowledged through a future.

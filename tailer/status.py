@@ -1,4 +1,5 @@
-"""What ``cellstream tail status NAME`` shows: workers, leader, owners, offsets and lag per shard."""
+"""What ``cellstream tail status NAME`` shows: workers, leader, owners, offsets and lag per shard, and the
+tailer's re-publish jobs (:func:`republish_jobs`)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,24 @@ from logstore import CorruptCellError, Store
 from logstore.extras import require
 from tailer.coordinators.local import read_offsets
 from tailer.errors import ConfigurationError
+from tailer.republish import republish_jobs as republish_jobs  # the re-publish jobs `tail status` lists
 
 
 def _shard_rows(store: Store, offsets: dict[int, dict[str, Any]], owners: dict[int, str | None],
-                claims: dict[int, str | None]) -> list[dict[str, Any]]:
+                claims: dict[int, str | None], published: dict[int, int] | None = None) -> list[dict[str, Any]]:
+    """Each shard's row; its lag counted from what its worker has had acknowledged (``published``, reported
+    by running workers) when that is past the commit, so a tailer between two commits is not shown behind."""
     rows = []
+    published = published or {}
     for shard in range(store.shard_count):
         doc = offsets.get(shard, {})
         location = doc.get("location")
-        behind, seconds = lag_of(store, shard, int(location or 0))
+        delivered = max(int(location or 0), published.get(shard, 0))
+        behind, seconds = lag_of(store, shard, delivered)
         rows.append({
             "shard": shard, "assigned_to": owners.get(shard), "claimed_by": claims.get(shard),
-            "location": location, "head": store.head(shard), "lag_cells": behind, "lag_seconds": round(seconds, 3),
+            "location": location, "published": published.get(shard, location), "head": store.head(shard),
+            "lag_cells": behind, "lag_seconds": round(seconds, 3),
             "deadlettered": int(doc.get("deadlettered", 0)), "last_error": doc.get("last_error"),
         })
     return rows
@@ -52,12 +59,15 @@ def zookeeper_status(store: Store, zookeeper: str, name: str, timeout: float = 1
             raise ConfigurationError(f"no tailer named {name!r} in ZooKeeper at {zookeeper}")
         members = sorted(client.get_children(f"{root}/workers"), key=lambda m: int(m.rsplit("-", 1)[1]))
         workers = []
+        published: dict[int, int] = {}
         for index, member in enumerate(members):
             try:
                 raw, _ = client.get(f"{root}/workers/{member}")
             except NoNodeError:
                 continue
-            workers.append({**json.loads(raw), "member": member, "leader": index == 0})
+            info = json.loads(raw)
+            published.update((int(shard), int(at)) for shard, at in info.pop("published", {}).items())
+            workers.append({**info, "member": member, "leader": index == 0})
         raw, _ = client.get(f"{root}/assignment")
         assignment = json.loads(raw) if raw else {}
         owners = {s: m.rsplit("/", 1)[1] for m, shards in assignment.get("workers", {}).items() for s in shards}
@@ -80,7 +90,7 @@ def zookeeper_status(store: Store, zookeeper: str, name: str, timeout: float = 1
         client.stop()
         client.close()
     return {"tailer": name, "epoch": assignment.get("epoch", 0), "workers": workers,
-            "shards": _shard_rows(store, offsets, owners, claims)}
+            "shards": _shard_rows(store, offsets, owners, claims, published)}
 
 
 def standalone_status(store: Store, offsets_file: str, name: str) -> dict[str, Any]:
@@ -89,8 +99,12 @@ def standalone_status(store: Store, offsets_file: str, name: str) -> dict[str, A
         raise ConfigurationError(f"no offsets file at {path}: the standalone tailer has not committed yet")
     offsets = {int(s): doc for s, doc in read_offsets(path).items()}
     owners: dict[int, str | None] = dict.fromkeys(range(store.shard_count), "standalone")
+    from tailer.offsets.file import FileOffsets
+
+    published = {row.shard: row.published for row in FileOffsets(store, path).positions(str(path)).rows
+                 if row.shard is not None and row.published is not None}
     return {"tailer": name, "epoch": None, "workers": [{"worker": "standalone", "leader": True}],
-            "shards": _shard_rows(store, offsets, owners, {})}
+            "shards": _shard_rows(store, offsets, owners, {}, published)}
 
 
 def lag_of(store: Store, shard: int, location: int) -> tuple[int, float]:

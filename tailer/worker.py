@@ -33,11 +33,13 @@ from tailer.messages import deadletter_record
 from tailer.metrics import TailerMetrics
 from tailer.publishers.topics import TopicSink
 from tailer.reads import ReadScheduler
+from tailer.republish import Republisher
 from tailer.shardstate import CountPoll, Pending, Read, ShardState, decoded, page_of
 
 logger = logging.getLogger(__name__)
 _BACKOFF = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)
 _CLAIM_RETRY = 0.5
+_REPORT_EVERY = 1.0  # seconds between two reports of the deliveries past the commits (report_published)
 # A page's runs of one column: (the cells, the sink's form of each).
 _Runs = list[tuple[list[AnyCell], list[Any]]]
 _T = TypeVar("_T")
@@ -55,7 +57,9 @@ class Tailer:
 
     ``sink`` is where the cells go; a message :class:`~tailer.interfaces.Publisher` (Kafka, a
     directory) is taken as the :class:`~tailer.publishers.topics.TopicSink` of the topics ``config``
-    names.
+    names. With such a sink and ``republish`` (``cellstream tail`` sets it; off by default, as it reads the
+    store's jobs every 2 s), the worker also runs its tailer's re-publish jobs while it leads
+    (:mod:`tailer.republish`).
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class Tailer:
         sink: Sink | Publisher,
         metrics: TailerMetrics | None = None,
         clock: Any = time.monotonic,
+        republish: bool = False,
     ) -> None:
         self.store = store
         self.config = config
@@ -98,11 +103,19 @@ class Tailer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._commit_task: asyncio.Task[None] | None = None
+        self._report_task: asyncio.Future[None] | None = None
+        self._reported: dict[int, int] = {}
+        self._next_report = 0.0
         self._stopping = False
         self._state = "new"
         self._paused = False
         self._prepared: set[str] = set()  # columns whose destination the sink has made ready
         self.error: BaseException | None = None
+        # Re-publishes of ranges to the topics (tailer/republish.py), run beside the live tailing by a worker whose
+        # sink is the topics'; off for other sinks (an app's handlers).
+        self._republisher: Republisher | None = None
+        if republish and isinstance(self.sink, TopicSink):
+            self._republisher = Republisher(store, config, self.sink, self.coordinator.is_leader)
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -113,6 +126,8 @@ class Tailer:
         await self.sink.start()
         self.coordinator.start(self._changed)
         self._task = asyncio.create_task(self._run(), name=f"tailer-{self.config.name}")
+        if self._republisher is not None:
+            self._republisher.start()
         self._state = "running"
 
     async def stop(self) -> None:
@@ -121,6 +136,8 @@ class Tailer:
             return
         was_running = self._state == "running"
         self._state = "stopping"
+        if self._republisher is not None:  # first: its last chunk is acknowledged before the shards are let go
+            await self._republisher.stop()
         self._stopping = True
         self._reads.stop()
         self._wakeup.set()
@@ -205,6 +222,8 @@ class Tailer:
                     # In the background: a slow or unreachable ZooKeeper must not hold up publishing.
                     self._commit_task = asyncio.create_task(self._commit())
                     next_commit = now + self.config.commit_interval
+                if now >= self._next_report:
+                    self._report_published(now)
                 shards = self._shards
                 self._lag.maybe_start(now, (shards[s] for s in self._reads.live if s in shards), shards.keys())
                 if not busy:
@@ -214,6 +233,16 @@ class Tailer:
             self.error = exc
             logger.exception("tailer worker failed")
             raise
+
+    def _report_published(self, now: float) -> None:
+        """Tell the coordinator where deliveries stand past the commits, when that changed (in a thread)."""
+        self._next_report = now + _REPORT_EVERY
+        if self._report_task is not None and not self._report_task.done():
+            return
+        ahead = {st.shard: st.acked for st in self._shards.values() if st.acked > st.committed}
+        if ahead != self._reported:
+            self._reported = ahead
+            self._report_task = _in_thread(self.coordinator.report_published, ahead)
 
     # -- ownership ------------------------------------------------------------
     async def _sync_ownership(self) -> None:
@@ -776,8 +805,8 @@ class Tailer:
         committed, fenced, deferred = 0, [], []
         for shard, result in results.items():
             st = self._shards.get(shard)
-            if st is None:
-                continue
+            if st is None or st.claim is not todo[shard][0]:
+                continue  # dropped, or claimed afresh (an offsets reset) while this commit was under way
             if isinstance(result, Claim):
                 st.claim, st.committed = result, todo[shard][1].location
                 committed += 1

@@ -6,6 +6,7 @@
   cellstream dlq --app MODULE:APP stats | show ID
   cellstream dlq --app MODULE:APP replay (ID | --match FILTER) [--dry-run]
   cellstream dlq --app MODULE:APP discard (ID | --match FILTER) (--reason TEXT | --dry-run)
+  cellstream dlq --app MODULE:APP policy show | set FIELD=VALUE... [--note TEXT] | reset
 
 MODULE is an importable module (the current directory is on the path) or a file
 path; APP is the name of its :class:`indexer.App`. ``--app`` may also be a
@@ -162,6 +163,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     a.add_argument("--match", metavar="FILTER", help="e.g. 'handler=bill_rider,error=Declined' (open entries)")
     a.add_argument("--reason", help="why, kept in each entry's history (needed unless --dry-run)")
     a.add_argument("--dry-run", action="store_true", help="list what would be discarded")
+    a = action("policy", "the redrive policy in force (show), an operator's change of it (set), or the app's own "
+                         "declaration put back (reset)")
+    a.add_argument("op", choices=["show", "set", "reset"])
+    a.add_argument("fields", nargs="*", metavar="FIELD=VALUE",
+                   help="with set: e.g. delay=300 multiplier=2 max_redrives=3 errors=CardDeclined,Timeout "
+                        "enabled=false (the other fields stay as in force)")
+    a.add_argument("--note", help="with set: why, kept with the change")
     p.set_defaults(run=cmd_dlq, with_store=False)
 
 
@@ -355,7 +363,8 @@ def human_entry(entry: DeadLetter) -> str:
         f"added_id {c.get('added_id')})",
         f"  source       {', '.join(f'{k} {v}' for k, v in entry.source.items())}",
         f"  error        {entry.error_type}: {entry.message}",
-        f"  attempts     {entry.attempts}, first failed {when(entry.first_failure)}, last {when(entry.last_failure)}",
+        f"  attempts     {entry.attempts}, first failed {when(entry.first_failure)}, last {when(entry.last_failure)}"
+        + (f"; redriven {entry.redrives} times by the redrive policy" if entry.redrives else ""),
         f"  fingerprint  {entry.fingerprint}",
         "body:",
     ]
@@ -396,6 +405,47 @@ def _stats_table(groups: list[dict[str, Any]]) -> str:
     return "\n".join(line(row) for row in [header, *rows])
 
 
+def _dlq_policy(app: App, args: argparse.Namespace, out: Output) -> int:
+    """``dlq policy show|set|reset``: the redrive policy in force is the store's (indexer.runtime.redrive)."""
+    from indexer.errors import InvalidPolicyError
+    from indexer.runtime.redrive import PolicyStore, RedrivePolicy, parse_assignments
+
+    policies = PolicyStore(app.dlq.deadletters)
+    if args.op == "set":
+        current = policies.get()
+        try:
+            if current is not None and current.policy is not None:
+                policy = current.policy.updated(args.fields)
+            else:
+                policy = RedrivePolicy.parse(parse_assignments(args.fields))
+        except InvalidPolicyError as exc:
+            raise UsageError(f"dlq policy set: {exc}") from None
+        policies.set(policy, cli_actor(), args.note)
+    elif args.op == "reset":
+        policies.reset(cli_actor())
+    history = policies.history()
+    if out.as_json:
+        out.emit({"app": app.name, "in_force": history[-1].model_dump(mode="json") if history else None,
+                  "history": [r.model_dump(mode="json") for r in history]}, "")
+        return Exit.OK
+    if not history:
+        out.emit(None, f"app {app.name} has no redrive policy (declare one: App(..., redrive={{...}}), or "
+                       "`dlq policy set delay=300 max_redrives=3`)")
+        return Exit.OK
+    record = history[-1]
+    shown = record.policy.model_dump_json(exclude_defaults=True) if record.policy is not None else "none"
+    origin = "the app's declaration" if record.origin == "declared" else f"set by {record.actor}"
+    lines = [f"redrive policy of {app.name} in force ({origin}, {record.at.isoformat(timespec='seconds')}): {shown}"]
+    if record.origin == "operator":
+        declared = record.declared.model_dump_json(exclude_defaults=True) if record.declared else "none"
+        lines.append(f"  declared by the app: {declared} (`dlq policy reset` puts it back in force)")
+    lines.append("history:")
+    lines += [f"  v{r.version} {r.at.isoformat(timespec='seconds')} {r.actor} ({r.origin})"
+              + (f": {r.note}" if r.note else "") for r in history]
+    out.emit(None, "\n".join(lines))
+    return Exit.OK
+
+
 def cmd_dlq(args: argparse.Namespace, out: Output) -> int:
     import indexer
     from indexer import DLQFilter
@@ -404,8 +454,13 @@ def cmd_dlq(args: argparse.Namespace, out: Output) -> int:
         _check_id(args.action, args.id)
     if args.action == "discard" and not args.dry_run and not (args.reason or "").strip():
         raise UsageError("dlq discard needs --reason TEXT (kept in each entry's history), or --dry-run")
+    if args.action == "policy" and (args.op == "set") != bool(args.fields):
+        raise UsageError("dlq policy set takes FIELD=VALUE assignments (e.g. delay=300 max_redrives=3); "
+                         "show and reset take none")
     app = dlq_app(args)
     dlq = app.dlq
+    if args.action == "policy":
+        return _dlq_policy(app, args, out)
     if args.action in ("list", "stats"):
         match = DLQFilter.build(handler=args.handler, status=args.status, error=args.error,
                                 fingerprint=args.fingerprint, text=args.text, since=args.since,

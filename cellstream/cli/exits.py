@@ -14,7 +14,7 @@ from enum import IntEnum
 
 class Exit(IntEnum):
     OK = 0
-    NOT_FOUND = 1  # no such cell, dead letter, index or version, job
+    NOT_FOUND = 1  # no such cell, dead letter, index or version, job, consumer
     USAGE = 2  # bad input or usage, told in one line
     CONFLICT = 3  # the cell exists with another body
     CONFIG = 4  # a configuration problem: store, app, cluster, index or connector file; a missing extra
@@ -22,7 +22,7 @@ class Exit(IntEnum):
     FAILED = 6  # another storage, publishing or sink failure
     STALLED = 7  # a handler stalled: too many open dead letters; a migration's capture lags over --max-lag
     MISMATCH = 8  # index verify found mismatches and did not repair them all; a migration diff found differences
-    STATE = 9  # an index version, a job or a migration in the wrong state for the command
+    STATE = 9  # an index version, a job or a migration in the wrong state; a consumer running (offsets reset)
     INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
     BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader went away (`cellstream log 1 | head`); nothing printed
 
@@ -34,17 +34,20 @@ def exit_code(exc: BaseException) -> Exit:
     from connectors import errors as connectors
     from indexer import errors as indexer
     from logstore import errors as logstore
+    from tailer import errors as tailer
 
     table: tuple[tuple[tuple[type[BaseException], ...], Exit], ...] = (
         ((UsageError, logstore.InvalidArgumentError, indexer.InvalidFilterError, indexer.InvalidQueryError),
          Exit.USAGE),
-        ((indexer.EntryNotFoundError, indexer.IndexNotFoundError, logstore.JobNotFoundError), Exit.NOT_FOUND),
+        ((indexer.EntryNotFoundError, indexer.IndexNotFoundError, logstore.JobNotFoundError,
+          tailer.ConsumerNotFoundError), Exit.NOT_FOUND),
         ((logstore.CellConflictError,), Exit.CONFLICT),
         ((logstore.ConfigurationError,), Exit.CONFIG),  # ConfigFileError (an index or connector file) too
         ((connectors.MigrationSourceUnavailableError,), Exit.UNAVAILABLE),
         ((connectors.MigrationSourceError,), Exit.CONFIG),  # a source not set up for a migration: the message says how
         ((indexer.HandlerStalledError,), Exit.STALLED),
-        ((indexer.IndexStateError, logstore.JobStateError, connectors.MigrationStateError), Exit.STATE),
+        ((indexer.IndexStateError, logstore.JobStateError, connectors.MigrationStateError,
+          tailer.ConsumerRunningError), Exit.STATE),
         # Input files (--batch, --token-file): a path that cannot be read, or text that is not UTF-8.
         ((OSError, UnicodeDecodeError), Exit.USAGE),
     )

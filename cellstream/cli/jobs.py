@@ -60,8 +60,14 @@ def _backup(store: Store) -> JobKind:
     return BackupJob(store)
 
 
+def _replay(store: Store) -> JobKind:
+    from cellstream.cli.replay_kind import replay_kind
+
+    return replay_kind(store)
+
+
 KIND_FACTORIES: dict[str, Callable[[Store], JobKind]] = {"compact": _compaction, "rebalance": _rebalance,
-                                                         "backup": _backup}
+                                                         "backup": _backup, "replay": _replay}
 
 
 def known_kinds(store: Store) -> KindRegistry:

@@ -30,6 +30,8 @@ from cellstream.cli import (
     migrate,
     mirror,
     nodes,
+    offsets,
+    replay,
     serve,
     tail,
 )
@@ -38,7 +40,8 @@ from cellstream.cli.exits import Exit, fail
 from cellstream.errors import UsageError
 from logstore.errors import CellstreamError
 
-COMMANDS = (cells, nodes, tail, apps, indexes, connect, jobs, serve, console, demo, backup, mirror, migrate)
+COMMANDS = (cells, nodes, tail, apps, indexes, connect, jobs, serve, console, demo, backup, mirror, migrate,
+            offsets, replay)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,9 @@
                   [--metrics-port PORT [--per-shard-metrics]]
   cellstream tail --store URL --out DIR --offsets FILE --name NAME ...      (standalone, no servers)
   cellstream tail status NAME --store URL (--zookeeper HOST:PORT | --offsets FILE) [--all] [--json]
-                  (totals, then the lagging or failing shards; --all: every shard)
+                  (totals, then the lagging or failing shards and the re-publish jobs; --all: every shard, every job)
+  cellstream tail republish NAME --store URL [--columns A,B] [--shards RANGE] [--from POSITION]
+                  [--until POSITION] [--rate N]   (a job the running tailer NAME takes; see docs/tailer.md)
 
 Exit codes of ``tail``: 0 after a graceful stop (SIGTERM/SIGINT), 4 configuration
 error, 5 Kafka, ZooKeeper or the store unreachable, 6 other failure.
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from logstore import Store
     from tailer.config import TailerConfig
     from tailer.interfaces import Coordinator, Publisher
+    from tailer.offsets import OffsetsPlace
     from tailer.worker import Tailer
 
 logger = logging.getLogger(__name__)
@@ -54,7 +57,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--offsets", metavar="FILE", help="standalone: keep offsets in FILE instead of ZooKeeper")
     p.add_argument("--columns", type=columns_arg, default=None,
                    help="comma-separated (default: every column but the reserved _ ones, published only when named)")
-    p.add_argument("--from", dest="start", default="beginning", help="beginning, now or an ISO-8601 time")
+    p.add_argument("--from", dest="start", default=None,
+                   help="beginning (default), now or an ISO-8601 time: where shards without committed offsets "
+                        "start (the others resume from their offsets; `cellstream offsets reset` moves those)")
     p.add_argument("--prefix", default="cells", help="topic prefix (topics are PREFIX.COLUMN)")
     p.add_argument("--partitions", type=int, default=16, help="partitions per topic; shard s -> s mod P")
     p.add_argument("--replication-factor", type=int, default=1)
@@ -69,8 +74,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(run=cmd_tail)
     # `tail status` has a parser of its own: its --help shows its options, not the worker's. The options it
     # shares with the worker's parser default to SUPPRESS there, so that one given before `status` stays.
-    actions = p.add_subparsers(dest="action", required=False, parser_class=Parser, metavar="status",
-                               help="`tail status NAME --help` shows its options")
+    actions = p.add_subparsers(dest="action", required=False, parser_class=Parser, metavar="{status,republish}",
+                               help="`tail status NAME --help` and `tail republish NAME --help` show their options")
     a = actions.add_parser("status", parents=[common], help="show a tailer's workers, totals and lagging shards")
     a.add_argument("status_name", metavar="NAME", help="the tailer to show")
     a.add_argument("--zookeeper", default=argparse.SUPPRESS,
@@ -82,6 +87,22 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="the offsets file of a standalone tailer")
     a.add_argument("--all", action="store_true", help="list every shard, not only the lagging or failing ones")
     a.set_defaults(run=cmd_tail_status)
+    # Its own dests (republish_*): the worker's --columns and --from stay the worker's.
+    a = actions.add_parser("republish", parents=[common], help="re-publish a range to a tailer's topics while it "
+                           "goes on tailing (a job its running tailer takes)")
+    a.add_argument("republish_name", metavar="NAME", help="the tailer whose topics get the range")
+    a.add_argument("--columns", dest="republish_columns", type=columns_arg, default=None, metavar="A,B",
+                   help="comma-separated (default: the columns the tailer publishes)")
+    a.add_argument("--shards", dest="republish_shards", metavar="RANGE", default=None,
+                   help="e.g. 0-99,200 (default: every shard)")
+    a.add_argument("--from", dest="republish_from", metavar="POSITION", default="beginning",
+                   help="beginning, end, an ISO-8601 time or SHARD:LOCATION,... (default: beginning)")
+    a.add_argument("--until", dest="republish_until", metavar="POSITION", default="end",
+                   help="as --from; default end: each shard's head now, so cells written later are the live "
+                        "stream's")
+    a.add_argument("--rate", dest="republish_rate", type=float, default=None, metavar="N",
+                   help="cells a second (default: unlimited; `cellstream jobs throttle ID` changes it)")
+    a.set_defaults(run=cmd_tail_republish)
 
 
 def cmd_tail(store: Store, args: argparse.Namespace, out: Output) -> int:
@@ -92,6 +113,27 @@ def cmd_tail_status(store: Store, args: argparse.Namespace, out: Output) -> int:
     return _status(store, args, out)
 
 
+def cmd_tail_republish(store: Store, args: argparse.Namespace, out: Output) -> int:
+    """Record a re-publish job for the tailer (:func:`tailer.republish.submit`) and say how its progress is seen."""
+    from logstore.positions import parse_position, parse_shards
+    from tailer.republish import submit
+
+    if args.republish_rate is not None and not args.republish_rate > 0:
+        raise UsageError(f"--rate must be above 0, got {args.republish_rate:g}")
+    shards = parse_shards(args.republish_shards, store.shard_count) if args.republish_shards else None
+    record = submit(store, args.republish_name, columns=args.republish_columns, shards=shards,
+                    start=parse_position(args.republish_from), until=parse_position(args.republish_until),
+                    rate=args.republish_rate,
+                    texts={"shards": args.republish_shards, "from": args.republish_from,
+                           "until": args.republish_until})
+    total = "?" if record.total is None else str(record.total)
+    out.emit(record.summary(),
+             f"job {record.id}: re-publish about {total} cells of {record.params['shards_in_range']} shards to tailer "
+             f"{args.republish_name}'s topics; its running tailer takes it (`cellstream tail status "
+             f"{args.republish_name}` and `cellstream jobs show {record.id}` show its progress)")
+    return Exit.OK
+
+
 def _config(args: argparse.Namespace) -> TailerConfig:
     if not args.name:
         raise UsageError("tail needs --name NAME")
@@ -100,7 +142,7 @@ def _config(args: argparse.Namespace) -> TailerConfig:
     from tailer.config import TailerConfig, parse_start
 
     try:
-        start = parse_start(args.start)
+        start = parse_start(args.start or "beginning")
         return TailerConfig(
             name=args.name, topic_prefix=args.prefix, partitions=args.partitions,
             replication_factor=args.replication_factor, columns=args.columns, start_from=start,
@@ -157,6 +199,8 @@ def _run(store: Store, args: argparse.Namespace) -> int:
         security = resolve_kafka_config(args.kafka_config)
         kafka = security.masked() if security is not None else None
     logsetup.starting("tail", args, tailer=config.model_dump(mode="json"), kafka_security=kafka)
+    if args.start is not None:
+        _say_where_it_starts(store, args, config.name)
     from tailer.metrics import TailerMetrics
     from tailer.worker import Tailer
 
@@ -164,7 +208,32 @@ def _run(store: Store, args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
     tune_for_streaming()
-    return asyncio.run(_serve(Tailer(store, config, coordinator, publisher, metrics)))
+    # republish: this process runs the tailer's re-publish jobs (`tail republish`) while it leads.
+    return asyncio.run(_serve(Tailer(store, config, coordinator, publisher, metrics, republish=True)))
+
+
+def _say_where_it_starts(store: Store, args: argparse.Namespace, name: str) -> None:
+    """``--from`` applies to shards without committed offsets only: say so when some have them, rather than
+    leave an operator believing the tailer starts from there."""
+    place: OffsetsPlace
+    if args.zookeeper:
+        from tailer.offsets.zookeeper import ZooKeeperOffsets
+
+        place = ZooKeeperOffsets(store, args.zookeeper, auth=zookeeper_auth(args.zookeeper_auth_file))
+        consumer, where = name, f"--zookeeper {args.zookeeper}"
+    else:
+        from tailer.offsets.file import FileOffsets
+
+        place = FileOffsets(store, args.offsets)
+        consumer, where = str(args.offsets), f"--offsets-file {args.offsets}"
+    if consumer not in place.consumers():
+        return
+    committed = sum(1 for row in place.positions(consumer).rows if row.location is not None)
+    if committed:
+        logger.warning("--from %s: tailer %s resumes from its committed offsets in %d of %d shards; --from applies "
+                       "to the other %d only. To start every shard there: stop the tailer, then `cellstream offsets "
+                       "reset %s %s --to %s --execute`", args.start, name, committed, store.shard_count,
+                       store.shard_count - committed, consumer, where, args.start)
 
 
 async def _serve(tailer: Tailer) -> int:
@@ -203,8 +272,11 @@ def _status(store: Store, args: argparse.Namespace, out: Output) -> int:
     # The shards worth a look (lagging or failing), as `kafka-consumer-groups --describe` is read for its
     # lagging partitions; every shard with --all.
     listed = [r for r in shards if r["lag_cells"] or r["last_error"] or args.all]
+    # Its re-publish jobs: those not over and the last few over (--all: every one).
+    republishing = status.republish_jobs(store, name, every=args.all)
     if out.as_json:
-        out.emit({**{k: v for k, v in report.items() if k != "shards"}, "totals": totals, "shards": listed}, "")
+        out.emit({**{k: v for k, v in report.items() if k != "shards"}, "totals": totals, "shards": listed,
+                  "republish": republishing}, "")
         return Exit.OK
     lines = [f"tailer {name}: assignment epoch {report['epoch']}, {len(report['workers'])} workers",
              f"  {totals['shards']} shards: {totals['lagging_shards']} lagging, {totals['lag_cells']} cells behind "
@@ -217,6 +289,13 @@ def _status(store: Store, args: argparse.Namespace, out: Output) -> int:
         lines.append(f"  shard {r['shard']}: location={r['location']} head={r['head']} lag={r['lag_cells']} cells "
                      f"{r['lag_seconds']}s owner={r['claimed_by'] or r['assigned_to']} "
                      f"deadlettered={r['deadlettered']}{error}")
+    for job in republishing:
+        total = "?" if job["total"] is None else job["total"]
+        owner = f" owner={job['owner']}" if job["owner"] else ""
+        error = f" error={job['error']!r}" if job["error"] and job["state"] in ("failed", "running") else ""
+        lines.append(f"  republish {job['id']}: {job['state']} {job['done']}/{total} cells ({job['published']} "
+                     f"published, {job['skipped']} skipped) columns={','.join(job['columns'] or []) or 'all'} "
+                     f"shards={job['shards']} from={job['from']} until={job['until']}{owner}{error}")
     out.emit(None, "\n".join(lines))
     return Exit.OK
 

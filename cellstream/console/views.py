@@ -1,5 +1,6 @@
 """The console's pages: overview, list, entry, bulk preview, jobs (the console's own, and the store's job
-records: compaction and every later long operation), login. Each renders one template.
+records: compaction and every later long operation), login; the redrive policies' are
+:mod:`cellstream.console.redrive`'s. Each renders one template.
 
 A page first reads the dead letters added since the last page (:meth:`Console.refresh`), so it shows
 what the request follows: the entries a replay just resolved, a cell dead-lettered a moment ago.
@@ -24,6 +25,7 @@ from aiohttp import web
 from cellstream import __version__
 from cellstream.console.auth import COOKIE, SESSION, session_of
 from cellstream.console.catalog import Query, timeline
+from cellstream.console.redrive import RedriveViews
 from cellstream.errors import LoginError, LoginThrottled
 from indexer.errors import EntryNotFoundError, InvalidFilterError
 from indexer.runtime.dlq_store import OPEN_STATES, STATUSES
@@ -112,6 +114,7 @@ class Views:
         r.add_post(r"/jobs/{id:\d+}/cancel", self.cancel)
         r.add_get("/store-jobs/{id:[A-Za-z0-9-]{1,64}}", self.store_job)
         r.add_post("/store-jobs/{id:[A-Za-z0-9-]{1,64}}/{action:pause|resume|cancel|throttle}", self.steer_store_job)
+        RedriveViews(self).routes(app)
         r.add_get("/login", self.login_page)
         r.add_post("/login", self.login)
         r.add_post("/logout", self.logout)

@@ -23,7 +23,7 @@ import inspect
 import logging
 import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -39,6 +39,7 @@ from indexer.runtime.dlq_triage import DeadLetterQueue
 from indexer.runtime.handlers import BatchApplier, Counts, Handler, Processor, Trigger
 from indexer.runtime.hooks import Hook
 from indexer.runtime.metrics import AppMetrics
+from indexer.runtime.redrive import PolicyStore, RedrivePolicy, Redriver
 from logstore import Cell, InvalidCellError, Store
 from logstore.cell import check_column
 from logstore.extras import require
@@ -65,7 +66,7 @@ class App:
     """A stream-processing app named ``name`` over the logstore at ``store`` (a URL, path or Store)."""
 
     def __init__(self, name: str, store: str | Store, brokers: str | None = None, *, clock: Clock = SYSTEM_CLOCK,
-                 **options: Any) -> None:
+                 redrive: RedrivePolicy | Mapping[str, Any] | None = None, **options: Any) -> None:
         """Describe the app; nothing is opened until it is first used (a URL or path store opens then).
 
         Args:
@@ -75,13 +76,18 @@ class App:
                 not close).
             brokers: ``host:port[,host:port...]`` for Kafka mode (the tailer's topics); None for direct mode.
             clock: the time the handlers' backoff waits on and their dead letters are dated by.
+            redrive: the app's redrive policy (:class:`~indexer.runtime.redrive.RedrivePolicy` or its fields):
+                the app hands its matching dead letters back to their handler by itself; seeded into the store
+                when the app starts, where an operator's change wins (docs/indexer.md, Redrive policies).
             **options: the fields of :class:`~indexer.runtime.config.AppConfig` (``zookeeper``,
                 ``stall_threshold``, ``concurrency``, ``page_size``, ...).
 
         Raises:
             ConfigurationError: an option is unknown or out of range, or does not fit the mode
                 (``zookeeper`` or a start time with ``brokers``, ``kafka`` without them).
+            InvalidPolicyError: ``redrive`` is not a valid policy (a ConfigurationError).
         """
+        self.redrive_policy = None if redrive is None else RedrivePolicy.parse(redrive)
         try:
             self.config = AppConfig(name=name, **options)
         except ValidationError as exc:
@@ -386,6 +392,7 @@ class App:
         for trigger in self.triggers:
             self.metrics.stalled.labels(self.name, trigger.name).set(0)
         before = processor.counts
+        redriver = await self._redriver(processor)
         runner = self._runner()
         since = time.monotonic()
         deadline = None if timeout is None else since + timeout
@@ -399,6 +406,7 @@ class App:
         ticks = _Ticks(self.hooks)
         recounts = asyncio.create_task(_recount_open(processor, self.config.dlq_recount_interval),
                                        name=f"{self.name}-recount-open")
+        redrives = asyncio.create_task(redriver.run(), name=f"{self.name}-redrive")
         try:
             while not done(runner, since):
                 ticks.due()
@@ -415,13 +423,26 @@ class App:
                 await asyncio.sleep(_WATCH)
         finally:
             recounts.cancel()
+            redriver.stop()  # a redrive under way finishes: its entry must not stay `replayed`
             await runner.stop()
             await ticks.finish()
             with contextlib.suppress(asyncio.CancelledError):
                 await recounts
+            await redrives
         if processor.stalled is not None:
             raise processor.stalled
         return processor.counts - before
+
+    async def _redriver(self, processor: Processor) -> Redriver:
+        """The redrive policy's task for this run, the app's declaration seeded into the store first (an
+        operator's policy there wins). A store that does not answer now is logged: the task reads it later."""
+        dlq = self.dlq
+        try:
+            await asyncio.to_thread(PolicyStore(dlq.deadletters).seed, self.redrive_policy)
+        except Exception as exc:
+            logger.warning("app %s: redrive policy not seeded: %s: %s", self.name, type(exc).__name__, exc)
+        return Redriver(dlq, self.metrics, self.clock, [t.name for t in processor.triggers],
+                        self.config.dlq_recount_interval)
 
     def close(self) -> None:
         """Release the thread pool and, if the app opened it, the store. Safe twice."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from indexer.runtime.config import AppConfig
@@ -58,8 +58,12 @@ class HandlerSink(Sink):
 
     delivers_batches = True
 
-    def __init__(self, processor: Processor, batch_size: int, max_workers: int = 256) -> None:
+    def __init__(self, processor: Processor, batch_size: int, max_workers: int = 256, *,
+                 source: Mapping[str, Any] | None = None) -> None:
         self.processor = processor
+        # What a dead letter says of where its cell came from, beside its shard and added_id (a replay job
+        # names itself: indexer.runtime.replay); None: direct mode.
+        self.source = dict(source) if source is not None else None
         # Cells handled together by a worker (an index applies them at once); a job is never split.
         self.batch_size = batch_size
         self.max_workers = max_workers
@@ -277,11 +281,14 @@ class HandlerSink(Sink):
     async def _handle(self, batch: list[_Job]) -> bool:
         first = batch[0]
         if first.cells is not None:
+            extra = self.source
             return await self.processor.process_many(
                 [(cell, {"mode": "direct", "shard": cell.shard, "added_id": cell.added_id})
+                 for job in batch for cell in job.cells or ()] if extra is None else
+                [(cell, {**extra, "shard": cell.shard, "added_id": cell.added_id})
                  for job in batch for cell in job.cells or ()], by_shard=True)
         where, failure = tailer_deadletter(first.deadletter or {})
-        source = {"mode": "direct", "shard": where.get("shard"), "added_id": where.get("added_id")}
+        source = {**(self.source or {"mode": "direct"}), "shard": where.get("shard"), "added_id": where.get("added_id")}
         return await self.processor.undecodable(where, source, failure)
 
 
@@ -304,9 +311,10 @@ class DirectRunner:
             from tailer.coordinators.zookeeper import ZooKeeperCoordinator
 
             self.coordinator = ZooKeeperCoordinator(config.zookeeper, consumer, store.shard_count,
-                                                    session_timeout=config.session_timeout, auth=config.zookeeper_auth)
+                                                    session_timeout=config.session_timeout, auth=config.zookeeper_auth,
+                                                    columns=columns)
         else:
-            self.coordinator = StoreCoordinator(store, consumer)
+            self.coordinator = StoreCoordinator(store, consumer, columns=columns)
         self.sink = HandlerSink(processor, config.page_size, config.max_active_shards)
         self.tailer = Tailer(store, self.tailer_config, self.coordinator, self.sink, metrics)
 

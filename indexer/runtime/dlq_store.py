@@ -49,8 +49,8 @@ class Event(BaseModel):
     note: str | None = None
     error: str | None = None
     attempts: int | None = None
-    actor: str | None = Field(None, description="who made the change: `cli:<user>`, `console:<name>`; "
-                                                "None for the app's own handling")
+    actor: str | None = Field(None, description="who made the change: `cli:<user>`, `console:<name>`, `policy` (a "
+                                                "redrive policy's redrive); None for the app's own handling")
 
 
 class DeadLetter(BaseModel):
@@ -75,6 +75,10 @@ class DeadLetter(BaseModel):
     last_failure: dt.datetime
     status: Status = "open"
     history: list[Event] = Field(default_factory=list)
+    retriable: bool | None = Field(None, description="whether the last error said a retry may help (None: entries "
+                                                     "recorded before this was kept)")
+    redrives: int = Field(0, ge=0, description="redrives a redrive policy made (indexer.runtime.redrive): kept "
+                                               "in the entry, so a restarted app goes on counting")
 
     def summary(self) -> dict[str, Any]:
         """The fields ``dlq list`` shows."""
@@ -153,6 +157,7 @@ class DeadLetterStore:
                 first_failure=current.first_failure if current else outcome.first_failure,
                 last_failure=outcome.last_failure, status="open",
                 history=[*(current.history if current else []), event],
+                retriable=failure.retriable, redrives=current.redrives if current else 0,
             )
             try:
                 return self._write(entry, (current.version if current else 0) + 1)
@@ -161,16 +166,19 @@ class DeadLetterStore:
         raise IndexerError(f"dead letter {entry_id} keeps changing under this process; not recorded")
 
     def change(self, entry: DeadLetter, status: Status, *, note: str | None = None,
-               outcome: Outcome | None = None, actor: str | None = None) -> DeadLetter:
-        """Write the entry's next version with ``status``; CellConflictError if another process got there first."""
+               outcome: Outcome | None = None, actor: str | None = None, redrive: bool = False) -> DeadLetter:
+        """Write the entry's next version with ``status``; CellConflictError if another process got there first.
+        ``redrive``: this change starts a redrive of a redrive policy (counted in ``redrives``)."""
         now = self.clock.now()
         update: dict[str, Any] = {"status": status}
+        if redrive:
+            update["redrives"] = entry.redrives + 1
         event = Event(status=status, at=now, note=note, actor=actor)
         if outcome is not None and outcome.failure is not None:
             failure = outcome.failure
             update.update(error_type=failure.error_type, message=failure.message, traceback=failure.traceback,
                           fingerprint=failure.fingerprint, attempts=entry.attempts + outcome.attempts,
-                          last_failure=outcome.last_failure or now)
+                          last_failure=outcome.last_failure or now, retriable=failure.retriable)
             event = Event(status=status, at=now, note=note, attempts=outcome.attempts, actor=actor,
                           error=f"{failure.error_type}: {failure.message}"[:500])
         elif outcome is not None:

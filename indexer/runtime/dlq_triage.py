@@ -26,6 +26,7 @@ from indexer.runtime.policy import Outcome, describe
 from logstore import Cell, CellConflictError, LogstoreError
 
 logger = logging.getLogger(__name__)
+POLICY_ACTOR = "policy"  # who a redrive policy's replays are recorded as
 _List = list  # DeadLetterQueue.list shadows the builtin inside the class
 
 
@@ -198,15 +199,36 @@ class DeadLetterQueue:
                 results.append(await self._replay_one(entry, actor))
         return results
 
-    async def _replay_one(self, entry: DeadLetter, actor: str | None) -> ReplayResult:
+    async def redrive_async(self, entry: DeadLetter, note: str) -> ReplayResult:
+        """One redrive by a redrive policy (:mod:`indexer.runtime.redrive`): the replay of ``entry`` as
+        :meth:`replay_async` makes it, by the actor ``policy``, counted in the entry's ``redrives``.
+
+        Args:
+            entry: the entry as last read; if another process changed it since, nothing runs.
+            note: what the history says of the redrive's start (e.g. ``redrive 2 of 3``).
+
+        Returns:
+            The result: ``after`` is ``resolved``, ``open`` (failed again, with the error), the status of an
+            entry that is not open, or ``changed by another process``.
+
+        Raises:
+            HandlerMissingError: the app no longer has the entry's handler.
+        """
+        if entry.status not in OPEN_STATES:
+            return ReplayResult(entry.id, entry.handler, entry.status, entry.status, 0)
+        return await self._replay_one(entry, POLICY_ACTOR, redrive=note)
+
+    async def _replay_one(self, entry: DeadLetter, actor: str | None, redrive: str | None = None) -> ReplayResult:
         processor = self._processor()
         trigger = next((t for t in processor.triggers if t.name == entry.handler), None)
         if trigger is None:
             raise HandlerMissingError(f"app {self.app} has no handler {entry.handler} to replay {entry.id} with")
         before = entry.status
+        what = "replay" if redrive is None else "redrive"
         try:
-            entry = await asyncio.to_thread(self.deadletters.change, entry, "replayed", note="replay started",
-                                          actor=actor)
+            entry = await asyncio.to_thread(self.deadletters.change, entry, "replayed",
+                                          note=redrive or "replay started", actor=actor,
+                                          redrive=redrive is not None)
             try:
                 cell = await asyncio.to_thread(self._cell_of, entry)
             except LogstoreError as exc:  # still undecodable, or the store is down: one more failed attempt
@@ -215,11 +237,11 @@ class DeadLetterQueue:
             else:
                 outcome = await processor.run(trigger, cell)
             if outcome.ok:
-                await asyncio.to_thread(self.deadletters.change, entry, "resolved", note="replay succeeded",
+                await asyncio.to_thread(self.deadletters.change, entry, "resolved", note=f"{what} succeeded",
                                         outcome=outcome, actor=actor)
                 processor.entry_closed(entry.handler)
                 return ReplayResult(entry.id, entry.handler, before, "resolved", outcome.attempts)
-            await asyncio.to_thread(self.deadletters.change, entry, "open", note="replay failed", outcome=outcome,
+            await asyncio.to_thread(self.deadletters.change, entry, "open", note=f"{what} failed", outcome=outcome,
                                     actor=actor)
         except CellConflictError:
             return ReplayResult(entry.id, entry.handler, before, "changed by another process", 0)

@@ -26,6 +26,15 @@ class AppMetrics:
                               "again every dlq_recount_interval", labels, registry=r)
         self.stalled = Gauge("cellstream_app_handler_stalled",
                              "1 when a handler stopped because of too many open dead letters", labels, registry=r)
+        self.redrives = Counter("cellstream_app_dlq_redrives", "Dead letters the app's redrive policy handed back to "
+                                "their handler, by outcome: resolved, failed (open again), skipped (changed by "
+                                "another process meanwhile), error (the handler is gone)", [*labels, "outcome"],
+                                registry=r)
+        self.redrive_waiting = Gauge("cellstream_app_dlq_redrive_waiting", "Open dead letters the redrive policy "
+                                     "will redrive (due, or after their delay), at its last look", labels, registry=r)
+        self.redrive_exhausted = Gauge("cellstream_app_dlq_redrive_exhausted", "Open dead letters the redrive policy "
+                                       "matches that have had all their redrives: they wait for a person", labels,
+                                       registry=r)
         self.seconds = Histogram("cellstream_app_handler_seconds", "Time of one successful handler call", labels,
                                  registry=r, buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
 

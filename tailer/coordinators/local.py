@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import IO, Any
 from logstore.files import private_dir, private_opener
 from tailer.errors import ConfigurationError
 from tailer.interfaces import Claim, Coordinator, Offset
+
+logger = logging.getLogger(__name__)
 
 
 class LocalCoordinator(Coordinator):
@@ -82,6 +85,23 @@ class LocalCoordinator(Coordinator):
 
     def release(self, claim: Claim) -> None:
         """Nothing to hand over: no other worker shares a standalone tailer."""
+
+    def report_published(self, published: Mapping[int, int]) -> None:
+        """Kept beside the offsets (``PATH.published``), replaced whole, without fsync: a crash loses only a
+        report, which ``cellstream offsets`` reads only while a process holds the lock."""
+        target = published_path(self.path)
+        tmp = target.with_name(target.name + ".tmp")
+        try:
+            with open(tmp, "w", opener=private_opener) as fh:
+                fh.write(json.dumps({str(shard): location for shard, location in published.items()}))
+            os.replace(tmp, target)
+        except OSError as exc:  # a report only: the offsets themselves are untouched
+            logger.warning("cannot report the deliveries past the commits in %s: %s", target, exc)
+
+
+def published_path(path: Path) -> Path:
+    """Where a standalone tailer reports its deliveries past its commits (see ``report_published``)."""
+    return path.with_name(path.name + ".published")
 
 
 def read_offsets(path: Path) -> dict[str, dict[str, Any]]:

@@ -125,8 +125,10 @@ class ZooKeeperCoordinator(Coordinator):
         lease_fraction: float = 0.8,
         clock: Callable[[], float] = time.monotonic,
         auth: SecretStr | None = None,
+        columns: Sequence[str] | None = None,
     ) -> None:
         hosts, self.root = tailer_path(zookeeper, name)
+        self._columns = sorted(columns) if columns is not None else None  # kept with the offsets (lag counted)
         self._auth = auth
         self._fatal: AuthenticationError | None = None
         self.worker_id = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:6]}".replace("-", "_")
@@ -144,6 +146,7 @@ class ZooKeeperCoordinator(Coordinator):
         self._thread: threading.Thread | None = None
         self._on_change: Callable[[], None] = lambda: None
         self._member: str | None = None
+        self._info: dict[str, Any] | None = None  # the registration's data
         self._session: int | None = None
         self._generation = 0
         self._epoch = 0
@@ -274,6 +277,7 @@ class ZooKeeperCoordinator(Coordinator):
                 self._client.create(self._path("assignment"), _dump({"epoch": 0, "workers": {}}))
         info = {"worker": self.worker_id, "host": socket.gethostname(), "pid": os.getpid(),
                 "joined_at": dt.datetime.now(dt.UTC).isoformat()}
+        self._info = info
         path = self._client.create(self._path("workers", self.worker_id + "-"), _dump(info),
                                    ephemeral=True, sequence=True)
         with self._lock:
@@ -282,6 +286,15 @@ class ZooKeeperCoordinator(Coordinator):
             self._member, self._session, self._mine = path, session, frozenset()
             self._generation += 1
         logger.info("worker %s registered as %s", self.worker_id, path)
+
+    def report_published(self, published: Mapping[int, int]) -> None:
+        """Kept in this worker's registration (ephemeral: gone with the worker), written without waiting."""
+        member, info = self._member, self._info
+        if member is None or info is None or self._client.state != KazooState.CONNECTED:
+            return
+        doc = {**info, "published": {str(shard): location for shard, location in published.items()}}
+        with contextlib.suppress(KazooException, KazooTimeoutError):
+            self._client.set_async(member, _dump(doc))
 
     def _rebalance(self, members: list[str]) -> None:
         raw, stat = self._client.get(self._path("assignment"))
@@ -293,7 +306,7 @@ class ZooKeeperCoordinator(Coordinator):
         new = {"epoch": int(doc.get("epoch", 0)) + 1, "leader": self._member, "workers": by_worker(owners),
                "assigned_at": dt.datetime.now(dt.UTC).isoformat()}
         tx = self._client.transaction()
-        tx.check(str(self._member), 0)  # only a registered leader may write
+        tx.check(str(self._member), -1)  # only a registered leader may write (any version: it reports progress)
         tx.set_data(self._path("assignment"), _dump(new), version=stat.version)
         results = tx.commit()
         if any(isinstance(r, Exception) for r in results):
@@ -430,7 +443,8 @@ class ZooKeeperCoordinator(Coordinator):
         now = dt.datetime.now(dt.UTC).isoformat()
         docs = {shard: _dump({"location": offset.location, "owner": self._member, "token": claim.token,
                               "epoch": self._epoch, "deadlettered": offset.deadlettered,
-                              "last_error": offset.last_error, "updated_at": now})
+                              "last_error": offset.last_error, "updated_at": now,
+                              **({} if self._columns is None else {"columns": self._columns})})
                 for shard, (claim, offset) in offsets.items()}
         out: dict[int, Claim | BaseException] = {}
         deadline = time.monotonic() + _CALL_TIMEOUT
