@@ -150,8 +150,8 @@ class Mirror:
         """Copy every consumer's offsets kept in A to B, each lowered to its shard's head on B. Returns the
         consumers copied."""
         self._offsets_at = self._clock()
-        names = sorted({c for node in self._source.nodes if (r := self._source.node_recorder(node)) is not None
-                        for c in r.consumers()})
+        self._source.check_direct("a mirror")
+        names = self._source.consumers()
         for consumer in names:
             by_owner: dict[str, dict[int, tuple[int, dict[str, Any]]]] = {}
             for shard, record in self._source.read_offsets(consumer).items():

@@ -19,7 +19,7 @@ import datetime as dt
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, ClassVar, NamedTuple, TypeVar, cast
 
 import msgpack
 
@@ -426,15 +426,13 @@ class NodeRecorder(ABC):
     @abstractmethod
     def read_offsets(self, consumer: str) -> list[OffsetRecord]: ...
 
-    def consumers(self) -> list[str]:
-        """The names of the consumers with offsets on this node, sorted (a backup takes every one's).
+    #: Whether backups, restores and mirrors may go through this recorder: they read and write a node's
+    #: tables whole, which a worker node's client does not offer.
+    supports_backup: ClassVar[bool] = True
 
-        Raises:
-            ConfigurationError: the backend cannot list them (a worker node: back up through the store's URL
-                or cluster file).
-        """
-        raise ConfigurationError(f"storage node {getattr(self, 'name', '?')} cannot list its consumers: back up "
-                                 "and restore through the store's URL or cluster file")
+    @abstractmethod
+    def consumers(self) -> list[str]:
+        """The names of the consumers with offsets on this node, sorted."""
 
     @abstractmethod
     def close(self) -> None: ...

@@ -1278,6 +1278,28 @@ class Store:
                                                            {s: rows[s] for s in group})
         return fenced
 
+    def check_direct(self, what: str) -> None:
+        """Refuse ``what`` (a backup, a restore, a mirror) when a storage node is reached through a worker node.
+
+        Raises:
+            ConfigurationError: naming the node, and the way that works.
+        """
+        for node in self.nodes:
+            if not self._named(node).supports_backup:
+                raise ConfigurationError(f"storage node {node} is a worker node's: {what} goes through the store's "
+                                         "URL or cluster file, not a worker node")
+
+    def consumers(self) -> list[str]:
+        """The names of the consumers with offsets on any storage node, sorted.
+
+        Raises:
+            StorageError: a storage node cannot be read.
+        """
+        names: set[str] = set()
+        for node in self.nodes:
+            names.update(self._named(node).consumers())
+        return sorted(names)
+
     def read_offsets(self, consumer: str) -> dict[int, OffsetRecord]:
         """Every committed position of ``consumer``, by shard: a shard's from the node the map puts it on where
         a move left an older one on its source."""

@@ -184,8 +184,9 @@ class Tailer:
         """True when every assigned shard is owned and acknowledged up to the end of its log as
         counted by a count poll that started at or after ``since`` (a ``clock()`` reading)."""
         # A count poll that found every owned shard idle proves them caught up at its start, and any shard
-        # that took cells or was adopted since is live until it has drained them.
-        _generation, _epoch, desired = self.coordinator.assignment()
+        # that took cells or was adopted since is live until it has drained them. The assignment as the loop
+        # last took it: asking the coordinator here would take a change meant for the loop (a reset's shards).
+        desired = self._desired if self._desired is not None else self.coordinator.assignment()[2]
         reads = self._reads
         if reads.quiet_at < since and self._shards and not reads.live and not reads.poll_requested:
             reads.request_poll()

@@ -148,7 +148,8 @@ def _check_empty(target: Store, first: int, last: int, whole: bool) -> None:
                                          f"{full[0]} up to added_id {heads[full[0]]}): restore into an empty "
                                          "instance; nothing was written")
     if whole:
-        names = {c for node in target.nodes if (r := target.node_recorder(node)) is not None for c in r.consumers()}
+        target.check_direct("a restore")
+        names = target.consumers()
         if names:
             raise RestoreTargetNotEmptyError(f"the target holds the offsets of {len(names)} consumers (such as "
                                              f"{sorted(names)[0]!r}): restore into an empty instance; nothing was "

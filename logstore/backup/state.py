@@ -35,9 +35,8 @@ def collect_state(store: Store) -> dict[str, Any]:
     ``consumers`` (name -> [shard, location, owner, doc JSON] per shard) and ``indexes`` (the storage
     JSON of each version, and its ``live`` and ``backfill`` positions as [shard, location, target])."""
     consumers: dict[str, list[list[Any]]] = {}
-    names = sorted({c for node in store.nodes if (r := store.node_recorder(node)) is not None
-                    for c in r.consumers()})
-    for name in names:
+    store.check_direct("a backup")
+    for name in store.consumers():
         consumers[name] = [[r.shard, r.location, r.owner, json.dumps(r.doc, sort_keys=True)]
                            for _, r in sorted(store.read_offsets(name).items())]
     indexes: list[dict[str, Any]] = []

@@ -174,6 +174,9 @@ ROUTES: list[Route] = [
               "additionalProperties": False,
               "properties": {"replayed": {"type": "integer"}, "failed": {"type": "integer"},
                              "waiting": {"type": "integer"}, "unreachable": _NODES}}),
+    Route("GET", "/v1/offsets", "consumers", "the names of the consumers with offsets, sorted", {
+        "type": "object", "required": ["consumers"], "additionalProperties": False,
+        "properties": {"consumers": {"type": "array", "items": {"type": "string"}}}}),
     Route("GET", "/v1/offsets/{consumer}", "read_offsets", "a consumer's committed positions", _OFFSETS,
           path_model="Consumer"),
     Route("POST", "/v1/offsets/{consumer}/claim", "claim_offsets",

@@ -629,6 +629,9 @@ class WorkerNode:
         return _json(answer)
 
     # -- offsets --------------------------------------------------------------------
+    async def consumers(self, got: Got) -> web.Response:
+        return _json({"consumers": await self._call(self.store.consumers)})
+
     async def read_offsets(self, got: Got) -> web.Response:
         records = await self._call(self.store.read_offsets, got.path.consumer)
         return _json({"offsets": {str(s): r._asdict() for s, r in records.items()}})

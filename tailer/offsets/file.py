@@ -65,7 +65,7 @@ class FileOffsets(ShardOffsetsPlace):
                 published = {int(s): int(at) for s, at in json.loads(published_path(self.path).read_text()).items()}
         rows = shard_rows(self.store, {
             shard: (offsets[shard].get("location"), "standalone", published.get(shard)) if shard in offsets
-            else (None, None, None) for shard in range(self.store.shard_count)})
+            else (None, None, published.get(shard)) for shard in range(self.store.shard_count)})
         return ConsumerPositions(name, self.kind, self.where, rows, holders)
 
     @contextlib.contextmanager

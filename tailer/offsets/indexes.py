@@ -6,7 +6,7 @@ index is rebuilt with ``cellstream index backfill``."""
 from __future__ import annotations
 
 from logstore import Store
-from logstore.errors import InvalidArgumentError
+from logstore.errors import ConfigurationError, InvalidArgumentError
 from logstore.index_tables.persistence import IndexSpec
 from logstore.positions import Position
 from tailer.errors import ConsumerNotFoundError
@@ -31,7 +31,11 @@ class IndexOffsets(OffsetsPlace):
 
     def _streams(self) -> dict[str, tuple[IndexSpec, str]]:
         out: dict[str, tuple[IndexSpec, str]] = {}
-        for spec in self.store.indexes.specs():
+        try:
+            specs = self.store.indexes.specs()
+        except ConfigurationError:  # a worker node's client: the index tables are the node's own business
+            return out
+        for spec in specs:
             for stream in ("live", "backfill"):
                 if stream == "live" or self.store.indexes.positions(spec, "backfill"):
                     out[consumer_name(spec, stream)] = (spec, stream)

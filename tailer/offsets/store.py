@@ -29,11 +29,7 @@ class StoreOffsets(ShardOffsetsPlace):
 
     def consumers(self) -> list[str]:
         """The store's consumers but those of replay jobs that are over (their positions stay, for ``show``)."""
-        names: set[str] = set()
-        for node in self.store.nodes:
-            recorder = self.store.node_recorder(node)
-            if recorder is not None:
-                names.update(recorder.consumers())
+        names = set(self.store.consumers())
         replays = {name for name in names if name.startswith(REPLAY_PREFIX)}
         if replays:
             over = {REPLAY_PREFIX + job.id for job in JobStore(self.store).jobs() if job.state in ("done", "cancelled")}

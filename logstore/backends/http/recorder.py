@@ -295,6 +295,11 @@ class HttpRecorder(NodeRecorder):
     def read_offsets(self, consumer: str) -> list[OffsetRecord]:
         return _records(self._request("GET", f"/v1/offsets/{_segment(consumer)}"))
 
+    supports_backup = False
+
+    def consumers(self) -> list[str]:
+        return [str(name) for name in self._request("GET", "/v1/offsets")["consumers"]]
+
     def close(self) -> None:
         with self._lock:
             conns, self._all = self._all, []
