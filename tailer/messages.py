@@ -146,10 +146,19 @@ def encode_deadletter(
                                                 worker=worker))
 
 
+def _loads(value: bytes) -> Any:
+    """JSON as the standard library reads it, by orjson where it can (a fifth of the time): what orjson refuses
+    and json accepts (an integer over 64 bits, a lone surrogate escape) goes to json."""
+    try:
+        return orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return json.loads(value)
+
+
 def decode_cell(value: bytes, headers: Headers | None = None) -> Cell:
     """The cell a message carries (for consumers); the format comes from ``content-type``."""
     kind = dict(headers or []).get("content-type", CONTENT_TYPES["json"])
-    record = msgpack.unpackb(value, raw=False) if kind == CONTENT_TYPES["msgpack"] else json.loads(value)
+    record = msgpack.unpackb(value, raw=False) if kind == CONTENT_TYPES["msgpack"] else _loads(value)
     return Cell(
         uuid.UUID(record["row_key"]), record["column"], record["ref_key"], record["body"],
         record["added_id"], record["shard"], dt.datetime.fromisoformat(record["created_at"]),
