@@ -72,7 +72,7 @@ unit: $(VENV)/.test
 test: $(VENV)/.test
 	scripts/install.sh
 	$(MAKE) --no-print-directory lint docs audit
-	$(BIN)/pytest
+	PYTHONFAULTHANDLER=1 $(BIN)/pytest
 
 ## bench: the benchmarks against the real services (figures go in docs/benchmarks.md)
 bench: $(VENV)/.test

@@ -274,3 +274,14 @@ def s3_destination(request: pytest.FixtureRequest) -> Iterator[S3Destination]:
             if keys:
                 admin.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
         admin.delete_bucket(Bucket=bucket)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Name the threads a test left running: one still inside a driver when the interpreter finalizes can
+    crash it after every test passed (a segfault that turns a green run red)."""
+    import threading
+
+    left = [thread for thread in threading.enumerate() if thread is not threading.main_thread()]
+    if left:
+        names = ", ".join(sorted(f"{thread.name} ({getattr(thread, '_target', None)!r})" for thread in left))
+        session.config.get_terminal_writer().line(f"threads left running at the end: {names}")

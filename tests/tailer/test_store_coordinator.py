@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import logstore
 from tailer.coordinators.store import StoreCoordinator
 from tailer.interfaces import Offset
 
 
+@contextmanager
+def started(store: logstore.Store, consumer: str) -> Iterator[StoreCoordinator]:
+    """A started coordinator, stopped at the end: its reset-checking thread must not outlive the store."""
+    coordinator = StoreCoordinator(store, consumer)
+    coordinator.start(lambda: None)
+    try:
+        yield coordinator
+    finally:
+        coordinator.stop()
+
+
 def test_a_commit_keeps_each_shards_dead_letters_and_last_error(sqlite_url: str) -> None:
     """Shards share a doc object where they have the same dead-letter count and error (the store encodes
     each object once); shards that differ in either keep their own."""
-    with logstore.open(sqlite_url, shards=8) as store:
-        coordinator = StoreCoordinator(store, "app.docs")
-        coordinator.start(lambda: None)
+    with logstore.open(sqlite_url, shards=8) as store, started(store, "app.docs") as coordinator:
         claims = coordinator.claim_many([(shard, lambda: 0) for shard in range(8)])
         boom = {"added_id": 4, "stage": "decode", "error": "CorruptCellError: bad body"}
         other = {"added_id": 9, "stage": "publish", "error": "PublishError: too large"}
@@ -27,8 +39,7 @@ def test_a_commit_keeps_each_shards_dead_letters_and_last_error(sqlite_url: str)
             for shard, offset in offsets.items()}
         assert stored[7].location is None
 
-        again = StoreCoordinator(store, "app.docs")  # a restart resumes from them
-        again.start(lambda: None)
-        resumed = again.claim_many([(shard, lambda: 0) for shard in range(8)])
+        with started(store, "app.docs") as again:  # a restart resumes from them
+            resumed = again.claim_many([(shard, lambda: 0) for shard in range(8)])
         assert [(claim.location, claim.deadlettered) for claim in resumed] == [
             (5, 0), (6, 0), (7, 1), (8, 1), (9, 1), (3, 2), (4, 1), (0, 0)]
