@@ -30,19 +30,18 @@ from indexer.runtime.kafka import dlq_topic, mirror_deadletter
 from indexer.runtime.policy import Failure, Outcome, fingerprint, is_retriable, qualified_name
 from logstore import Cell, Store
 from tailer.config import KafkaOptions
-from tailer.messages import decode_cell, encode_cell
+from tailer.messages import decode_cell_value, encode_cell
 from tailer.publishers.kafka import KafkaPublisher
 from tailer.security import PLAINTEXT, KafkaSecurity
 
 CODEC = "cellstream"
-_MSGPACK = [("content-type", b"application/msgpack")]
 
 
 class CellCodec(codecs.Codec):
     """A tailer message's value <-> :class:`logstore.Cell`."""
 
     def _loads(self, s: bytes) -> Cell:
-        return decode_cell(s, None if s[:1] == b"{" else _MSGPACK)
+        return decode_cell_value(s)
 
     def _dumps(self, s: Any) -> bytes:
         if not isinstance(s, Cell):

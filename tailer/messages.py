@@ -158,8 +158,30 @@ def _loads(value: bytes) -> Any:
 def decode_cell(value: bytes, headers: Headers | None = None) -> Cell:
     """The cell a message carries (for consumers); the format comes from ``content-type``."""
     kind = dict(headers or []).get("content-type", CONTENT_TYPES["json"])
-    record = msgpack.unpackb(value, raw=False) if kind == CONTENT_TYPES["msgpack"] else _loads(value)
-    return Cell(
-        uuid.UUID(record["row_key"]), record["column"], record["ref_key"], record["body"],
-        record["added_id"], record["shard"], dt.datetime.fromisoformat(record["created_at"]),
-    )
+    return _cell(msgpack.unpackb(value, raw=False) if kind == CONTENT_TYPES["msgpack"] else _loads(value))
+
+
+def decode_cell_value(value: bytes) -> Cell:
+    """The cell a message carries, its format told by the value's first byte: ``{`` opens a JSON object, and
+    anything else is read as MessagePack (whose maps start with 0x80-0x8f, 0xde or 0xdf). The ``content-type``
+    header of every message the tailer writes agrees; reading no header saves a consumer building them."""
+    return _cell(_loads(value) if value[:1] == b"{" else msgpack.unpackb(value, raw=False))
+
+
+# created_at texts parsed: the cells of a transaction share their time (as _rendered above). Cleared when full.
+_parsed: dict[str, dt.datetime] = {}
+
+
+def _cell(record: dict[str, Any]) -> Cell:
+    """The Cell of a decoded message value (KeyError, TypeError or ValueError when it is not one)."""
+    created_at = record["created_at"]
+    time = _parsed.get(created_at)
+    if time is None:
+        time = dt.datetime.fromisoformat(created_at)
+        if len(_parsed) >= _RENDERED_KEPT:
+            _parsed.clear()
+        _parsed[created_at] = time
+    cell: Cell = _new_tuple(Cell, (uuid.UUID(record["row_key"]), record["column"], record["ref_key"], record["body"],
+                                   record["added_id"], record["shard"], time))
+    return cell
+

@@ -132,6 +132,20 @@ class KafkaSecurity(BaseModel):
                            sasl_plain_password=self.sasl_password.get_secret_value())
         return options
 
+    def librdkafka_config(self) -> dict[str, str]:
+        """librdkafka's properties (a Kafka-mode app's consumer), secrets in clear: never log them.
+        Without a CA, librdkafka probes the system's usual CA locations (as aiokafka uses the system's CAs)."""
+        config = {key: str(value) for key, value in self.model_dump(exclude_none=True, mode="json").items()}
+        for key in ("sasl.password", "ssl.key.password"):
+            secret = getattr(self, key.replace(".", "_"))
+            if secret is not None:
+                config[key] = secret.get_secret_value()
+        if not self.tls:
+            config.pop("ssl.endpoint.identification.algorithm", None)
+        elif self.ssl_ca_location is None:
+            config["ssl.ca.location"] = "probe"
+        return config
+
     def masked(self) -> dict[str, str]:
         """The settings under their property names, secrets masked: what may be shown or logged."""
         out = {}

@@ -45,6 +45,8 @@ REVIEWED_FLOORS: dict[str, tuple[str | None, str]] = {
     "tqdm": ("4.66.3", "CVE-2024-34062 / GHSA-g7vv-2v7x-gj9p: eval of CLI arguments"),
     "pymysql": ("1.1.1", "CVE-2024-36039 / GHSA-v9hf-5j83-6xpp: SQL injection through escape_dict keys"),
     "aiokafka": ("0.11", "no advisory found"),
+    "confluent-kafka": ("2.12", "no advisory found; its wheels bundle librdkafka 2.12+, which the Kafka-mode "
+                        "consumer is written against"),
     "faust-streaming": ("0.11", "no advisory found"),
     "kazoo": ("2.9", "no advisory found"),
     "aiohttp": ("3.14.3", "server-side advisories reachable before login: CVE-2024-27306, CVE-2024-30251 (3.9.4), "

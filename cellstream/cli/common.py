@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from cellstream.errors import UsageError
+from indexer.runtime import collector
 
 if TYPE_CHECKING:
     from pydantic import SecretStr, ValidationError
@@ -33,10 +34,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The garbage collector's thresholds for a process that streams cells (cellstream tail, cellstream run): each cell
-# leaves a few container objects behind, and the default (700, 10, 10) collects far too often for that
-# (measured in docs/benchmarks.md). Reference cycles are still collected, less often.
-STREAMING_GC_THRESHOLDS = (50_000, 20, 20)
+# The garbage collector's thresholds for a process that streams cells (cellstream tail, cellstream run): App.run
+# and App.drain use them while they run (indexer/runtime/collector.py says why).
+STREAMING_GC_THRESHOLDS = collector.STREAMING_GC_THRESHOLDS
 
 
 # The interpreter's switch interval for that process (Python's default is 5 ms): the event loop does most of

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 import logstore
 from indexer.errors import ConfigurationError, DrainTimeoutError, TakenOverError
 from indexer.runtime.clock import SYSTEM_CLOCK, Clock
+from indexer.runtime.collector import streaming_collector
 from indexer.runtime.config import AppConfig
 from indexer.runtime.context import Context, takes_context, with_context
 from indexer.runtime.dlq_store import DeadLetterStore
@@ -336,7 +337,8 @@ class App:
             ConfigurationError: the app has no handler, or is serving already.
             SourceUnavailableError: in Kafka mode, the cluster cannot be reached.
         """
-        return asyncio.run(self.drain_async(timeout))
+        with streaming_collector():
+            return asyncio.run(self.drain_async(timeout))
 
     async def drain_async(self, timeout: float = 60) -> Counts:
         """:meth:`drain` inside a running event loop (the same arguments, result and errors)."""
@@ -354,7 +356,8 @@ class App:
         """
         if metrics_port is not None:
             self.metrics.serve(metrics_port)
-        asyncio.run(self.run_async())
+        with streaming_collector():
+            asyncio.run(self.run_async())
 
     async def run_async(self, stop: asyncio.Event | None = None) -> None:
         """:meth:`run` inside a running event loop.

@@ -1,11 +1,13 @@
-"""Kafka mode: the app consumes the tailer's topics with aiokafka's consumer group ``app.<name>``, directly.
+"""Kafka mode: the app consumes the tailer's topics as the consumer group ``app.<name>``, directly.
 
-It subscribes by pattern to ``<prefix>.<column>`` for every column with a handler and to ``<prefix>-deadletter``
-(so it never makes a broker create a topic). Each partition's records are handled in offset order by one task
-(partitions in parallel); a record is *settled* once every handler succeeded or dead-lettered it, and no offset
-is committed past an unsettled record, nor before the handlers that buffer have flushed. A revoked partition is
-committed at its settled offset before it is handed over. Each dead letter is recorded in the store
-(:mod:`indexer.runtime.dlq_store`) and mirrored to the ``<name>.dlq`` topic before its cell is settled.
+The group member is librdkafka's consumer (:mod:`indexer.runtime.group_consumer`); the app's DLQ producer and
+its position probes are aiokafka's, as the tailer's are. It subscribes by pattern to ``<prefix>.<column>`` for
+every column with a handler and to ``<prefix>-deadletter`` (so it never makes a broker create a topic). Each
+partition's records are handled in offset order by one task (partitions in parallel); a record is *settled* once
+every handler succeeded or dead-lettered it, and no offset is committed past an unsettled record, nor before the
+handlers that buffer have flushed. A revoked partition is committed at its settled offset before it is handed
+over. Each dead letter is recorded in the store (:mod:`indexer.runtime.dlq_store`) and mirrored to the
+``<name>.dlq`` topic before its cell is settled.
 docs/indexer.md (Kafka mode) gives the design.
 """
 
@@ -16,20 +18,21 @@ import contextlib
 import itertools
 import json
 import logging
-import re
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import KafkaError
+from confluent_kafka import Message
 
 from indexer.errors import ConfigurationError, SourceUnavailableError
 from indexer.runtime.config import AppConfig
 from indexer.runtime.dlq_store import DeadLetter
+from indexer.runtime.group_consumer import CommitRefused, GroupConsumer, subscription_pattern
 from indexer.runtime.handlers import Processor, tailer_deadletter
 from indexer.runtime.metrics import AppMetrics
 from indexer.runtime.policy import Failure, fingerprint, qualified_name
@@ -38,7 +41,7 @@ from logstore.errors import CellstreamError
 from logstore.retry import RetryPolicy, retry_call_async
 from tailer.config import KafkaOptions
 from tailer.errors import PublishError
-from tailer.messages import CONTENT_TYPES, decode_cell
+from tailer.messages import CONTENT_TYPES, decode_cell_value
 from tailer.publishers.kafka import KafkaPublisher
 from tailer.security import PLAINTEXT, KafkaSecurity, diagnose
 
@@ -46,9 +49,10 @@ logger = logging.getLogger(__name__)
 TP = tuple[str, int]
 _WATCH_INTERVAL = 1.0  # positions for the lag metric
 _DRAIN_WATCH_INTERVAL = 0.1  # while drain() waits for the end
-FETCH_MAX_WAIT_MS = 100  # the lowest p99 of those measured (docs/benchmarks.md, Kafka mode)
-_FETCH_TIMEOUT_MS = 100  # getmany's wait when nothing is fetched: how soon a paused partition is resumed
 _METADATA_MAX_AGE_MS = 3000
+# librdkafka's prefetch: enough to keep a fast handler busy, far below its default of 64 MB (peak RSS).
+_QUEUED_KBYTES = 8192
+_FETCH_BACKOFF_MS = 5
 _UNSETTLED = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)  # until it works or the app stops
 _POSITIONS_RETRY = RetryPolicy(initial=0.1, maximum=1.0, deadline=30.0)  # aiokafka's retriable errors only
 _HEADER_TEXT = 8_000  # characters of one text header (messages, tracebacks) in the DLQ topic
@@ -108,11 +112,6 @@ async def _unavailable(brokers: str, security: KafkaSecurity, exc: BaseException
     return cause or SourceUnavailableError(f"Kafka at {brokers}: {type(exc).__name__}: {exc}")
 
 
-def topics_pattern(topics: list[str]) -> str:
-    """A subscription pattern that matches exactly ``topics``."""
-    return "^(" + "|".join(re.escape(topic) for topic in sorted(topics)) + ")$"
-
-
 def group_id(app: str) -> str:
     """The consumer group of ``app`` in Kafka mode."""
     return f"app.{app}"
@@ -166,27 +165,22 @@ async def mirror_deadletter(publisher: KafkaPublisher, topic: str, entry: DeadLe
             await asyncio.sleep(delay)
 
 
+def _headers(m: Message) -> list[tuple[str, bytes]]:
+    """A record's headers as the tailer writes them: (name, bytes); a header without a value is left out."""
+    headers = cast(list[tuple[str, Any]], m.headers() or [])  # a consumer's records: a list, never a dict
+    return [(name, value) for name, value in headers if isinstance(value, bytes)]
+
+
 class _Partition:
     """One assigned partition: its fetched records not yet settled, and how far it is settled and committed."""
 
     def __init__(self) -> None:
-        self.queue: deque[ConsumerRecord[bytes, bytes]] = deque()
+        self.queue: deque[Message] = deque()
         self.task: asyncio.Task[None] | None = None
         self.handling = 0  # records at the head of the queue being handled now
         self.settled = -1  # the offset after the last settled record (-1: none yet)
         self.committed = -1  # the last offset this process committed
         self.paused = False
-
-
-class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is untyped
-    def __init__(self, runner: KafkaRunner) -> None:
-        self.runner = runner
-
-    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        await self.runner._revoked({(tp.topic, tp.partition) for tp in revoked})
-
-    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        self.runner._assigned({(tp.topic, tp.partition) for tp in assigned})
 
 
 class KafkaRunner:
@@ -202,10 +196,9 @@ class KafkaRunner:
         self.tailer_deadletters = f"{config.topic_prefix}-deadletter"
         self.dlq_topic = dlq_topic(config.name)
         self.publisher = KafkaPublisher(KafkaOptions(brokers=brokers, client_id=self.group, security=config.kafka))
-        self._consumer: AIOKafkaConsumer | None = None
+        self._consumer: GroupConsumer | None = None
         self._probe: AIOKafkaConsumer | None = None
         self._admin: AIOKafkaAdminClient | None = None
-        self._fetcher: asyncio.Task[None] | None = None
         self._committer: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._parts: dict[TP, _Partition] = {}
@@ -213,6 +206,7 @@ class KafkaRunner:
         self._view: _View | None = None
         self._assigned_once = False
         self._waiting: set[str] = set()  # subscribed topics that do not exist yet, each logged once
+        self._found: set[str] = set()  # subscribed topics seen to exist
         self._rebalancing = False
         self._draining = False
         self._wake = asyncio.Event()
@@ -245,20 +239,25 @@ class KafkaRunner:
                                           **security)
         await self._admin.start()
         session_ms = int(self.config.session_timeout * 1000)
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.brokers, group_id=self.group, client_id=self.group, enable_auto_commit=False,
-            auto_offset_reset="earliest" if self.config.start_from == "beginning" else "latest",
-            session_timeout_ms=session_ms, heartbeat_interval_ms=max(1000, session_ms // 3),
-            fetch_max_wait_ms=FETCH_MAX_WAIT_MS, max_partition_fetch_bytes=1 << 20,
+        config = {
+            "bootstrap.servers": self.brokers, "group.id": self.group, "client.id": self.group,
+            "enable.auto.commit": False, "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest" if self.config.start_from == "beginning" else "latest",
+            "session.timeout.ms": session_ms, "heartbeat.interval.ms": max(1000, session_ms // 3),
+            "max.partition.fetch.bytes": 1 << 20, "queued.max.messages.kbytes": _QUEUED_KBYTES,
+            # Once the prefetch is full, fetch again as soon as it has room (librdkafka's default waits a second).
+            "fetch.queue.backoff.ms": _FETCH_BACKOFF_MS,
             # The tailer creates its topics after an app may have subscribed: see them within seconds, not the
             # default five minutes.
-            metadata_max_age_ms=_METADATA_MAX_AGE_MS, **security)
-        # By pattern: metadata requests then ask for every topic and name none, so none is auto-created.
-        self._consumer.subscribe(pattern=topics_pattern([*self.topics, self.tailer_deadletters]),
-                                 listener=_Rebalance(self))
+            "topic.metadata.refresh.interval.ms": _METADATA_MAX_AGE_MS,
+            **self.config.kafka.librdkafka_config(),
+        }
+        # By pattern, so that no subscribed topic is ever auto-created by the subscription.
+        self._consumer = GroupConsumer(
+            config, subscription_pattern([*self.topics, self.tailer_deadletters]), on_messages=self._received,
+            on_assigned=self._assigned, on_revoked=self._revoked, on_lost=self._lost, on_error=self._failed)
         self.processor.on_deadletter = self._mirror
         await self._consumer.start()
-        self._fetcher = asyncio.create_task(self._fetch(), name=f"{self.group}-fetch")
         self._committer = asyncio.create_task(self._commit_every(), name=f"{self.group}-commit")
         self._watcher = asyncio.create_task(self._watch(), name=f"{self.group}-watch")
 
@@ -267,17 +266,19 @@ class KafkaRunner:
         if self._state in ("stopping", "stopped"):
             return
         self._state = "stopping"
-        for task in (self._fetcher, self._committer, self._watcher):
+        for task in (self._committer, self._watcher):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+        if self._consumer is not None:  # nothing more is handed to _received
+            await self._consumer.halt()
         await self._finish(set(self._parts))
         with contextlib.suppress(Exception):
             await self._commit(set(self._parts))
         if self.processor.on_deadletter == self._mirror:
             self.processor.on_deadletter = None
-        for close in (self._consumer.stop if self._consumer is not None else None,
+        for close in (self._consumer.close if self._consumer is not None else None,
                       self._probe.stop if self._probe is not None else None,
                       self._admin.close if self._admin is not None else None, self.publisher.stop):
             if close is not None:
@@ -350,41 +351,60 @@ class KafkaRunner:
         for tp in mine:
             del self._parts[tp]
 
-    async def _fetch(self) -> None:
-        assert self._consumer is not None
-        consumer = self._consumer
-        try:
-            while not self._stopping:
-                batches = await consumer.getmany(timeout_ms=_FETCH_TIMEOUT_MS)
-                for tp, records in batches.items():
-                    part = self._parts.get((tp.topic, tp.partition))
-                    if part is None or not records:
-                        continue  # revoked while the fetch was under way: its new owner reads them
-                    part.queue.extend(records)
-                    if part.task is None or part.task.done():
-                        key = (tp.topic, tp.partition)
-                        part.task = asyncio.create_task(self._work(key, part), name=f"handlers-{key[0]}-{key[1]}")
-                self._flow()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the consumer cannot go on (refused credentials, a fatal broker error)
-            logger.error("%s: fetching stopped: %s: %s", self.group, type(exc).__name__, exc)
-            self._error = SourceUnavailableError(f"Kafka consumer of {self.group}: {type(exc).__name__}: {exc}")
+    def _lost(self, tps: set[TP]) -> None:
+        """The group gave the partitions away without a revocation (this member's session expired): nothing
+        can be committed for them; their new owner starts from the last commit, so handled cells come again."""
+        for tp in tps & set(self._parts):
+            part = self._parts.pop(tp)
+            self._abandon(part)
+        logger.warning("%s: lost %d partitions (session expired); they are delivered again from the last commit",
+                       self.group, len(tps))
 
-    def _flow(self) -> None:
-        """Pause a partition whose queue is full, resume it once worked down to half (back-pressure)."""
-        assert self._consumer is not None
-        cap = max(self.config.page_size, self.config.max_in_flight // max(1, len(self._parts)))
-        for (topic, partition), part in self._parts.items():
-            # IllegalStateError: a partition being revoked is no longer the consumer's to pause
-            if not part.paused and len(part.queue) >= cap:
-                with contextlib.suppress(IllegalStateError):
-                    self._consumer.pause(TopicPartition(topic, partition))
+    def _failed(self, exc: BaseException) -> None:
+        """The consumer cannot go on (a fatal client error)."""
+        logger.error("%s: consuming stopped: %s: %s", self.group, type(exc).__name__, exc)
+        self._error = SourceUnavailableError(f"Kafka consumer of {self.group}: {type(exc).__name__}: {exc}")
+
+    def _received(self, records: list[Message]) -> None:
+        """A batch from the consumer: each record goes to its partition's queue (offset order), whose task
+        handles it."""
+        if self._stopping:
+            return  # never handed to a handler, never committed: delivered again
+        parts, touched = self._parts, {}
+        for m in records:
+            tp = cast(TP, (m.topic(), m.partition()))  # set on every record (errors never get here)
+            part = parts.get(tp)
+            if part is not None:  # None: revoked after the fetch; its new owner reads it
+                part.queue.append(m)
+                touched[tp] = part
+        for tp, part in touched.items():
+            self._started(tp, part)
+
+    def _started(self, tp: TP, part: _Partition) -> None:
+        if part.task is None or part.task.done():
+            part.task = asyncio.create_task(self._work(tp, part), name=f"handlers-{tp[0]}-{tp[1]}")
+        self._flow(tp, part)
+
+    def _flow(self, tp: TP, part: _Partition) -> None:
+        """Back-pressure. librdkafka drops what it prefetched of a partition when the partition is paused, and
+        fetches it again on resume, so a partition is paused only once the process holds ``max_in_flight``
+        records and it holds more than its share; it is resumed once worked down to half its share, or once
+        the process holds half of ``max_in_flight``. The process holds at most about twice that."""
+        if self._consumer is None:
+            return
+        limit = self.config.max_in_flight
+        share = max(self.config.page_size, limit // max(1, len(self._parts)))
+        queued = len(part.queue)
+        if not part.paused:
+            if queued >= share and self._queued() >= limit:
+                self._consumer.pause(tp)
                 part.paused = True
-            elif part.paused and len(part.queue) < cap // 2:
-                with contextlib.suppress(IllegalStateError):
-                    self._consumer.resume(TopicPartition(topic, partition))
-                part.paused = False
+        elif queued < share // 2 or self._queued() < limit // 2:
+            self._consumer.resume(tp)
+            part.paused = False
+
+    def _queued(self) -> int:
+        return sum(len(part.queue) for part in self._parts.values())
 
     def _abandon(self, part: _Partition) -> None:
         keep = part.handling if part.task is not None and not part.task.done() else 0  # those finish
@@ -400,14 +420,16 @@ class KafkaRunner:
                 batch = list(itertools.islice(queue, self.config.page_size))
                 part.handling = len(batch)
                 try:
-                    settled = await self._settle(batch)
+                    settled = await self._settle(tp, batch)
                 finally:
                     part.handling = 0
                 if not settled:
                     return  # stalled: the records stay unsettled; the app stops
                 for _ in batch:
                     queue.popleft()
-                part.settled = batch[-1].offset + 1
+                part.settled = cast(int, batch[-1].offset()) + 1
+                if part.paused:
+                    self._flow(tp, part)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug of the runtime: stop the app rather than skip or reorder cells
@@ -432,8 +454,8 @@ class KafkaRunner:
             if not noted or self._consumer is None or not await self._checkpoint():
                 return
             try:
-                await self._consumer.commit({TopicPartition(*tp): offset for tp, offset in noted.items()})
-            except (CommitFailedError, IllegalStateError) as exc:  # a rebalance took them: their revocation commits
+                await self._consumer.commit(noted)
+            except CommitRefused as exc:  # a rebalance took them: their revocation commits
                 logger.info("%s: commit refused during a rebalance (%s)", self.group, exc)
                 return
             for tp, offset in noted.items():
@@ -454,12 +476,12 @@ class KafkaRunner:
             return False
         return True
 
-    async def _settle(self, batch: list[ConsumerRecord[bytes, bytes]]) -> bool:
+    async def _settle(self, tp: TP, batch: list[Message]) -> bool:
         """Run the handlers on the events until they succeed or dead-letter them; False when one stalled."""
         delays = _UNSETTLED.delays()
         while True:
             try:
-                return await self._handle(batch)
+                return await self._handle(tp, batch)
             except Exception as exc:
                 if self._stopping:
                     raise asyncio.CancelledError from None  # abandon them, unacknowledged
@@ -467,16 +489,17 @@ class KafkaRunner:
                     raise  # not a passing outage: the runner fails rather than retry a bug forever
                 delay = next(delays)
                 m = batch[0]
-                logger.warning("%s/%d@%d+%d not settled (%s: %s); handling them again in %.1fs", m.topic,
-                               m.partition, m.offset, len(batch), type(exc).__name__, exc, delay)
+                logger.warning("%s/%d@%d+%d not settled (%s: %s); handling them again in %.1fs", tp[0], tp[1],
+                               m.offset(), len(batch), type(exc).__name__, exc, delay)
                 await asyncio.sleep(delay)
 
-    async def _handle(self, batch: list[ConsumerRecord[bytes, bytes]]) -> bool:
+    async def _handle(self, tp: TP, batch: list[Message]) -> bool:
         """Runs of decodable cells go to the processor together; anything else is dead-lettered in its place."""
         cells: list[tuple[Cell, dict[str, Any]]] = []
+        topic, partition = tp
         for m in batch:
-            source = {"mode": "kafka", "topic": m.topic, "partition": m.partition, "offset": m.offset}
-            cell, where, failure = self._decode(m)
+            source = {"mode": "kafka", "topic": topic, "partition": partition, "offset": m.offset()}
+            cell, where, failure = self._decode(topic, m)
             if cell is not None:
                 cells.append((cell, source))
                 continue
@@ -488,23 +511,23 @@ class KafkaRunner:
                 return False
         return not cells or await self.processor.process_many(cells)
 
-    def _decode(self, m: ConsumerRecord[bytes, bytes]) -> tuple[Cell | None, dict[str, Any], Failure | None]:
+    def _decode(self, topic: str, m: Message) -> tuple[Cell | None, dict[str, Any], Failure | None]:
         try:
-            if m.topic == self.tailer_deadletters:  # a cell the tailer gave up on: no attempt, straight to the DLQ
-                record = json.loads(m.value)
+            if topic == self.tailer_deadletters:  # a cell the tailer gave up on: no attempt, straight to the DLQ
+                record = json.loads(m.value())  # type: ignore[arg-type]  # None: undecodable, dead-lettered
                 if not isinstance(record, dict):
                     raise ValueError(f"not a tailer dead-letter record: {type(record).__name__}")
                 where, failure = tailer_deadletter(record)
                 return None, where, failure
-            return decode_cell(m.value, m.headers), {}, None  # (its coordinates are the cell's)
+            return decode_cell_value(m.value()), {}, None  # type: ignore[arg-type]  # as above
         except Exception as exc:  # anything a foreign producer wrote: dead-letter it, never skip it
             text = "".join(traceback.format_exception(exc))
             failure = Failure(qualified_name(type(exc)), f"undecodable message: {exc}", text, fingerprint(exc), False)
-            where = {name: value.decode(errors="replace") for name, value in m.headers or ()
+            where = {name: value.decode(errors="replace") for name, value in _headers(m)
                      if name in ("shard", "added_id", "column", "ref_key", "created_at")}
-            where["row_key"] = (m.key or b"").decode(errors="replace")
-            if m.topic != self.tailer_deadletters:
-                where["column"] = m.topic[len(self.config.topic_prefix) + 1:]
+            where["row_key"] = (m.key() or b"").decode(errors="replace")
+            if topic != self.tailer_deadletters:
+                where["column"] = topic[len(self.config.topic_prefix) + 1:]
             return None, where, failure
 
     async def _undecodable(self, where: dict[str, Any], source: dict[str, Any], failure: Failure) -> bool:
@@ -519,27 +542,31 @@ class KafkaRunner:
     async def _mirror(self, entry: DeadLetter) -> None:
         await mirror_deadletter(self.publisher, self.dlq_topic, entry, lambda: self._stopping)
 
-    def _note_missing_topics(self) -> None:
-        """Log once each subscribed topic that does not exist yet, and once more when it appears."""
-        if self._consumer is None or not self._assigned_once:
+    async def _note_missing_topics(self) -> None:
+        """Log once each subscribed topic that does not exist yet, and once more when it appears (a metadata
+        request for every topic, which names none, while one is missing)."""
+        subscribed = {*self.topics, self.tailer_deadletters}
+        if self._probe is None or self._found >= subscribed:
             return
-        found = self._consumer.subscription()
-        for topic in [*self.topics, self.tailer_deadletters]:
+        found = await self._probe.topics()
+        for topic in sorted(subscribed):
             if topic not in found and topic not in self._waiting:
                 self._waiting.add(topic)
                 logger.info("%s: topic %s does not exist yet; waiting for the tailer to create it (as it publishes "
                             "the column's first cell)", self.group, topic)
-            elif topic in found and topic in self._waiting:
-                self._waiting.discard(topic)
-                logger.info("%s: topic %s exists now; consuming it", self.group, topic)
+            elif topic in found:
+                self._found.add(topic)
+                if topic in self._waiting:
+                    self._waiting.discard(topic)
+                    logger.info("%s: topic %s exists now; consuming it", self.group, topic)
 
     # -- positions, for drain and the lag metric ----------------------------------------
     async def _watch(self) -> None:
         assert self._probe is not None and self._admin is not None
         while True:
             taken = time.monotonic()
-            self._note_missing_topics()
             try:
+                await self._note_missing_topics()
                 assigned = self._assignment()
                 partitions = [TopicPartition(*tp) for tp in sorted(assigned)]
                 ends: dict[TP, int] = {}

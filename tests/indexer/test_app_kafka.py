@@ -2,7 +2,7 @@
 
 The whole pipeline runs: cells are written to a SQLite store, the tailer publishes
 them to Kafka (offsets in the store), and the app consumes the topics with its
-aiokafka consumer group. The DLQ topic and the group's committed offsets are read back with kcat and
+consumer group (librdkafka's consumer). The DLQ topic and the group's committed offsets are read back with kcat and
 aiokafka's admin client, not through the runtime.
 """
 
@@ -425,3 +425,47 @@ def test_a_rebalance_hands_a_partition_over_at_its_settled_offset_never_to_two_p
         if len(by_pid) == 2:
             (_, first_end), (second_start, _) = sorted(by_pid.values())
             assert first_end <= second_start, f"partition {partition} was handled by both processes at once"
+
+
+def test_back_pressure_pauses_a_full_partition_and_resumes_it_without_losing_or_reordering_a_cell(
+        store: logstore.Store, topic_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for 40 cells in flight, a share of 10 for each of 4 partitions: each is paused while the process
+    holds 40 and the partition more than 10, and resumed once worked down, while 600 cells go through a slow
+    handler. Pauses and resumes reach the consumer through its polling thread (confluent-kafka serializes calls on
+    a handle: one made from the event loop waits for a poll that never ends), and every cell is handled once, in
+    its shard's order (librdkafka drops what it prefetched of a paused partition and fetches it again)."""
+    from indexer.runtime.group_consumer import GroupConsumer
+
+    cells = write(store, 600)
+    publish(store, topic_prefix)
+    app = App(f"{topic_prefix}-bp", store=store, brokers=KAFKA, topic_prefix=topic_prefix, page_size=5,
+              max_in_flight=40)
+    seen: list[logstore.Cell] = []
+
+    @app.trigger("BASE")
+    async def slow(cell: logstore.Cell) -> None:
+        seen.append(cell)
+        await asyncio.sleep(0.0005)
+
+    calls: list[tuple[str, tuple[str, int]]] = []
+
+    def counted(name: str) -> Any:
+        call = getattr(GroupConsumer, name)
+
+        def counting(self: GroupConsumer, tp: tuple[str, int]) -> None:
+            calls.append((name, tp))
+            call(self, tp)
+        return counting
+
+    for name in ("pause", "resume"):
+        monkeypatch.setattr(GroupConsumer, name, counted(name))
+    with app:
+        counts = app.drain(timeout=90)
+    assert counts.processed == len(cells) and counts.dead_lettered == 0
+    assert sorted(c.added_id for c in seen) == sorted(c.added_id for c in cells)  # each once
+    assert {tp[1] for name, tp in calls if name == "pause"} == {tp[1] for name, tp in calls if name == "resume"} \
+        == set(range(P))
+    order: dict[int, list[int]] = defaultdict(list)
+    for cell in seen:
+        order[cell.shard].append(cell.added_id)
+    assert all(ids == sorted(ids) for ids in order.values())

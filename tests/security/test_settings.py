@@ -128,6 +128,21 @@ def test_the_model_takes_python_names_too() -> None:
     assert security.client_options()["ssl_context"] is None
 
 
+def test_librdkafka_gets_the_same_properties_with_the_secrets_in_clear_and_the_system_cas_without_a_ca(
+        ca: Path) -> None:
+    """A Kafka-mode app's consumer (librdkafka) is configured by the property names the file uses."""
+    sasl = KafkaSecurity.model_validate({"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512",
+                                         "sasl.username": "u", "sasl.password": "p#=w"})
+    assert sasl.librdkafka_config() == {
+        "security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "u",
+        "sasl.password": "p#=w", "ssl.endpoint.identification.algorithm": "https", "ssl.ca.location": "probe"}
+    tls = KafkaSecurity.model_validate({"security.protocol": "SSL", "ssl.ca.location": str(ca),
+                                        "ssl.endpoint.identification.algorithm": "none"})
+    assert tls.librdkafka_config() == {"security.protocol": "SSL", "ssl.ca.location": str(ca),
+                                       "ssl.endpoint.identification.algorithm": "none"}
+    assert KafkaSecurity().librdkafka_config() == {"security.protocol": "PLAINTEXT"}
+
+
 @pytest.mark.parametrize(("query", "problem"), [
     ("sslmode=require", "mysql URL parameter 'sslmode' is not one cellstream takes (ssl_mode, ssl_ca, ssl_cert"),
     ("ssl_mode=STRICT", "mysql URL ssl_mode 'STRICT' must be one of DISABLED, PREFERRED, REQUIRED, VERIFY_CA"),
