@@ -56,6 +56,13 @@ class SourceUnavailableError(IndexerError):
     retriable = True
 
 
+class CommitRefusedError(IndexerError):
+    """The consumer group refused a commit (Kafka mode): this member is rebalancing or was fenced. The
+    partitions' revocation commits them instead, or their next owner starts from the last commit."""
+
+    retriable = True
+
+
 class DrainTimeoutError(IndexerError):
     """``drain`` did not reach the end of the log in time; ``counts`` says what was done."""
 

@@ -27,6 +27,8 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
+from indexer.errors import CommitRefusedError
+
 logger = logging.getLogger(__name__)
 TP = tuple[str, int]
 POLL_SECONDS = 0.05  # the longest wait of a queued pause, resume or commit, and of stop()
@@ -36,10 +38,6 @@ MAX_HANDED = 4  # batches handed to the loop and not yet taken
 # Commit errors that mean "a rebalance took the partitions": their revocation (or new owner) commits.
 REBALANCING = frozenset({KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION,
                          KafkaError.UNKNOWN_MEMBER_ID, KafkaError._NO_OFFSET})
-
-
-class CommitRefused(Exception):
-    """A commit the group refused because the member is rebalancing or was fenced."""
 
 
 def subscription_pattern(topics: list[str]) -> str:
@@ -147,7 +145,7 @@ class GroupConsumer:
         """Commit ``offsets`` (the next offset to read, per partition) and wait for the broker.
 
         Raises:
-            CommitRefused: the member is rebalancing or no longer in the group.
+            CommitRefusedError: the member is rebalancing or no longer in the group.
             KafkaException: any other failure (retried by the next commit).
         """
         if self._consumer is None or not offsets:
@@ -159,12 +157,12 @@ class GroupConsumer:
         except KafkaException as exc:
             error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
             if error is not None and error.code() in REBALANCING:
-                raise CommitRefused(error.str()) from None
+                raise CommitRefusedError(error.str()) from None
             raise
         for tp in done or ():
             if tp.error is not None:
                 if tp.error.code() in REBALANCING:
-                    raise CommitRefused(tp.error.str())
+                    raise CommitRefusedError(tp.error.str())
                 raise KafkaException(tp.error)
 
     # -- the polling thread ------------------------------------------------------------

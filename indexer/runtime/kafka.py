@@ -29,10 +29,10 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from confluent_kafka import Message
 
-from indexer.errors import ConfigurationError, SourceUnavailableError
+from indexer.errors import CommitRefusedError, ConfigurationError, SourceUnavailableError
 from indexer.runtime.config import AppConfig
 from indexer.runtime.dlq_store import DeadLetter
-from indexer.runtime.group_consumer import CommitRefused, GroupConsumer, subscription_pattern
+from indexer.runtime.group_consumer import GroupConsumer, subscription_pattern
 from indexer.runtime.handlers import Processor, tailer_deadletter
 from indexer.runtime.metrics import AppMetrics
 from indexer.runtime.policy import Failure, fingerprint, qualified_name
@@ -455,7 +455,7 @@ class KafkaRunner:
                 return
             try:
                 await self._consumer.commit(noted)
-            except CommitRefused as exc:  # a rebalance took them: their revocation commits
+            except CommitRefusedError as exc:  # a rebalance took them: their revocation commits
                 logger.info("%s: commit refused during a rebalance (%s)", self.group, exc)
                 return
             for tp, offset in noted.items():
