@@ -106,11 +106,19 @@ class GroupConsumer:
             await asyncio.to_thread(consumer.close)
 
     def pause(self, tp: TP) -> None:
-        """Stop fetching ``tp`` (soon: between two polls); records fetched already are still handed over."""
-        self._call(lambda consumer: consumer.pause([TopicPartition(*tp)]))
+        """Stop fetching ``tp`` (soon: between two polls). librdkafka drops what it prefetched of it and fetches
+        that again on resume; what was handed to the loop already stays handed. Nothing once polling stopped."""
+        if not self._stop.is_set():
+            self._call(lambda consumer: consumer.pause([TopicPartition(*tp)])).add_done_callback(self._failed)
 
     def resume(self, tp: TP) -> None:
-        self._call(lambda consumer: consumer.resume([TopicPartition(*tp)]))
+        if not self._stop.is_set():
+            self._call(lambda consumer: consumer.resume([TopicPartition(*tp)])).add_done_callback(self._failed)
+
+    def _failed(self, future: concurrent.futures.Future[Any]) -> None:
+        """A pause or resume that failed (a partition revoked meanwhile): said, as nothing waits for it."""
+        if future.exception() is not None:
+            logger.info("%s: %s", self._config["group.id"], future.exception())
 
     def _call(self, call: Callable[[Consumer], Any]) -> concurrent.futures.Future[Any]:
         """Run ``call`` on the consumer in the polling thread, or in a worker thread once polling stopped."""
