@@ -1,8 +1,8 @@
 """The garbage collector's thresholds while a streaming loop runs (App.run, App.drain; cellstream run, tail).
 
 Each cell leaves a few container objects behind (its tuple, its body, its UUID), and the default thresholds
-(700, 10, 10) collect far too often for that: a Kafka-mode drain of 100,000 cells ran 20-40% faster without
-them (docs/benchmarks.md, Kafka mode against Quix Streams). Reference cycles are still collected, less often.
+(700, 10, 10) collect far too often for that (measured in docs/benchmarks.md, Kafka mode against Quix
+Streams). Reference cycles are still collected, less often.
 """
 
 from __future__ import annotations

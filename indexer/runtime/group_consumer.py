@@ -1,8 +1,8 @@
 """A consumer-group member for an asyncio app: librdkafka's consumer (confluent-kafka), polled by a thread.
 
 librdkafka fetches, decompresses and parses record batches in its own C threads, off the GIL; aiokafka does
-that work in the event loop's thread, a fetch round trip at a time. At a steady 1,000 messages a second that
-is the difference between about 0.1 and 0.35 of a core spent only on fetching (docs/benchmarks.md, Kafka mode).
+that work in the event loop's thread, a fetch round trip at a time, which is most of what an idle app spends
+(docs/benchmarks.md, Kafka mode against Quix Streams).
 
 One thread polls, and it alone calls the consumer: confluent-kafka serializes the calls on a handle, so a call
 from another thread would wait for a poll to end, and may wait for ever. Pauses, resumes and commits are queued

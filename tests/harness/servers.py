@@ -148,7 +148,7 @@ class MariaDB(Server):
 
     name = "mariadb"
     port = 3306
-    # An hour of binary log is plenty for the replica, which reads it live; days of it filled the disk (~50 GB).
+    # An hour of binary log is plenty for the replica, which reads it live; days of it filled the disk.
     extra = ["--server-id=1", "--log-bin=mysql-bin", "--binlog-format=ROW", "--binlog-expire-logs-seconds=3600",
              "--max-binlog-size=256M"]
 
