@@ -25,7 +25,8 @@ import msgpack
 
 from logstore.cell import AnyCell, Cell, PackedCell, compress, inflate_body, same_json, unpack_body, unpack_map
 from logstore.errors import CellConflictError, ConfigurationError, CorruptCellError, StorageError
-from logstore.index_tables.persistence import IndexRecorder
+from logstore.index_tables.persistence import IndexEntry, IndexRecorder, Order
+from logstore.index_tables.query import IndexInfo
 from logstore.log_blocks import BlockCell, LogBlock, created_text
 from logstore.log_blocks import encode as encode_block
 from logstore.offsets import OffsetRecord
@@ -429,6 +430,31 @@ class NodeRecorder(ABC):
     #: Whether backups, restores and mirrors may go through this recorder: they read and write a node's
     #: tables whole, which a worker node's client does not offer.
     supports_backup: ClassVar[bool] = True
+
+    #: Whether the node behind this recorder answers index queries itself (a worker node reads its catalog and
+    #: index tables): the store then asks it with :meth:`query_index` rather than reading ``indexes``.
+    answers_index_queries: ClassVar[bool] = False
+
+    def query_index(self, name: str, where: Mapping[str, Any], *, order: Order, limit: int, scatter: bool,
+                    version: int | None) -> list[IndexEntry]:
+        """Entries of index ``name`` as the node answers them (``logstore.index_tables.query.query_index``), for a
+        recorder that :attr:`answers_index_queries`; a storage node's recorder does not (its ``indexes`` are read).
+
+        Raises:
+            ConfigurationError: this recorder does not answer index queries.
+        """
+        raise ConfigurationError(f"storage node {getattr(self, 'name', '?')} does not answer index queries: the "
+                                 "store reads its index tables")
+
+    def index_info(self, name: str) -> IndexInfo:
+        """Index ``name`` as the catalog of the node behind this recorder has it (see :meth:`query_index`).
+
+        Raises:
+            IndexUnknownError: no index of that name.
+            ConfigurationError: this recorder does not answer index queries.
+        """
+        raise ConfigurationError(f"storage node {getattr(self, 'name', '?')} does not answer index queries: the "
+                                 "store reads its index catalog")
 
     @abstractmethod
     def consumers(self) -> list[str]:

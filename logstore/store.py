@@ -36,7 +36,8 @@ from logstore.errors import (
     StorageError,
     StorageUnavailableError,
 )
-from logstore.index_tables.persistence import IndexRecorder
+from logstore.index_tables.persistence import IndexEntry, IndexRecorder, Order
+from logstore.index_tables.query import IndexInfo, index_info, query_index
 from logstore.index_tables.store import IndexStore
 from logstore.log_blocks import LogBlock
 from logstore.offsets import OffsetRecord, offset_doc
@@ -171,6 +172,54 @@ class Store:
                 recorder.indexes  # noqa: B018 - a node that serves none (a worker node) says so now
             self._indexes = IndexStore(_IndexRouter(self))
         return self._indexes
+
+    @property
+    def index_queries_remote(self) -> bool:
+        """Whether index queries go to a worker node (this store is its client): ``indexes`` is then refused and
+        :meth:`query_index` asks the node, which reads its catalog and index tables."""
+        return self._index_node() is not None
+
+    def _index_node(self) -> NodeRecorder | None:
+        """The recorder of a worker node's client (it holds every shard), which answers index queries itself."""
+        return next((r for r in self._recorders.values() if r.answers_index_queries), None)
+
+    def index_info(self, name: str) -> IndexInfo:
+        """Index ``name`` as the index catalog has it now: its versions (dropped ones left out), their states and
+        fields, the active one; read by the worker node for its client.
+
+        Raises:
+            IndexUnknownError: no index of that name.
+        """
+        remote = self._index_node()
+        return remote.index_info(name) if remote is not None else index_info(self, name)
+
+    def query_index(self, name: str, where: Mapping[str, Any], *, order: Order = "asc", limit: int = 100,
+                    scatter: bool = False, version: int | None = None) -> list[IndexEntry]:
+        """Entries of index ``name`` (its active version, or ``version``) matching ``where``, read here or, for a
+        worker node's client, by the node (``POST /v1/indexes/{name}/query``).
+
+        Args:
+            where: ``key=value`` an equality, ``key=(start, end)`` a range (start included, end excluded, None an
+                open end); values as a cell's body has them, or typed (a ``uuid.UUID``, an aware ``datetime``).
+            order: of the keys after the shard field, then row_key.
+            limit: 1 to 100,000 entries.
+            scatter: required when ``where`` has no equality on the shard field (every shard is read).
+            version: a version to read whatever its state; the active one when None.
+
+        Returns:
+            The entries, fields typed as the version declares them. Through a worker node, an answer the node cut
+            to its ``max_read_bytes`` is a :class:`~logstore.persistence.TruncatedPage` of the first entries.
+
+        Raises:
+            IndexUnknownError: no such index or version.
+            IndexInactiveError: no version named and none active.
+            InvalidConditionError: a bad condition, or no shard field without ``scatter``.
+            InvalidArgumentError: a bad order or limit.
+        """
+        remote = self._index_node()
+        if remote is not None:
+            return remote.query_index(name, where, order=order, limit=limit, scatter=scatter, version=version)
+        return query_index(self, name, where, order=order, limit=limit, scatter=scatter, version=version)[1]
 
     def shard_of(self, row_key: uuid.UUID | str) -> int:
         return shard_of(coerce_row_key(row_key), self._cluster.shards)

@@ -22,12 +22,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from indexer.errors import IndexStateError, InvalidQueryError
+from indexer.errors import IndexNotFoundError, IndexStateError, InvalidQueryError
 from indexer.indexes.catalog import IndexCatalog, IndexRecord
 from indexer.indexes.definitions import IndexDefinition
 from logstore import Cell, CorruptCellError, InvalidArgumentError, LogstoreError, Store
 from logstore.cell import is_tombstone
-from logstore.errors import InvalidConditionError
+from logstore.errors import IndexInactiveError, IndexUnknownError, InvalidConditionError
 from logstore.index_tables.persistence import ApplyResult, Condition, IndexChange, IndexEntry, Stream
 from logstore.index_tables.query import conditions
 from logstore.index_tables.store import MAX_QUERY_LIMIT
@@ -102,7 +102,9 @@ class IndexApplier:
 
 
 class Index:
-    """Queries of one index: its active version (or ``version``), read from the catalog."""
+    """Queries of one index: its active version (or ``version``), read from the catalog. Through a worker node's
+    client (a store opened by ``http://`` URL) the node reads the catalog and the entries; a query it cut to its
+    ``max_read_bytes`` comes back a :class:`~logstore.persistence.TruncatedPage` of the first entries."""
 
     def __init__(self, store: Store, name: str, *, version: int | None = None) -> None:
         self.store = store
@@ -114,6 +116,8 @@ class Index:
         self._lock = threading.Lock()
 
     def _current(self, refresh: bool = False) -> IndexDefinition:
+        if self.store.index_queries_remote:
+            return self._node_definition()
         record = self._record
         if refresh or record is None or time.monotonic() - self._read_at > _REFRESH:
             with self._lock:
@@ -142,6 +146,8 @@ class Index:
             raise InvalidQueryError(f"order must be 'asc' or 'desc', got {order!r}")
         if type(limit) is not int or not 1 <= limit <= MAX_QUERY_LIMIT:
             raise InvalidQueryError(f"limit must be an integer in [1, {MAX_QUERY_LIMIT}], got {limit!r}")
+        if self.store.index_queries_remote:
+            return self._ask_node(fields, limit=limit, order=order, scatter=scatter)
         definition = self._current()
         conditions = self._conditions(definition, fields)
         if not scatter and not any(c.field == definition.shard_field and c.op == "=" for c in conditions):
@@ -159,6 +165,31 @@ class Index:
                 raise
             return self.store.indexes.query(fresh.spec, self._conditions(fresh, fields), order=order,  # type: ignore[arg-type]
                                             limit=limit, scatter=scatter)
+
+    def _node_definition(self) -> IndexDefinition:
+        """The version queries read, as the worker node's catalog has it (its client reads no catalog cell)."""
+        try:
+            info = self.store.index_info(self.name)
+            spec = info.spec(self._pinned)
+        except IndexUnknownError as exc:
+            raise IndexNotFoundError(str(exc)) from None
+        except IndexInactiveError as exc:
+            raise IndexStateError(str(exc)) from None
+        column = next(v.column for v in info.versions if v.version == spec.version)
+        return IndexDefinition.model_validate({**spec.model_dump(), "column": column})
+
+    def _ask_node(self, fields: dict[str, Any], *, limit: int, order: str, scatter: bool) -> list[IndexEntry]:
+        """The query of a worker node's client, which the node reads (its catalog included); its refusals as the
+        local reading raises them."""
+        try:
+            return self.store.query_index(self.name, fields, order="desc" if order == "desc" else "asc",
+                                          limit=limit, scatter=scatter, version=self._pinned)
+        except InvalidArgumentError as exc:  # a condition, or scatter missing
+            raise InvalidQueryError(str(exc)) from None
+        except IndexUnknownError as exc:
+            raise IndexNotFoundError(str(exc)) from None
+        except IndexInactiveError as exc:
+            raise IndexStateError(str(exc)) from None
 
     def _conditions(self, definition: IndexDefinition, fields: dict[str, Any]) -> list[Condition]:
         # logstore's reading of conditions, which a worker node's index queries use too

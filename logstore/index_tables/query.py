@@ -197,6 +197,35 @@ class IndexInfo(NamedTuple):
             {"version": v.version, "state": v.state, "column": v.column, "shard_field": v.spec.shard_field,
              "keys": list(v.spec.keys), "fields": [f.model_dump() for f in v.spec.fields]} for v in self.versions]}
 
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> IndexInfo:
+        """The inverse of :meth:`to_json` (what ``GET /v1/indexes`` lists)."""
+        name = str(doc["name"])
+        versions = [IndexVersionInfo(int(v["version"]), str(v["state"]), str(v["column"]), IndexSpec(
+            name=name, version=int(v["version"]), shard_field=str(v["shard_field"]),
+            fields=[IndexColumn.model_validate(f) for f in v["fields"]])) for v in doc["versions"]]
+        active = doc.get("active")
+        return cls(name, int(active) if active is not None else None, versions)
+
+
+def entry_from_json(spec: IndexSpec, doc: Mapping[str, Any]) -> IndexEntry:
+    """The inverse of :meth:`IndexEntry.to_json <logstore.index_tables.persistence.IndexEntry.to_json>`: the
+    fields typed as ``spec`` declares them (a null stays None)."""
+    fields = {f.name: None if doc.get(f.name) is None else convert_value(f, doc[f.name])
+              for f in spec.fields if f.name in doc}
+    return IndexEntry(int(doc["shard"]), uuid.UUID(doc["row_key"]), int(doc["ref_key"]), fields)
+
+
+def json_condition(value: Any) -> Any:
+    """A condition's value as JSON carries it: a range as a list, a UUID as text, a time in ISO-8601."""
+    if isinstance(value, tuple | list):
+        return [json_condition(v) for v in value]
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    return value
+
 
 def index_info(store: _Catalogued, name: str) -> IndexInfo:
     """Index ``name`` as the catalog has it now.

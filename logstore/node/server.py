@@ -346,7 +346,7 @@ class WorkerNode:
             if exc.retriable:
                 response.headers["Retry-After"] = "1"
         except _BadInput as exc:
-            response = _json(wire.bad_request(exc.field, exc.problem), 400)
+            response = _json(wire.bad_request(exc.field, exc.problem, exc.kind), 400)
         except _NotJSON as exc:
             response = _json(wire.error("UnsupportedMediaType", str(exc)), 415)
         except _SlowBody as exc:
@@ -611,12 +611,13 @@ class WorkerNode:
         try:
             spec, entries = await self._call(query_index, self.store, got.path.name, asked.where, order=asked.order,
                                              limit=asked.limit, scatter=asked.scatter, version=asked.version)
-        except IndexUnknownError as exc:
-            return _not_found(str(exc))
+        except IndexUnknownError as exc:  # a 404 typed, so that a client raises what a local store would
+            return _json(wire.error(type(exc).__name__, str(exc)), 404)
         except IndexInactiveError as exc:
             return _json(wire.error(type(exc).__name__, str(exc)), 409)
         except InvalidConditionError as exc:
-            raise _BadInput(exc.field if exc.field == "scatter" else f"where.{exc.field}", exc.problem) from None
+            raise _BadInput(exc.field if exc.field == "scatter" else f"where.{exc.field}", exc.problem,
+                            type(exc).__name__) from None
         budget, used = self.store.options.max_read_bytes, 0
         answer: dict[str, Any] = {"index": spec.name, "version": spec.version, "entries": []}
         for entry in entries:
@@ -659,9 +660,10 @@ class Got:
 
 
 class _BadInput(Exception):
-    def __init__(self, field: str, problem: str) -> None:
+    def __init__(self, field: str, problem: str, kind: str | None = None) -> None:
         self.field = field
         self.problem = problem
+        self.kind = kind  # the error's type when not the one bad_request gives the field
         super().__init__(f"{field}: {problem}")
 
 

@@ -23,8 +23,11 @@ from logstore.errors import (
     CellConflictError,
     ConfigurationError,
     CorruptCellError,
+    IndexInactiveError,
+    IndexUnknownError,
     InvalidArgumentError,
     InvalidCellError,
+    InvalidConditionError,
     LogstoreError,
     StorageError,
     StorageUnavailableError,
@@ -117,10 +120,10 @@ def error(kind: str, message: str, retriable: bool = False) -> dict[str, Any]:
     return {"error": {"type": kind, "message": message, "retriable": retriable}}
 
 
-def bad_request(field: str, problem: str) -> dict[str, Any]:
+def bad_request(field: str, problem: str, kind: str | None = None) -> dict[str, Any]:
     """A request the server refuses before it reaches the store (the field is named as sent). A cell's
-    coordinates or body are an InvalidCellError, as the store would have raised."""
-    kind = "InvalidCellError" if _CELL_FIELD.fullmatch(field) else "InvalidArgumentError"
+    coordinates or body are an InvalidCellError, as the store would have raised; ``kind`` names another."""
+    kind = kind or ("InvalidCellError" if _CELL_FIELD.fullmatch(field) else "InvalidArgumentError")
     doc = error(kind, f"{field}: {problem}")
     doc["error"].update(field=field, problem=problem)
     return doc
@@ -138,8 +141,15 @@ def error_from_json(status: int, doc: Any) -> LogstoreError:
         if batch:
             return InvalidCellError(batch[2], problem, index=int(batch[1]))
         return InvalidCellError(field, problem)
+    if kind == "InvalidConditionError" and "field" in error:  # an index query's: where.<key>, or scatter
+        return InvalidConditionError(message, str(error["field"]).removeprefix("where."),
+                                     str(error.get("problem", message)))
     if status == 400:
         return InvalidArgumentError(message)
+    if kind == "IndexUnknownError":
+        return IndexUnknownError(message)
+    if kind == "IndexInactiveError":
+        return IndexInactiveError(message)
     if kind == "CellConflictError":
         where = error.get("coordinates") or {}
         return CellConflictError(where.get("row_key"), str(where.get("column")), int(where.get("ref_key", -1)))

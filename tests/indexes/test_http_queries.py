@@ -1,7 +1,9 @@
 """Secondary index queries through a worker node (issue 54, point 5): `GET /v1/indexes` and `POST
 /v1/indexes/{name}/query` answer what the library's `Index.query` answers, on SQLite and MariaDB clusters of two
 storage nodes with the seed index backfilled and activated; bad input is a 400 naming the condition, an unknown
-index or version a 404, an index without an active version a 409; the token and the answer's byte budget hold."""
+index or version a 404, an index without an active version a 409; the token and the answer's byte budget hold.
+A store opened by the node's URL queries through it: `Index.query` answers what it answers on the cluster file,
+typed alike, and raises the same errors."""
 
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ import pytest
 
 import logstore
 from indexer import App
-from indexer.errors import EntryFieldError
+from indexer.errors import EntryFieldError, IndexNotFoundError, IndexStateError, InvalidQueryError
 from indexer.indexes.applier import Index
 from indexer.indexes.backfill import backfill
 from indexer.indexes.catalog import IndexCatalog
+from logstore.errors import ConfigurationError, IndexUnknownError, InvalidConditionError
+from logstore.persistence import TruncatedPage
 from tests.harness.index_support import T0, seed, trip
 from tests.harness.worker_support import NodeThread, call
 
@@ -168,9 +172,71 @@ def test_an_answer_holds_to_the_byte_budget(cluster: str, yaml_file: Path) -> No
         try:
             status, doc = query(node, {"where": {"driver_partner_uuid": str(trips.driver)}, "version": 1})
             whole = Index(store, NAME, version=1).query(driver_partner_uuid=trips.driver)
+            with logstore.open(node.url, token=TOKEN) as client:  # a client is told the answer was cut
+                cut = Index(client, NAME, version=1).query(driver_partner_uuid=trips.driver)
         finally:
             node.stop()
     assert status == 200 and doc["truncated"] is True
     assert doc["entries"] == [e.to_json() for e in whole[:len(doc["entries"])]]
     assert 1 <= len(doc["entries"]) < len(whole) == 8
     assert sum(len(json.dumps(e, separators=(",", ":"))) for e in doc["entries"]) <= 700
+    assert isinstance(cut, TruncatedPage) and list(cut) == whole[:len(doc["entries"])]
+
+
+def test_a_client_of_the_node_queries_as_the_cluster_file_does(
+        served: tuple[logstore.Store, NodeThread, Trips]) -> None:
+    store, node, trips = served
+    with logstore.open(node.url, token=TOKEN) as client:
+        assert client.index_queries_remote and not store.index_queries_remote
+        with pytest.raises(IndexStateError, match="no active version"):
+            Index(client, NAME).query(driver_partner_uuid=trips.driver)
+        assert backfill(store, NAME, 1).shards == store.shard_count
+        IndexCatalog(store).activate(NAME, 1)
+        asked: list[dict[str, Any]] = [
+            {"driver_partner_uuid": trips.driver, "city_uuid": trips.city,
+             "trip_created_at": (T0 + dt.timedelta(minutes=2), T0 + dt.timedelta(minutes=5)), "order": "desc"},
+            {"driver_partner_uuid": str(trips.driver), "trip_created_at": [at(3), None], "limit": 2},
+            {"city_uuid": trips.city, "scatter": True, "limit": 30},
+        ]
+        for query_args in asked:
+            remote = Index(client, NAME).query(**query_args)
+            assert remote == Index(store, NAME).query(**query_args) and remote, query_args
+            assert not isinstance(remote, TruncatedPage)
+        assert Index(client, NAME).definition == Index(store, NAME).definition
+        assert client.index_info(NAME) == store.index_info(NAME)
+        [first] = Index(client, NAME, version=1).query(driver_partner_uuid=trips.driver, limit=1)
+        assert isinstance(first.row_key, uuid.UUID) and first.fields["driver_partner_uuid"] == trips.driver
+        assert first.fields["trip_created_at"] == T0 and isinstance(first.fields["fare"], float)
+        assert client.query_index(NAME, {"driver_partner_uuid": trips.driver}) == Index(store, NAME).query(
+            driver_partner_uuid=trips.driver)
+
+        with pytest.raises(InvalidQueryError, match="reads every shard"):
+            Index(client, NAME).query(city_uuid=trips.city)
+        with pytest.raises(InvalidQueryError, match="expected a UUID string"):
+            Index(client, NAME).query(driver_partner_uuid="not-a-uuid")
+        with pytest.raises(InvalidConditionError) as caught:
+            client.query_index(NAME, {"driver_partner_uuid": trips.driver, "fare": 1.0})
+        assert caught.value.field == "fare" and "not a query key" in caught.value.problem
+        with pytest.raises(IndexNotFoundError, match="no version 7"):
+            Index(client, NAME, version=7).query(driver_partner_uuid=trips.driver)
+        with pytest.raises(IndexUnknownError, match="no index named 'nope'"):
+            client.query_index("nope", {"driver_partner_uuid": trips.driver})
+        with pytest.raises(ConfigurationError, match="query_index"):
+            client.indexes  # noqa: B018 - the index tables stay the node's
+
+
+def test_the_query_command_through_the_node(served: tuple[logstore.Store, NodeThread, Trips],
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from cellstream.cli.main import main
+
+    store, node, trips = served
+    assert backfill(store, NAME, 1).shards == store.shard_count
+    IndexCatalog(store).activate(NAME, 1)
+    monkeypatch.setenv("CELLSTREAM_TOKEN", TOKEN)
+    code = main(["index", "query", NAME, f"driver_partner_uuid={trips.driver}", f"city_uuid={trips.city}",
+                 f"trip_created_at={at(2)}..{at(5)}", "--order", "desc", "--store", node.url, "--json"])
+    found = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0 and [e["row_key"] for e in found] == [str(trips.rows[i]) for i in (4, 3, 2)]
+    assert main(["index", "query", "nope", "a=1", "--store", node.url]) == 1
+    assert main(["index", "query", NAME, "fare=1", "--store", node.url]) == 2

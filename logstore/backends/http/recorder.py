@@ -2,10 +2,11 @@
 
 The store validates and routes as it does locally (bad input never leaves the process), and the worker
 node's answers come back as the same cells and :class:`~logstore.errors.LogstoreError` s, so an app switches
-between a local store and a worker node by URL. Secondary indexes are not served over HTTP: the index side
-raises ConfigurationError. Connections are kept alive, one per thread (stdlib ``http.client``); a request on a
-kept-alive connection the server closed meanwhile is sent once more on a new one (every request is safe to
-repeat). A node that cannot be reached, or answers 503, is a retriable StorageUnavailableError.
+between a local store and a worker node by URL. Index queries go to the node (``query_index``); the index
+tables themselves (``indexes``: create, apply, backfill) are the node's, and raise ConfigurationError.
+Connections are kept alive, one per thread (stdlib ``http.client``); a request on a kept-alive connection the
+server closed meanwhile is sent once more on a new one (every request is safe to repeat). A node that cannot
+be reached, or answers 503, is a retriable StorageUnavailableError.
 """
 
 from __future__ import annotations
@@ -27,8 +28,15 @@ import msgpack
 from logstore.backends.http.target import HttpTarget
 from logstore.cell import AnyCell, Cell
 from logstore.config import StoreOptions
-from logstore.errors import AuthenticationError, ConfigurationError, CorruptCellError, StorageUnavailableError
-from logstore.index_tables.persistence import IndexRecorder
+from logstore.errors import (
+    AuthenticationError,
+    ConfigurationError,
+    CorruptCellError,
+    IndexUnknownError,
+    StorageUnavailableError,
+)
+from logstore.index_tables.persistence import IndexEntry, IndexRecorder, IndexSpec, Order
+from logstore.index_tables.query import IndexInfo, entry_from_json, json_condition
 from logstore.node.models import MAX_READ_BATCH
 from logstore.node.wire import cell_from_json, dumps, error_from_json, loads
 from logstore.offsets import OffsetRecord
@@ -76,13 +84,55 @@ class HttpRecorder(NodeRecorder):
         self._meta: NodeMeta | None = None
         self._counts_route = True  # False once the node said it has no /v1/counts (an older version)
         self._local = threading.local()
+        self._index_specs: dict[tuple[str, int], IndexSpec] = {}
         self._all: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
 
     @property
     def indexes(self) -> IndexRecorder:  # type: ignore[override]  # an attribute of the other recorders
-        raise ConfigurationError(f"secondary indexes are not served over HTTP ({self.target.url}): "
-                                 "open the cluster file to use them")
+        raise ConfigurationError(f"the index tables behind worker node {self.target.url} are the node's: query an "
+                                 "index with Store.query_index (Index.query), or open the cluster file to keep one")
+
+    answers_index_queries = True
+
+    def query_index(self, name: str, where: Mapping[str, Any], *, order: Order, limit: int, scatter: bool,
+                    version: int | None) -> list[IndexEntry]:
+        """One ``POST /v1/indexes/{name}/query``, its entries typed by the version's fields (``GET /v1/indexes``,
+        read once per version: a version's fields never change). An answer the node cut to its
+        ``max_read_bytes`` comes back a TruncatedPage."""
+        body: dict[str, Any] = {"where": {key: json_condition(value) for key, value in where.items()},
+                                "order": order, "limit": limit, "scatter": scatter}
+        if version is not None:
+            body["version"] = version
+        answer = self._request("POST", f"/v1/indexes/{_segment(name)}/query", body)
+        spec = self._index_spec(name, int(answer["version"]))
+        entries = [entry_from_json(spec, doc) for doc in answer["entries"]]
+        return TruncatedPage(entries) if answer.get("truncated") is True and entries else entries
+
+    def index_info(self, name: str) -> IndexInfo:
+        """Index ``name`` from ``GET /v1/indexes``."""
+        listed = {info.name: info for info in self._list_indexes()}
+        if name not in listed:
+            raise IndexUnknownError(f"no index named {name!r} on worker node {self.target.url} (an app registers "
+                                    "it with app.index(...))")
+        return listed[name]
+
+    def _list_indexes(self) -> list[IndexInfo]:
+        infos = [IndexInfo.from_json(doc) for doc in self._request("GET", "/v1/indexes")["indexes"]]
+        for info in infos:
+            for found in info.versions:
+                self._index_specs[(info.name, found.version)] = found.spec
+        return infos
+
+    def _index_spec(self, name: str, version: int) -> IndexSpec:
+        spec = self._index_specs.get((name, version))
+        if spec is None:
+            self._list_indexes()
+            spec = self._index_specs.get((name, version))
+            if spec is None:  # dropped between the query and the listing
+                raise IndexUnknownError(f"index {name} version {version} is no longer listed by worker node "
+                                        f"{self.target.url}; query again")
+        return spec
 
     # -- transport ------------------------------------------------------------------
     def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
