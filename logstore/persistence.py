@@ -388,14 +388,16 @@ class NodeRecorder(ABC):
         return {shard: self.head(shard) for shard in shards}
 
     @abstractmethod
-    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
-        """How many cells of the shard (of ``columns`` if given) have ``added_id > location``."""
+    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None,
+                    reserved: bool = True) -> int:
+        """How many cells of the shard (of ``columns`` if given; without cellstream's own columns, those
+        starting with ``_``, unless ``reserved``) have ``added_id > location``."""
 
     def counts_after(self, locations: Sequence[tuple[int, int]],
-                     columns: Sequence[str] | None = None) -> dict[int, int]:
+                     columns: Sequence[str] | None = None, reserved: bool = True) -> dict[int, int]:
         """``count_after`` of several shards of this node (shard, location pairs); backends with a cheaper
         way than a read per shard override this."""
-        return {shard: self.count_after(shard, location, columns) for shard, location in locations}
+        return {shard: self.count_after(shard, location, columns, reserved) for shard, location in locations}
 
     @abstractmethod
     def shard_counts(self) -> dict[int, int]:

@@ -141,3 +141,22 @@ def resolve_positions(store: Store, position: Position, shards: Iterable[int] | 
                                        "cells written there later would be skipped")
     return dict(sorted(named.items()))
 
+
+
+def check_range(start: Position, until: Position) -> None:
+    """Refuse a range that ends before it starts where both ends are written alike (two times, or a shard's two
+    locations), or that ends at the beginning: it would hold nothing, which is not what an operator meant.
+
+    Raises:
+        InvalidArgumentError: naming both ends.
+    """
+    if until.kind == "beginning":
+        raise InvalidArgumentError("--until beginning: the range would hold nothing")
+    if start.kind == until.kind == "time" and until.when is not None and start.when is not None \
+            and until.when < start.when:
+        raise InvalidArgumentError(f"--until {until} is before --from {start}: the range would hold nothing")
+    if start.kind == until.kind == "locations":
+        for shard, location in sorted(until.locations.items()):
+            if location < start.locations.get(shard, 0):
+                raise InvalidArgumentError(f"--until {shard}:{location} is before --from {shard}:"
+                                           f"{start.locations[shard]}: the range would hold nothing")

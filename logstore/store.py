@@ -915,7 +915,8 @@ class Store:
 
         Args:
             coordinates: (row_key, column, ref_key or None) triples.
-            as_of: as :meth:`get_cell_latest`'s, for the coordinates without a ref_key.
+            as_of: the store as it was then: the latest cell created at or before it where ref_key is None (as
+                :meth:`get_cell_latest`'s), and None for a named cell created after it.
             max_bytes: the bodies (their MessagePack form) an answer brings at most, as a log page's
                 ``max_read_bytes`` (what a worker node answers within); None: every coordinate's cell.
 
@@ -963,7 +964,8 @@ class Store:
                     break
                 got = self._named(node).read_cells([wanted[i] for i in indexes], at, budget)
                 for i, cell in zip(indexes, got, strict=False):
-                    out[i] = cell
+                    # as of a time, a cell written later was not there yet, whether named by ref_key or not
+                    out[i] = None if at is not None and cell is not None and cell.created_at > at else cell
                     answered.add(i)
             todo = [i for i in todo if i not in answered]
             if todo and budget.room <= 0:  # spent: the answer is the coordinates before the first not read
@@ -1168,18 +1170,22 @@ class Store:
             firsts.update(self._named(node).firsts_at(list(wanted) if group is None else group, utc))
         return {shard: firsts[shard] - 1 if shard in firsts else heads[shard] for shard in wanted}
 
-    def count_after(self, shard: int, location: int, *, columns: Sequence[str] | None = None) -> int:
-        """How many cells of the shard (of ``columns`` if given) lie after ``location``: a reader's lag in cells."""
+    def count_after(self, shard: int, location: int, *, columns: Sequence[str] | None = None,
+                    reserved: bool = True) -> int:
+        """How many cells of the shard (of ``columns`` if given) lie after ``location``: a reader's lag in cells.
+        ``reserved=False`` leaves cellstream's own columns (``_job``, ``_index``...) out: a reader of every
+        column passes over them."""
         names = self._check_page(shard, location, 1, columns)
-        return self._recorder(shard).count_after(shard, location, names)
+        return self._recorder(shard).count_after(shard, location, names, reserved)
 
-    def counts_after(self, locations: Mapping[int, int], *, columns: Sequence[str] | None = None) -> dict[int, int]:
+    def counts_after(self, locations: Mapping[int, int], *, columns: Sequence[str] | None = None,
+                     reserved: bool = True) -> dict[int, int]:
         """``count_after`` of many shards (shard -> location), a few reads per storage node: the lag of a
         reader of thousands of shards without a read per shard."""
         names = self._check_reading(1, columns)
         out: dict[int, int] = {}
         for recorder, group in self._locations_by_node(locations):
-            out.update(recorder.counts_after(group, names))
+            out.update(recorder.counts_after(group, names, reserved))
         return out
 
     def head(self, shard: int) -> int:

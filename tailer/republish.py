@@ -41,7 +41,7 @@ from logstore.cell import COLUMN_RE, AnyCell
 from logstore.errors import InvalidArgumentError, JobLeaseLostError, JobStateError
 from logstore.jobs import JobKind, JobRecord, JobRunner, JobStore, KindRegistry, RunnerConfig, StepContext, StepRecord
 from logstore.jobs.records import ACTIVE_STATES, FINAL_STATES, ThrottleSettings
-from logstore.positions import Position, resolve_positions
+from logstore.positions import Position, check_range, resolve_positions
 from tailer.errors import ConfigurationError, PublishError, TailerError
 from tailer.messages import Message
 
@@ -84,6 +84,8 @@ def _check_columns(columns: Sequence[str] | None) -> list[str] | None:
     for name in names:
         if not COLUMN_RE.fullmatch(name):
             raise InvalidArgumentError(f"columns: {name!r} is not a column name")
+        if name[0] == "_":
+            raise InvalidArgumentError(f"columns: {name} is cellstream's own; a tailer publishes its users' columns")
     return names
 
 
@@ -134,7 +136,15 @@ def submit(store: Store, tailer: str, *, columns: Sequence[str] | None = None, s
     except ValueError as exc:
         raise InvalidArgumentError(f"tailer name: {exc}") from None
     names = _check_columns(columns)
-    ranges = plan_ranges(store, shards, start or Position("beginning"), until or Position("end"))
+    start, until = start or Position("beginning"), until or Position("end")
+    check_range(start, until)
+    ranges = plan_ranges(store, shards, start, until)
+    if names is not None:  # a column with no cell in the range is a typo more often than not
+        starts, ends = {s: a for s, (a, _) in ranges.items()}, {s: b for s, (_, b) in ranges.items()}
+        for name in names:
+            after, beyond = store.counts_after(starts, columns=[name]), store.counts_after(ends, columns=[name])
+            if not any(after[s] - beyond[s] for s in ranges):
+                raise InvalidArgumentError(f"columns: {name} has no cell in the range, nothing to re-publish")
     params: dict[str, Any] = {
         "tailer": tailer, "columns": names, "shard_count": store.shard_count,
         "requested_at": dt.datetime.now(dt.UTC).isoformat(), **(texts or {}),

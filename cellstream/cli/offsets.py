@@ -71,7 +71,8 @@ def run(store: Store, args: argparse.Namespace, out: Output) -> int:
         return _history(store, args, out)
     places = _open_places(store, args)
     if args.action == "list":
-        return _list(places, out)
+        left_out = [_THROUGH_NODE] if store.index_queries_remote and args.place in (None, "index") else []
+        return _list(places, out, left_out)
     if args.name is None:
         if not args.offsets_file:
             raise UsageError(f"offsets {args.action}: name the consumer (see `cellstream offsets list`)")
@@ -82,11 +83,17 @@ def run(store: Store, args: argparse.Namespace, out: Output) -> int:
     return _reset(store, place, args, out)
 
 
+_THROUGH_NODE = ("index appliers are left out: their positions are in the worker node's index tables (run "
+                 "`cellstream offsets` with the node's cluster file, or `cellstream index status` on it)")
+
+
 def _open_places(store: Store, args: argparse.Namespace) -> list[OffsetsPlace]:
     from tailer.offsets.indexes import IndexOffsets
     from tailer.offsets.store import StoreOffsets
 
-    places: list[OffsetsPlace] = [StoreOffsets(store), IndexOffsets(store)]
+    places: list[OffsetsPlace] = [StoreOffsets(store)]
+    if not store.index_queries_remote:  # a worker node's client: the index tables are the node's
+        places.append(IndexOffsets(store))
     if args.zookeeper:
         from logstore.extras import require
 
@@ -107,6 +114,8 @@ def _open_places(store: Store, args: argparse.Namespace) -> list[OffsetsPlace]:
         places.append(KafkaGroupOffsets(args.brokers, security=security))
     if args.place is not None:
         places = [p for p in places if p.kind == args.place]
+        if not places and args.place == "index":
+            raise UsageError(f"--place index: {_THROUGH_NODE}")
         if not places:
             raise UsageError(f"--place {args.place}: give its option too (--zookeeper, --offsets-file, --brokers)")
     return places
@@ -125,7 +134,7 @@ def _place_of(places: list[OffsetsPlace], name: str, chosen: str | None) -> Offs
     return holding[0]
 
 
-def _list(places: list[OffsetsPlace], out: Output) -> int:
+def _list(places: list[OffsetsPlace], out: Output, left_out: list[str]) -> int:
     found: list[ConsumerPositions] = []
     for place in places:
         found.extend(place.positions(name) for name in place.consumers())
@@ -133,9 +142,12 @@ def _list(places: list[OffsetsPlace], out: Output) -> int:
     total = sum(c.lag for c in found)
     behind = sum(1 for c in found if c.lag)
     if out.as_json:
-        out.emit({"total_lag": total, "consumers_behind": behind, "consumers": [c.summary() for c in found]}, "")
+        out.emit({"total_lag": total, "consumers_behind": behind, "consumers": [c.summary() for c in found],
+                  "left_out": left_out}, "")
         return Exit.OK
     _say(out, f"{len(found)} consumers, {behind} behind, {total} cells (messages) to deliver in all")
+    for note in left_out:
+        _say(out, f"note: {note}")
     if found:
         width = max(len(c.name) for c in found)
         _say(out, f"{'NAME':<{width}}  {'PLACE':<9}  {'LAG':>10}  {'SHARDS BEHIND':>13}  HOLDERS")
@@ -188,10 +200,10 @@ def _reset(store: Store, place: OffsetsPlace, args: argparse.Namespace, out: Out
             _say(out, f"  {change['key']:<24} {'-' if change['from'] is None else change['from']} -> {change['to']}")
     if doc["moved"] > _SHOWN:
         _say(out, "  ... (--json lists every position)")
-    if plan.holders and plan.coordinated:
-        _say(out, f"held by {', '.join(plan.holders)}: " + (
-            "a running holder takes the new positions up through its fencing within seconds"
-            if args.execute else "--execute hands the new positions to a running holder through its fencing"))
+    if plan.holders and plan.coordinated:  # the store keeps the last holders, not whether they still run
+        _say(out, f"last held by {', '.join(plan.holders)}: " + (
+            "one still running takes the new positions up through its fencing within seconds"
+            if args.execute else "--execute hands the new positions to one still running through its fencing"))
     elif plan.holders:
         _say(out, f"running: {', '.join(plan.holders)}: --execute is refused until they stop")
     return Exit.OK

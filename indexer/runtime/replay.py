@@ -47,7 +47,7 @@ from logstore.cell import Cell
 from logstore.errors import InvalidArgumentError, JobLeaseLostError, JobNotFoundError
 from logstore.jobs import JobKind, JobRecord, JobStore, StepContext, StepRecord
 from logstore.jobs.runner import owner_name
-from logstore.positions import parse_position, parse_shards, resolve_positions
+from logstore.positions import check_range, parse_position, parse_shards, resolve_positions
 from tailer.errors import PublishError
 from tailer.messages import deadletter_record
 
@@ -85,9 +85,9 @@ def replay_params(app: App, reference: dict[str, Any], *, start: str, until: str
         InvalidArgumentError: a position or a shard set that does not parse.
         ConfigurationError: the app has no handlers.
     """
-    parse_position(start)
+    first = parse_position(start)
     if until is not None:
-        parse_position(until)
+        check_range(first, parse_position(until))
     if shards is not None:
         parse_shards(shards, app.store.shard_count)
     columns = sorted({trigger.column for trigger in app.triggers})

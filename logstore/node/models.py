@@ -207,7 +207,9 @@ class Models:
         self.LogQuery = model("LogQuery", after=after,
                               limit=(TextInt, Field(1000, ge=1, le=MAX_PAGE, description="cells at most")),
                               columns=(columns | None, None))
-        self.CountQuery = model("CountQuery", after=after, columns=(columns | None, None))
+        self.CountQuery = model("CountQuery", after=after, columns=(columns | None, None), reserved=(
+            Literal["true", "false"], Field("true", description="false: cellstream's own columns (starting with "
+                                                                "_) are not counted")))
         self.CountsQuery = model("CountsQuery", since=(Annotated[str, Field(pattern=MARK_PATTERN)] | None, Field(
             None, description="the mark of an earlier answer of this node (opaque)")))
         self.LocationQuery = model("LocationQuery", at=(DateTime, Field(

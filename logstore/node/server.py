@@ -559,7 +559,7 @@ class WorkerNode:
 
     async def count(self, got: Got) -> web.Response:
         count = await self._call(self.store.count_after, got.path.shard, got.query.after,
-                                 columns=_columns(got.query.columns))
+                                 columns=_columns(got.query.columns), reserved=got.query.reserved == "true")
         return _json({"count": count})
 
     async def location(self, got: Got) -> web.Response:

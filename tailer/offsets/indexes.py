@@ -5,9 +5,13 @@ index is rebuilt with ``cellstream index backfill``."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import cast
+
 from logstore import Store
-from logstore.errors import ConfigurationError, InvalidArgumentError
+from logstore.errors import ConfigurationError, IndexUnknownError, InvalidArgumentError
 from logstore.index_tables.persistence import IndexSpec
+from logstore.index_tables.query import index_info
 from logstore.positions import Position
 from tailer.errors import ConsumerNotFoundError
 from tailer.offsets.places import ConsumerPositions, OffsetsPlace, ResetPlan, shard_rows
@@ -30,15 +34,18 @@ class IndexOffsets(OffsetsPlace):
         self.where = "index tables"
 
     def _streams(self) -> dict[str, tuple[IndexSpec, str]]:
+        """The live stream of every version, and its backfill while one is under way (a shard short of its
+        target)."""
         out: dict[str, tuple[IndexSpec, str]] = {}
         try:
             specs = self.store.indexes.specs()
-        except ConfigurationError:  # a worker node's client: the index tables are the node's own business
+        except ConfigurationError:  # a worker node's client: the CLI leaves this place out, saying so
             return out
         for spec in specs:
-            for stream in ("live", "backfill"):
-                if stream == "live" or self.store.indexes.positions(spec, "backfill"):
-                    out[consumer_name(spec, stream)] = (spec, stream)
+            out[consumer_name(spec, "live")] = (spec, "live")
+            backfill = self.store.indexes.positions(spec, "backfill")
+            if any(p.target is None or p.location < p.target for p in backfill.values()):
+                out[consumer_name(spec, "backfill")] = (spec, "backfill")
         return out
 
     def consumers(self) -> list[str]:
@@ -50,8 +57,20 @@ class IndexOffsets(OffsetsPlace):
             raise ConsumerNotFoundError(f"no index applier named {name!r} (they are index.NAME.vVERSION)")
         spec, stream = found
         positions = self.store.indexes.positions(spec, stream)  # type: ignore[arg-type]
+        try:  # the version's source column: its cells are the applier's, and no other's
+            column = next(v.column for v in index_info(self.store, spec.name).versions if v.version == spec.version)
+        except (IndexUnknownError, StopIteration):
+            column = None  # tables without a catalog record: every column's cells counted
+        columns = [column] if column else None
         rows = shard_rows(self.store, {shard: (at.location if (at := positions.get(shard)) else None, None, None)
-                                       for shard in range(self.store.shard_count)})
+                                       for shard in range(self.store.shard_count)}, columns)
+        if stream == "backfill":  # a backfill ends at each shard's head when it started, not at today's
+            beyond = self.store.counts_after({p.shard: p.target for p in positions.values() if p.target is not None},
+                                             columns=columns, reserved=columns is not None)
+            rows = [dataclasses.replace(row, lag=max(0, row.lag - beyond.get(cast(int, row.shard), 0)),
+                                        end=min(row.end, positions[cast(int, row.shard)].target or row.end)
+                                        if cast(int, row.shard) in positions else row.end)
+                    for row in rows]
         return ConsumerPositions(name, self.kind, self.where, rows, [],
                                  "applied by the apps that keep the index; never reset: rebuild with index backfill")
 

@@ -97,10 +97,12 @@ def shard_rows(store: Store, positions: Mapping[int, tuple[int | None, str | Non
                columns: Sequence[str] | None = None) -> list[PositionRow]:
     """The rows of shard positions (shard -> committed location, owner, published location), each with its
     shard's head and the cells (of ``columns``, those the consumer reads, when known) after the furthest of the
-    two locations: a reader of some columns never passes the others' cells, which are no lag of its own."""
+    two locations: a reader of some columns never passes the others' cells, which are no lag of its own, and a
+    reader of every column passes over cellstream's own (``_job``, ``_index``...)."""
     heads = store.heads(positions)
     after = store.counts_after({shard: max(location or 0, published or 0)
-                                for shard, (location, _owner, published) in positions.items()}, columns=columns)
+                                for shard, (location, _owner, published) in positions.items()}, columns=columns,
+                               reserved=columns is not None)
     return [PositionRow(str(shard), shard, location, heads[shard], after[shard], owner, published)
             for shard, (location, owner, published) in sorted(positions.items())]
 

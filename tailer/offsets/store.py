@@ -7,7 +7,11 @@ on from the new positions, and a consumer started later claims them there."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import cast
+
 from logstore import Store
+from logstore.errors import JobNotFoundError
 from logstore.jobs import JobStore
 from logstore.offsets import RESET_OWNER, is_reset_owner
 from tailer.errors import ConsumerNotFoundError, CoordinationError
@@ -44,8 +48,17 @@ class StoreOffsets(ShardOffsetsPlace):
         if not records:
             raise ConsumerNotFoundError(f"no consumer named {name!r} keeps offsets in the store")
         columns = next((record.doc["columns"] for record in records.values() if "columns" in record.doc), None)
+        ends = None
+        if name.startswith(REPLAY_PREFIX):  # a replay reads its job's columns, up to its ends
+            columns, ends = self._replay_range(name.removeprefix(REPLAY_PREFIX))
         rows = shard_rows(self.store, {shard: (record.location, record.owner, None)
                                        for shard, record in records.items()}, columns)
+        if ends:
+            beyond = self.store.counts_after({shard: end for shard, end in ends.items() if shard in records},
+                                             columns=columns, reserved=columns is not None)
+            rows = [dataclasses.replace(row, end=min(row.end, ends.get(shard, row.end)),
+                                        lag=max(0, row.lag - beyond.get(shard, 0)))
+                    for row in rows if (shard := cast(int, row.shard)) is not None]
         owners = sorted({row.owner for row in rows if row.owner and not is_reset_owner(row.owner)})
         resets = sorted({row.owner for row in rows if row.owner and is_reset_owner(row.owner)})
         note = ("the store keeps each shard's last holder, not whether it still runs; a reset is handed to a "
@@ -54,10 +67,26 @@ class StoreOffsets(ShardOffsetsPlace):
             note += f"; reset {', '.join(r.removeprefix(RESET_OWNER) for r in resets)} not taken up by a process yet"
         return ConsumerPositions(name, self.kind, self.where, rows, owners, note)
 
+    def _replay_range(self, job_id: str) -> tuple[list[str] | None, dict[int, int] | None]:
+        """A replay job's columns and each shard's end, from its record (None where it is gone)."""
+        try:
+            job = JobStore(self.store).get(job_id)
+        except JobNotFoundError:
+            return None, None
+        ends = {shard: end for step in job.steps
+                for shard, end in zip(step.params.get("shards", []), step.params.get("end", []), strict=False)}
+        columns = job.params.get("columns")
+        return (list(columns) if columns else None), ends
+
     def execute(self, plan: ResetPlan) -> ResetPlan:
         reset_id = new_reset_id()
         owner = RESET_OWNER + reset_id
-        targets = {int(key): after for key, _before, after in plan.changes}
+        # Only the positions that move: a shard taken under the reset owner is claimed back by its running holder,
+        # which costs it a pause; one left where it was costs nothing.
+        targets = {int(key): after for key, before, after in plan.changes if before != after}
+        if not targets:
+            plan.reset_id = reset_id
+            return plan
         claimed = self.store.claim_offsets(plan.name, owner, targets)
         fenced = self.store.commit_offsets(plan.name, owner, {
             shard: (location, {**claimed[shard].doc, "reset": reset_id}) for shard, location in targets.items()})

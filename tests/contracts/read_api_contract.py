@@ -149,8 +149,11 @@ class ReadApiContract:
         asked: list[tuple[Any, str, int | None]] = [(key, "A", 1), (key, "A", None), (key, "A", 4), (key, "A", None),
                                                     (key, "A", 9)]
         assert store.read_cells(asked) == [cells[0], cells[1], cells[2], cells[1], cells[1]]
-        assert store.read_cells(asked, as_of=cells[0].created_at - dt.timedelta(microseconds=1)) == \
-            [cells[0], None, cells[2], None, cells[1]]  # as_of is for the latest only: a version is a version
+        assert store.read_cells(asked, as_of=cells[0].created_at - dt.timedelta(microseconds=1)) == [None] * 5
+        later = store.put_cell(key, "A", 7, {"v": 7})  # as of a time, a version written later was not there yet
+        assert store.read_cells([*asked, (key, "A", 7)], as_of=cells[0].created_at) == \
+            [cells[0], cells[1], cells[2], cells[1], cells[1], None]
+        assert store.read_cells([(key, "A", 7)], as_of=later.created_at) == [later]
 
     def test_a_batched_read_names_the_bad_coordinate(self, store: logstore.Store) -> None:
         key = uuid.uuid4()

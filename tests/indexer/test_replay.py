@@ -107,6 +107,23 @@ def test_from_a_time_until_a_location_over_some_shards(store: logstore.Store) ->
     app.close()
 
 
+@pytest.mark.parametrize(("start", "until", "says"), [
+    ("2026-11-27T21:00:00Z", "2026-11-27T20:00:00Z", "is before --from"),
+    ("2:40", "2:30", "--until 2:30 is before --from 2:40"),
+    ("beginning", "beginning", "would hold nothing"),
+])
+def test_a_range_that_ends_before_it_starts_is_refused(store: logstore.Store, start: str, until: str,
+                                                       says: str) -> None:
+    app = App("inverted", store=store)
+
+    @app.trigger("BASE")
+    def handle(cell: logstore.Cell) -> None:
+        pass
+
+    with pytest.raises(logstore.InvalidArgumentError, match=says):
+        replay_params(app, {"app": "test"}, start=start, until=until)
+
+
 def test_the_live_app_keeps_running_with_its_offsets_untouched(store: logstore.Store) -> None:
     cells = write(store, 400)
     live_seen: list[logstore.Cell] = []

@@ -473,7 +473,97 @@ def test_offsets_through_a_worker_node(sqlite_url: str, tmp_path: Path, capsys: 
             heads = remote.heads()
         code, out, _ = cli(capsys, "--store", node.url, "offsets", "list", "--json")
         assert code == 0 and [(c["name"], c["lag"]) for c in json.loads(out)["consumers"]] == [("app.remote", 12)]
+        assert "index appliers are left out" in json.loads(out)["left_out"][0]  # the node's tables: said, not hidden
         code, _, err = cli(capsys, "--store", node.url, "offsets", "reset", "app.remote", "--to", "end", "--execute")
         assert code == 0, err
         code, out, _ = cli(capsys, "--store", node.url, "offsets", "show", "app.remote", "--json")
         assert code == 0 and {r["shard"]: r["location"] for r in json.loads(out)["rows"]} == heads
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("mysql", marks=pytest.mark.mysql), "node"])
+def test_a_reader_of_every_column_is_not_behind_cellstreams_own_cells(request: pytest.FixtureRequest,
+                                                                       backend: str) -> None:
+    """A tailer of every column passes over cellstream's own cells (jobs, index catalog, resets): they are no lag of
+    it, nor of a consumer that has not committed yet (counted from the beginning); the lag is its columns' cells."""
+    from contextlib import nullcontext
+
+    from tests.harness.worker_support import worker_node
+
+    url = store_url(request, "sqlite" if backend == "node" else backend)
+    with logstore.open(url, shards=SHARDS):
+        pass
+    with worker_node(url, SHARDS) if backend == "node" else nullcontext() as node, \
+            logstore.open(node.url if node is not None else url) as store:
+        store.put_cells([(uuid.uuid4(), "BASE", 1, {}) for _ in range(6)])
+        store.claim_offsets("tail.every", "worker")
+        store.commit_offsets("tail.every", "worker", {s: (h, {}) for s, h in store.heads().items()})
+        with logstore.open(url) as direct:  # system cells are written by the store's own parts, never over HTTP
+            direct.put_system_cells([(uuid.uuid4(), "_job", 1, {}) for _ in range(4)])
+        store.put_cells([(uuid.uuid4(), "OTHER", 1, {}) for _ in range(3)])
+        store.claim_offsets("tail.new", "worker")
+        place = StoreOffsets(store)
+        assert place.positions("tail.every").lag == 3
+        assert place.positions("tail.new").lag == 9
+
+
+def test_an_index_applier_lags_by_its_column_and_a_backfill_by_its_range(sqlite_url: str,
+                                                                         tmp_path: Path) -> None:
+    """An index version's applier reads its source column only: the catalog's own cells and other columns are no
+    lag of it; a finished backfill is not listed as a consumer behind."""
+    from indexer.indexes.backfill import backfill
+    from tailer.offsets.indexes import IndexOffsets
+    from tests.harness.index_support import SEED_YAML, trip
+
+    yaml_file = tmp_path / "indexes.yaml"
+    yaml_file.write_text(SEED_YAML)
+    with logstore.open(sqlite_url, shards=SHARDS) as store:
+        store.put_cells([(uuid.uuid4(), "BASE", 1, trip(uuid.uuid4(), uuid.uuid4(), i)) for i in range(10)])
+        with App("trips", store=store, commit_interval=0.05) as app:
+            app.index(yaml_file)
+            app.drain(timeout=60)
+        name = "index.driver_partner_index.v1"
+        place = IndexOffsets(store)
+        assert place.positions(name).lag == 0
+        assert backfill(store, "driver_partner_index", 1).shards == SHARDS
+        store.put_cells([(uuid.uuid4(), "OTHER", 1, {}) for _ in range(4)])
+        store.put_cells([(uuid.uuid4(), "BASE", 1, trip(uuid.uuid4(), uuid.uuid4(), i)) for i in range(2)])
+        assert place.consumers() == [name]  # the backfill is over
+        assert place.positions(name).lag == 2
+
+
+def test_a_replay_lags_by_its_columns_up_to_its_ends(sqlite_url: str) -> None:
+    """A replay's positions count the cells of its columns left before each shard's end, not the log's head."""
+    from logstore.jobs import JobStore
+    from logstore.jobs.records import StepRecord
+
+    with logstore.open(sqlite_url, shards=SHARDS) as store:
+        store.put_cells([(uuid.uuid4(), "BASE", 1, {}) for _ in range(8)])
+        heads = store.heads()
+        shards = sorted(s for s, h in heads.items() if h)
+        job = JobStore(store).create("replay", {"columns": ["BASE"]}, [StepRecord(name="s", params={
+            "shards": shards, "start": [0] * len(shards), "end": [heads[s] for s in shards],
+            "cells": [heads[s] for s in shards]})])
+        store.claim_offsets(f"replay.{job.id}", "runner", shards)
+        store.put_cells([(uuid.uuid4(), "BASE", 1, {}) for _ in range(5)])  # after its ends: not its own
+        store.put_cells([(uuid.uuid4(), "OTHER", 1, {}) for _ in range(5)])
+        assert StoreOffsets(store).positions(f"replay.{job.id}").lag == 8
+
+
+def test_a_reset_that_moves_nothing_leaves_the_holder_its_shards(sqlite_url: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Taking a shard under the reset owner makes its running holder claim it back (a pause): a position that does
+    not move is left alone; the reset is still recorded."""
+    with logstore.open(sqlite_url, shards=SHARDS) as store:
+        store.put_cells([(uuid.uuid4(), "BASE", 1, {}) for _ in range(12)])
+        store.claim_offsets("app.steady", "proc-1")
+        heads = store.heads()
+        store.commit_offsets("app.steady", "proc-1", {s: (h, {}) for s, h in heads.items() if s % 2})
+        code, out, err = cli(capsys, "--store", sqlite_url, "offsets", "reset", "app.steady", "--to", "end",
+                             "--execute", "--json")
+        assert code == 0, err
+        moved = {int(c["key"]) for c in json.loads(out)["changes"] if c["from"] != c["to"]}
+        assert moved == {s for s in range(SHARDS) if not s % 2}  # never committed: to the head
+        owners = {s: r.owner for s, r in store.read_offsets("app.steady").items()}
+        assert all(owners[s] == "proc-1" for s in range(SHARDS) if s not in moved)
+        assert all(owners[s] != "proc-1" for s in moved)
+        assert len(ResetHistory(store).resets("app.steady")) == 1

@@ -347,11 +347,15 @@ def test_a_column_the_tailer_does_not_publish_fails_the_job_with_the_reason(sqli
     (["--from", "yesterday"], "is not beginning, end"),
     (["--columns", "no-such"], "is not a column name"),
     (["--rate", "0"], "--rate must be above 0"),
+    (["--columns", "_dlq"], "is cellstream's own"),
+    (["--columns", "NOPE"], "NOPE has no cell in the range"),
+    (["--from", "2026-11-27T21:00:00Z", "--until", "2026-11-27T20:00:00Z"], "is before --from"),
+    (["--from", "1:40", "--until", "1:30"], "--until 1:30 is before --from 1:40"),
 ])
 def test_republish_refuses_bad_input_in_one_line(sqlite_url: str, argv: list[str], says: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    with logstore.open(sqlite_url, shards=4):
-        pass
+    with logstore.open(sqlite_url, shards=4) as store:
+        put(store, 10)
     assert main(["tail", "republish", "solo", "--store", sqlite_url, *argv]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1

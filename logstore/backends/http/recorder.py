@@ -288,8 +288,10 @@ class HttpRecorder(NodeRecorder):
     def head(self, shard: int) -> int:
         return int(self._request("GET", f"/v1/shards/{shard}")["head"])
 
-    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
-        query = {"after": location, **({"columns": ",".join(columns)} if columns else {})}
+    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None,
+                    reserved: bool = True) -> int:
+        query = {"after": location, **({"columns": ",".join(columns)} if columns else {}),
+                 **({} if reserved else {"reserved": "false"})}
         return int(self._request("GET", f"/v1/shards/{shard}/count?{urlencode(query)}")["count"])
 
     def shard_counts(self) -> dict[int, int]:

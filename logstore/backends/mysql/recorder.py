@@ -160,11 +160,12 @@ def _escaped_size(value: object) -> int:
     return 24
 
 
-def _after(columns: Sequence[str] | None) -> tuple[str, list[str]]:
+def _after(columns: Sequence[str] | None, reserved: bool = True) -> tuple[str, list[str]]:
     """The condition on a shard's cells after a location (shard and location are its first two
-    arguments), of ``columns`` if given."""
+    arguments), of ``columns`` if given, and without cellstream's own (``_``...) unless ``reserved``."""
     return ("shard = %s AND added_id > %s" + (f" AND column_name IN ({', '.join(['%s'] * len(columns))})"
-                                              if columns else ""), list(columns or ()))
+                                              if columns else "")
+            + ("" if reserved else " AND LEFT(column_name, 1) <> '_'"), list(columns or ()))
 
 
 def _dense_pages(locations: Sequence[tuple[int, int]], limit: int) -> tuple[str, list[int]]:
@@ -980,23 +981,25 @@ class MySQLRecorder(NodeRecorder):
             out.append(LogBlock(shard, count, data))
         return out
 
-    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
-        if not columns and not self._gappy([(shard, location)]):  # dense ids: the ids up to the head
+    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None,
+                    reserved: bool = True) -> int:
+        if not columns and reserved and not self._gappy([(shard, location)]):  # dense ids: the ids up to the head
             return max(0, self.head(shard) - location)
-        where, extra = _after(columns)
+        where, extra = _after(columns, reserved)
         rows = self._read(f"SELECT COUNT(*) FROM cells WHERE {where}", [shard, location, *extra])
         return int(rows[0][0])
 
     def counts_after(self, locations: Sequence[tuple[int, int]],
-                     columns: Sequence[str] | None = None) -> dict[int, int]:
-        gappy = set() if columns else self._gappy(locations)
+                     columns: Sequence[str] | None = None, reserved: bool = True) -> dict[int, int]:
+        dense = not columns and reserved
+        gappy = self._gappy(locations) if dense else set()
         out: dict[int, int] = {}
-        if not columns:  # dense ids: the heads tell, but below a floor
+        if dense:  # dense ids: the heads tell, but below a floor
             heads = self.heads([shard for shard, _ in locations])
             out = {shard: max(0, heads.get(shard, 0) - location) for shard, location in locations
                    if shard not in gappy}
             locations = [(shard, location) for shard, location in locations if shard in gappy]
-        where, extra = _after(columns)
+        where, extra = _after(columns, reserved)
         for start in range(0, len(locations), 500):  # a UNION of 500 counts a statement
             group = locations[start:start + 500]
             sql = " UNION ALL ".join([f"SELECT %s, COUNT(*) FROM cells WHERE {where}"] * len(group))

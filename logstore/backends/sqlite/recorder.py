@@ -124,6 +124,13 @@ _SHARDS_A_READ = 500  # shards a statement: at most 1,500 of SQLite's 32,766 var
 _PARTIAL_CELLS = 4096
 
 
+def _of(columns: Sequence[str] | None, reserved: bool) -> str:
+    """The condition on a count's columns: ``columns`` (its arguments follow the shard's), and without
+    cellstream's own (``_``...) unless ``reserved``."""
+    of = f" AND column_name IN ({', '.join('?' * len(columns))})" if columns else ""
+    return of + ("" if reserved else " AND substr(column_name, 1, 1) <> '_'")
+
+
 def _chunks(items: Sequence[_T]) -> Iterator[Sequence[_T]]:
     """``items`` (shards, or shard and location pairs) by _SHARDS_A_READ."""
     return (items[i:i + _SHARDS_A_READ] for i in range(0, len(items), _SHARDS_A_READ))
@@ -462,17 +469,16 @@ class SQLiteRecorder(NodeRecorder):
                     by_shard[row[1]].append(row)
         return partial(decode_pages, by_shard, to_cell, _ADDED_ID, self._max_body, budget)
 
-    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None) -> int:
-        sql = "SELECT COUNT(*) FROM cells WHERE shard = ? AND added_id > ?"
-        if columns:
-            sql += f" AND column_name IN ({', '.join('?' * len(columns))})"
+    def count_after(self, shard: int, location: int, columns: Sequence[str] | None = None,
+                    reserved: bool = True) -> int:
+        sql = "SELECT COUNT(*) FROM cells WHERE shard = ? AND added_id > ?" + _of(columns, reserved)
         with self._errors("read log"):
             row = self._conn().execute(sql, (shard, location, *(columns or ()))).fetchone()
         return int(row[0])
 
     def counts_after(self, locations: Sequence[tuple[int, int]],
-                     columns: Sequence[str] | None = None) -> dict[int, int]:
-        of = f" AND column_name IN ({', '.join('?' * len(columns))})" if columns else ""
+                     columns: Sequence[str] | None = None, reserved: bool = True) -> dict[int, int]:
+        of = _of(columns, reserved)
         out: dict[int, int] = {}
         with self._errors("read log"):
             conn = self._conn()
