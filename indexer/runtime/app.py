@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from indexer.indexes.definitions import IndexDefinition
 
 logger = logging.getLogger(__name__)
-_WATCH = 0.01
+_WATCH = 0.01  # between looks at a drain's end (and at failures) while draining
+_RUN_WATCH = 0.1  # between looks at failures while running: the stop event wakes the loop at once
 H = TypeVar("H", bound=Callable[..., Any])  # a handler, returned as given by the decorator
 B = TypeVar("B", bound=Callable[..., Any])
 
@@ -374,21 +375,26 @@ class App:
         for sig in signals:
             loop.add_signal_handler(sig, event.set)
         try:
-            await self._serve(lambda _runner, _since: event.is_set(), None)
+            await self._serve(lambda _runner, _since: event.is_set(), None, event)
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
 
-    async def _serve(self, done: Callable[[Runner, float], bool], timeout: float | None) -> Counts:
+    async def _serve(self, done: Callable[[Runner, float], bool], timeout: float | None,
+                     stop: asyncio.Event | None = None) -> Counts:
         if self._serving:
             raise ConfigurationError(f"app {self.name} is serving already")
         self._serving = True
         try:
-            return await self._serve_once(done, timeout)
+            return await self._serve_once(done, timeout, stop)
         finally:
             self._serving = False
 
-    async def _serve_once(self, done: Callable[[Runner, float], bool], timeout: float | None) -> Counts:
+    async def _serve_once(self, done: Callable[[Runner, float], bool], timeout: float | None,
+                          stop: asyncio.Event | None) -> Counts:
+        """Serve until ``done``: looked at every _WATCH seconds (a drain), or, given the ``stop`` event that makes
+        it true, when it is set or every _RUN_WATCH seconds (an idle app's loop is not woken a hundred times a
+        second to look)."""
         processor = self.processor
         await asyncio.to_thread(processor.load_open_counts)
         processor.stalled = None
@@ -423,7 +429,11 @@ class App:
                                          f"{len(runner.lost_shards())} shards; this one stops")
                 if deadline is not None and time.monotonic() > deadline:
                     raise DrainTimeoutError(timeout or 0, processor.counts - before)
-                await asyncio.sleep(_WATCH)
+                if stop is None:
+                    await asyncio.sleep(_WATCH)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), ticks.wait(_RUN_WATCH))
         finally:
             recounts.cancel()
             redriver.stop()  # a redrive under way finishes: its entry must not stay `replayed`
@@ -477,6 +487,11 @@ class _Ticks:
             if now >= self._next[i] and (running is None or running.done()):
                 self._running[i] = asyncio.ensure_future(asyncio.to_thread(_tick, hook))
                 self._next[i] = now + (hook.interval or 0)
+
+    def wait(self, longest: float) -> float:
+        """Seconds until the next hook is due, at most ``longest``."""
+        now = time.monotonic()
+        return max(0.0, min([longest, *(due - now for due in self._next)]))
 
     async def finish(self) -> None:
         await asyncio.gather(*(running for running in self._running if running is not None))

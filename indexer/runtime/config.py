@@ -55,6 +55,10 @@ class AppConfig(BaseModel):
     session_timeout: float = Field(10.0, ge=4, le=40, description="ZooKeeper session timeout, seconds")
     topic_prefix: str = Field("cells", description="Kafka mode: the tailer's topics are <prefix>.<column>")
     replication_factor: int = Field(1, ge=1, le=32, description="Kafka mode: replicas of the <name>.dlq topic")
+    fetch_wait: float = Field(
+        0.005, ge=0, le=0.5, description="Kafka mode: seconds the broker may hold a fetch to gather 64 KiB of "
+                                         "records (fetch.wait.max.ms); 0 answers a fetch at its first record: the "
+                                         "lowest latency, and several times the CPU at a steady trickle")
     kafka: KafkaSecurity = Field(
         PLAINTEXT, description="Kafka mode: TLS and SASL, as Kafka client properties ({'security.protocol': "
                                "'SASL_SSL', ...}) or the path of a properties file (see tailer.security)")

@@ -53,6 +53,7 @@ _METADATA_MAX_AGE_MS = 3000
 # librdkafka's prefetch: enough to keep a fast handler busy, far below its default of 64 MB (peak RSS).
 _QUEUED_KBYTES = 8192
 _FETCH_BACKOFF_MS = 5
+_FETCH_MIN_BYTES = 64 << 10
 _UNSETTLED = RetryPolicy(initial=0.1, maximum=5.0, deadline=None)  # until it works or the app stops
 _POSITIONS_RETRY = RetryPolicy(initial=0.1, maximum=1.0, deadline=30.0)  # aiokafka's retriable errors only
 _HEADER_TEXT = 8_000  # characters of one text header (messages, tracebacks) in the DLQ topic
@@ -110,6 +111,16 @@ async def _unavailable(brokers: str, security: KafkaSecurity, exc: BaseException
     one (refused credentials, an untrusted certificate), else SourceUnavailableError (retriable)."""
     cause = exc if isinstance(exc, ConfigurationError) else await diagnose(brokers, security)
     return cause or SourceUnavailableError(f"Kafka at {brokers}: {type(exc).__name__}: {exc}")
+
+
+def fetch_settings(wait: float) -> dict[str, int]:
+    """librdkafka's fetch settings for ``AppConfig.fetch_wait``: a broker holds a fetch until 64 KiB of records or
+    ``wait`` seconds, so that records arriving a few at a time reach the app a handful at once (one wake-up of the
+    loop for each), rather than a fetch, a poll and a hand-over for every one or two of them. Once records are
+    waiting (a drain, a backlog) every fetch is full at once and nothing waits."""
+    if wait == 0:
+        return {"fetch.min.bytes": 1}
+    return {"fetch.min.bytes": _FETCH_MIN_BYTES, "fetch.wait.max.ms": max(1, round(wait * 1000))}
 
 
 def group_id(app: str) -> str:
@@ -247,11 +258,13 @@ class KafkaRunner:
             "max.partition.fetch.bytes": 1 << 20, "queued.max.messages.kbytes": _QUEUED_KBYTES,
             # Once the prefetch is full, fetch again as soon as it has room (librdkafka's default waits a second).
             "fetch.queue.backoff.ms": _FETCH_BACKOFF_MS,
+            **fetch_settings(self.config.fetch_wait),
             # The tailer creates its topics after an app may have subscribed: see them within seconds, not the
             # default five minutes.
             "topic.metadata.refresh.interval.ms": _METADATA_MAX_AGE_MS,
             **self.config.kafka.librdkafka_config(),
         }
+
         # By pattern, so that no subscribed topic is ever auto-created by the subscription.
         self._consumer = GroupConsumer(
             config, subscription_pattern([*self.topics, self.tailer_deadletters]), on_messages=self._received,

@@ -29,6 +29,7 @@ import logstore
 from indexer import App, ConfigurationError, HandlerStalledError, SourceUnavailableError
 from logstore.retry import RetryPolicy
 from tailer.messages import encode_deadletter
+from tests.harness.app_thread import app_in_thread
 from tests.harness.app_worker import kill_mid_handler_then_drain
 from tests.harness.kafka_support import kcat_read, publish
 from tests.harness.shared_servers import KAFKA
@@ -469,3 +470,48 @@ def test_back_pressure_pauses_a_full_partition_and_resumes_it_without_losing_or_
     for cell in seen:
         order[cell.shard].append(cell.added_id)
     assert all(ids == sorted(ids) for ids in order.values())
+
+
+@pytest.mark.parametrize("fetch_wait", [0.1, 0.0])
+def test_records_trickling_in_reach_the_app_a_handful_at_once_while_they_wait_for_the_fetch(
+        store: logstore.Store, topic_prefix: str, fetch_wait: float) -> None:
+    """With fetch_wait the broker holds a fetch until 64 KiB of records or fetch_wait: 40 records sent one every
+    10 ms reach a batch handler several at once (one wake-up of the loop for each handful), and a lone record is
+    not held for the 64 KiB. With fetch_wait 0 each fetch answers at its first record."""
+    from tailer.messages import encode_cell
+
+    write(store, 1)
+    publish(store, topic_prefix)  # makes the topic, and a first record to wait for
+    cells = write(store, 40)
+    app = App(f"{topic_prefix}-trickle", store=store, brokers=KAFKA, topic_prefix=topic_prefix, fetch_wait=fetch_wait)
+    batches: list[int] = []
+
+    @app.batch_trigger("BASE")
+    async def handle(got: list[logstore.Cell]) -> None:
+        batches.append(len(got))
+
+    async def trickle() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=KAFKA, acks=1)
+        await producer.start()
+        try:
+            for cell in cells:
+                key, value, headers = encode_cell(cell)
+                await producer.send_and_wait(f"{topic_prefix}.BASE", value, key=key, partition=0, headers=headers)
+                await asyncio.sleep(0.01)
+        finally:
+            await producer.stop()
+
+    with app, app_in_thread(app, "trickle-app") as running:
+        deadline = time.monotonic() + 60
+        while not batches:
+            assert time.monotonic() < deadline and not running.failed, running.failed
+            time.sleep(0.01)
+        asyncio.run(trickle())
+        while sum(batches) < 41:
+            assert time.monotonic() < deadline and not running.failed, running.failed
+            time.sleep(0.01)
+    later = batches[1:]
+    if fetch_wait:
+        assert sum(later) / len(later) >= 3, later
+    else:
+        assert sum(later) / len(later) < 3, later
