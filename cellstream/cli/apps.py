@@ -433,11 +433,11 @@ def _dlq_policy(app: App, args: argparse.Namespace, out: Output) -> int:
                        "`dlq policy set delay=300 max_redrives=3`)")
         return Exit.OK
     record = history[-1]
-    shown = record.policy.model_dump_json(exclude_defaults=True) if record.policy is not None else "none"
+    shown = record.policy.model_dump_json() if record.policy is not None else "none"
     origin = "the app's declaration" if record.origin == "declared" else f"set by {record.actor}"
     lines = [f"redrive policy of {app.name} in force ({origin}, {record.at.isoformat(timespec='seconds')}): {shown}"]
     if record.origin == "operator":
-        declared = record.declared.model_dump_json(exclude_defaults=True) if record.declared else "none"
+        declared = record.declared.model_dump_json() if record.declared else "none"
         lines.append(f"  declared by the app: {declared} (`dlq policy reset` puts it back in force)")
     lines.append("history:")
     lines += [f"  v{r.version} {r.at.isoformat(timespec='seconds')} {r.actor} ({r.origin})"

@@ -295,7 +295,8 @@ def run_here(store: Store, record: JobRecord, args: argparse.Namespace, out: Out
         final = runner.run(record.id)
     summary = final.summary()
     what = f"{final.state}: {final.done} {final.unit}" + (f"; error: {final.error}" if final.state == "failed" else "")
-    out.emit(summary, f"job {final.id} {what}")
+    details = kinds.get(final.kind).details(final)  # what the steps did beyond their counts (dead letters...)
+    out.emit({**summary, "details": details}, "\n  ".join([f"job {final.id} {what}", *details]))
     if final.state == "done":
         return Exit.OK
     return Exit.FAILED if final.state == "failed" else Exit.STATE

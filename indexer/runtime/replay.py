@@ -181,6 +181,17 @@ class Replay(JobKind):
         finally:
             close()
 
+    def details(self, record: JobRecord) -> list[str]:
+        cursors = [step.cursor for step in record.steps if isinstance(step.cursor, dict)]
+        handled = sum(int(c.get("handled", 0)) for c in cursors)
+        dead = sum(int(c.get("dead_lettered", 0)) for c in cursors)
+        passed = sum(int(c.get("done", 0)) for c in cursors)
+        older = f", {max(0, passed - handled - dead)} older versions passed over" \
+            if record.params.get("latest_only") else ""
+        shards = sum(len(step.params.get("shards", [])) for step in record.steps)
+        return [f"{shards} shards hold cells of the range",
+                f"{passed} cells of the range passed: {handled} handled, {dead} dead-lettered{older}"]
+
     def describe(self, record: JobRecord) -> str:
         p = record.params
         what = p.get("app") or p.get("connector") or p.get("name")
@@ -190,9 +201,6 @@ class Replay(JobKind):
         return (f"replay {what} ({', '.join(p.get('columns', []))}){shards} from {p.get('from')} until {until}"
                 f"{only}; positions in consumer {positions_consumer(record.id)}")
 
-    def details(self, record: JobRecord) -> list[str]:
-        shards = sum(len(step.params.get("shards", [])) for step in record.steps)
-        return [f"{shards} shards hold cells of the range"]
 
 
 class _StepRun:
@@ -208,14 +216,21 @@ class _StepRun:
         self.starts: dict[int, int] = dict(zip(self.shards, step.params["start"], strict=True))
         self.cells: dict[int, int] = dict(zip(self.shards, step.params["cells"], strict=True))
         self.total = step.total
+        earlier = step.cursor if isinstance(step.cursor, dict) else {}
+        self._earlier = (int(earlier.get("handled", 0)), int(earlier.get("dead_lettered", 0)))  # runs before
+        self._counted_from = app.processor.counts
         self.columns = list(job.params["columns"])
         self.latest_only = bool(job.params.get("latest_only"))
         self.consumer = positions_consumer(job.id)
         self.owner = job.owner or owner_name()
         config = app.config
-        self.page_size = config.page_size
+        # Under a rate a read holds about a second of it at most (the rate when the step starts): the throttle's
+        # wait comes before a read, so a page of 500 at 5 cells a second was 100 s of silence, then all at once.
+        rate = context.throttle.settings.rate
+        self.read_size = config.page_size if rate is None else max(1, min(config.page_size, int(rate)))
         self.budget = config.max_in_flight  # cells read or handed over and not settled, as the live app has
-        self.read_ahead = store.parallel_reads
+        # A read at a time under a rate: reads waiting together on the throttle's debt would end together.
+        self.read_ahead = store.parallel_reads if rate is None else 1
         self.commit_every = config.commit_every(kafka=False)
 
     async def run(self) -> None:
@@ -227,7 +242,7 @@ class _StepRun:
                      for s in self.shards}
         left = await asyncio.to_thread(self._left, positions)
         done = max(0, (self.total or 0) - sum(left.values()))
-        self.context.progress(done, self.total, cursor={"consumer": self.consumer, "done": done})
+        self.context.progress(done, self.total, cursor=self._cursor(done))
         config = self.app.config
         sink = HandlerSink(processor, config.page_size, config.max_active_shards,
                            source={"mode": "replay", "job": self.job.id})
@@ -339,7 +354,7 @@ class _StepRun:
                     await self._commit(processor.checkpoint, positions, changed)
                     committed_at = now
                 if moved and now - reported_at >= _REPORT:
-                    self.context.progress(done, self.total, cursor={"consumer": self.consumer, "done": done})
+                    self.context.progress(done, self.total, cursor=self._cursor(done))
                     reported_at = now
                 else:
                     self.context.check()
@@ -355,16 +370,23 @@ class _StepRun:
         assert not unsettled
         if changed:
             await self._commit(processor.checkpoint, positions, changed)
-        self.context.progress(done, self.total, cursor={"consumer": self.consumer, "done": done})
+        self.context.progress(done, self.total, cursor=self._cursor(done))
+
+    def _cursor(self, done: int) -> dict[str, Any]:
+        """The step's cursor: its positions' consumer, the cells of the range passed, and of those the handled
+        and dead-lettered ones (a latest-only replay passes over the older versions), over every run."""
+        since = self.app.processor.counts - self._counted_from
+        return {"consumer": self.consumer, "done": done, "handled": self._earlier[0] + since.processed,
+                "dead_lettered": self._earlier[1] + since.dead_lettered}
 
     def _pick(self, waiting: deque[int], read_at: dict[int, int], left: dict[int, int]) -> tuple[dict[int, int], int]:
         """The next shards in turn for one read of about a page (by what each has left), and the cells reserved."""
         picked: dict[int, int] = {}
         cells = 0
-        while waiting and cells < self.page_size:
+        while waiting and cells < self.read_size:
             shard = waiting.popleft()
             picked[shard] = read_at[shard]
-            cells += max(1, min(left.get(shard, 0), self.page_size))
+            cells += max(1, min(left.get(shard, 0), self.read_size))
         return picked, cells
 
     def _read(self, locations: dict[int, int], reserved: int) -> UndecodedPages:
@@ -372,7 +394,7 @@ class _StepRun:
         reads, and so what it hands over), then the shards' pages, read and not decoded: the loop decodes them
         (a thread decoding beside the loop would queue for the GIL after every cell)."""
         self.context.throttle.wait(reserved)
-        return self.store.read_pages(locations, self.page_size, columns=self.columns)
+        return self.store.read_pages(locations, self.read_size, columns=self.columns)
 
     def _newest(self, pages: dict[int, Any]) -> dict[tuple[Any, str], int]:
         """(blocking) Latest only: the newest ref_key of each (row, column) the pages hold cells of in range."""
@@ -417,7 +439,7 @@ class _StepRun:
                 finished, problem = True, None
             last = problem.added_id if problem is not None else cells[-1].added_id if cells else read_at[shard]
             assert last is not None
-            if problem is None and not finished and count < self.page_size and not isinstance(page, TruncatedPage):
+            if problem is None and not finished and count < self.read_size and not isinstance(page, TruncatedPage):
                 finished = True  # the log's end: every cell up to the end was there when the job was planned
             if last >= end:
                 finished = True

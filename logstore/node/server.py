@@ -340,6 +340,8 @@ class WorkerNode:
         if isinstance(connection, Connection):
             connection.request_started()
         try:
+            if request.method == "CONNECT":
+                await _no_tunnel(request)
             response = await handler(request)
         except LogstoreError as exc:
             response = _json(wire.error_json(exc), wire.error_status(exc))
@@ -711,6 +713,27 @@ def router_path(path: str, paths: list[str]) -> str:
     return "/".join(out)
 
 
+async def _no_tunnel(request: web.Request) -> None:
+    """CONNECT asks for a tunnel, which a worker node does not make; aiohttp's router, which knows no route for it
+    (not even by a method the route lacks), said 404. A target naming a route is its 405, with its Allow.
+
+    Raises:
+        web.HTTPMethodNotAllowed: the target is a route's path.
+        web.HTTPNotFound: it is not.
+    """
+    # aiohttp reads a CONNECT target as an authority (host:port): the path a client gave is the raw target
+    target = request.raw_path
+    if not target.startswith("/"):
+        raise web.HTTPNotFound()
+    found = await request.app.router.resolve(request.clone(method="GET", rel_url=target))
+    refused = found.http_exception
+    if isinstance(refused, web.HTTPMethodNotAllowed):  # a route without GET
+        raise web.HTTPMethodNotAllowed("CONNECT", refused.allowed_methods)
+    if refused is not None or found.route.resource is None:
+        raise web.HTTPNotFound()
+    raise web.HTTPMethodNotAllowed("CONNECT", {route.method for route in found.route.resource})
+
+
 async def _continue_later(request: web.Request) -> None:
     """Every route's Expect handler: nothing at routing time. aiohttp's own sends ``100 Continue`` before
     the middlewares run, so a client without a token, or with a body too large, was told to send it;
@@ -749,7 +772,7 @@ class _Refused(Exception):
 
     def document(self) -> dict[str, Any]:
         if self.field is not None:
-            return wire.bad_request(self.field, str(self).removeprefix(f"{self.field}: "))
+            return wire.bad_request(self.field, str(self).removeprefix(f"{self.field}: "), self.kind)
         return wire.error(self.kind, str(self))
 
 

@@ -61,3 +61,5 @@ def test_show_set_and_reset_the_redrive_policy(sqlite_url: str, tmp_path: Path,
     assert code == 0 and "the app's declaration" in out and "v3" in out and "(operator): the gateway" in out
     code, out, _ = run(capsys, "dlq", "--app", spec, "policy", "show", "--json")
     assert json.loads(out)["in_force"]["policy"]["max_redrives"] == 3
+    code, out, _ = run(capsys, "dlq", "--app", spec, "policy", "show")
+    assert '"max_redrives":3' in out  # every field shown, those equal to their defaults too

@@ -91,6 +91,7 @@ def test_an_app_replay_detached_then_run_by_jobs_resume_with_its_rate(
                                    for _ in (c if isinstance(c, list) else []))
     code, out, err = run(capsys, "jobs", "resume", job_id, "--run", "--store", url)
     assert code == 0 and f"job {job_id} done: {record.total} cells" in out, err
+    assert f"{record.total} cells of the range passed: {record.total} handled, 0 dead-lettered" in out
 
 
 def test_bad_positions_are_one_line_and_exit_2(url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

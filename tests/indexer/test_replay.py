@@ -172,7 +172,10 @@ def test_failing_cells_follow_the_apps_retries_and_dead_letters_marked_as_the_re
             raise TimeoutError("flaky")  # retried: the second attempt goes through
 
     runner, job = plan(store, app)
-    assert runner.run(job.id).state == "done"
+    record = runner.run(job.id)
+    assert record.state == "done"
+    assert Replay(store, lambda _params: (app, lambda: None)).details(record)[1:] == [
+        "63 cells of the range passed: 60 handled, 3 dead-lettered"]  # what `replay` prints at the end
     assert all(attempts[c.shard, c.added_id] >= 1 for c in cells)
     entries = app.dlq.list()
     assert sorted((e.cell["shard"], e.cell["added_id"]) for e in entries) == ids([c for c in cells
@@ -196,6 +199,8 @@ def test_latest_only_delivers_the_newest_version_of_each_row_and_column_in_range
     store.put_cells([(row, "BASE", 4, {"v": 4}) for row in rows[:5]])  # after the end: the live stream's
     record = runner.run(job.id)
     assert record.state == "done" and record.done == 40 + 30 + 10
+    assert Replay(store, lambda _params: (app, lambda: None)).details(record)[1:] == [
+        "80 cells of the range passed: 35 handled, 0 dead-lettered, 45 older versions passed over"]
     got = sorted((str(c.row_key), c.ref_key) for c in seen)
     assert got == sorted([(str(r), 3) for r in rows[5:10]] + [(str(r), 2) for r in rows[10:30]]
                          + [(str(r), 1) for r in rows[30:]])
@@ -311,3 +316,24 @@ def test_a_replay_sigkilled_mid_run_resumes_from_its_positions_and_loses_nothing
         assert all(found == sorted(found) for found in by_shard.values())
     assert len(second) < len(cells)  # from the committed positions, not from the start
     assert len(set(first) & set(second)) < len(first)
+
+
+def test_a_rate_paces_the_replay_rather_than_holding_a_page_back(store: logstore.Store) -> None:
+    """The throttle's wait comes before each read: under --rate 20 a read holds about a second of it, so 60 cells
+    come over some seconds, where a page of them was read (and handed over) at once after a long silence."""
+    from logstore.jobs import ThrottleSettings
+
+    write(store, 60)
+    handled: list[float] = []
+    app = App("paced", store=store)
+
+    @app.trigger("BASE")
+    def note(cell: logstore.Cell) -> None:
+        handled.append(time.monotonic())
+
+    runner = JobRunner(store, KindRegistry([Replay(store, lambda _params: (app, lambda: None))]), FAST)
+    job = runner.submit("replay", replay_params(app, {"app": "test"}, start="beginning"),
+                        throttle=ThrottleSettings(rate=20))
+    assert runner.run(job.id).state == "done"
+    assert len(handled) == 60 and handled[-1] - handled[0] >= 1.5, handled[-1] - handled[0]
+    app.close()

@@ -29,7 +29,7 @@ ROW = uuid.UUID("00000000-0000-4000-8000-000000000001")
 SAMPLE = {"row_key": str(ROW), "column": "BASE", "ref_key": "1", "shard": "1", "consumer": "app", "name": "ix"}
 QUERIES = {"/v1/shards/{shard}/location": "at=2026-01-01T00:00:00Z"}  # a required query parameter
 VARYING = {"/metrics"}  # answers that change between two calls (the counters count the first)
-OTHER_METHODS = ["OPTIONS", "TRACE", "DELETE", "PATCH", "PUT", "POST", "GET", "QUERY", "PROPFIND"]
+OTHER_METHODS = ["OPTIONS", "TRACE", "DELETE", "PATCH", "PUT", "POST", "GET", "QUERY", "PROPFIND", "CONNECT"]
 
 
 def concrete(path: str) -> str:
@@ -101,8 +101,8 @@ PATHS = sorted({r.path for r in ROUTES})
 def test_a_method_a_route_lacks_is_405_with_its_exact_allow(node: NodeThread, path: str) -> None:
     allowed = {m for r in ROUTES if r.path == path for m in methods_of(r)}
     for method in OTHER_METHODS:
-        if method in allowed:
-            continue
+        if method in allowed or (method == "CONNECT" and "?" in concrete(path)):
+            continue  # a CONNECT target with a query is no authority (host:port): the parser's 400
         status, headers, body = request(node.url, method, concrete(path))
         assert status == 405, (method, path, status, body)
         assert set(headers["allow"].split(",")) == allowed, (method, path, headers["allow"])
@@ -140,8 +140,9 @@ def test_a_body_on_a_route_that_takes_none_is_refused(node: NodeThread, method: 
     body = b"5\r\nhello\r\n0\r\n\r\n" if "chunked" in framing else b"hello"
     status, headers, answer = request(node.url, method, target, framing, body)
     assert status == 400 and headers["connection"] == "close"
-    if method != "HEAD":
+    if method != "HEAD":  # not a cell's body: no InvalidCellError
         assert json.loads(answer)["error"]["field"] == "body"
+        assert json.loads(answer)["error"]["type"] == "InvalidArgumentError"
     assert request(node.url, method, target, "Content-Length: 0\r\n")[0] == 200  # an empty body is none
 
 
