@@ -60,6 +60,9 @@ def _places(parser: argparse.ArgumentParser) -> None:
                         help="also the tailers and apps coordinated through this ZooKeeper")
     parser.add_argument("--offsets-file", default=None, metavar="PATH", help="also this standalone tailer's offsets")
     parser.add_argument("--brokers", default=None, help="also the Kafka-mode apps' consumer groups at these brokers")
+    parser.add_argument("--topic-prefix", default="cells", metavar="PREFIX",
+                        help="with --brokers: only the groups on this tailer's topics, PREFIX.* (default cells; "
+                             "'' for every app.* group)")
     parser.add_argument("--place", choices=("store", "index", "zookeeper", "file", "kafka"), default=None,
                         help="the place of NAME when several hold a consumer of that name")
     add_kafka_config(parser)
@@ -111,7 +114,7 @@ def _open_places(store: Store, args: argparse.Namespace) -> list[OffsetsPlace]:
         from tailer.security import PLAINTEXT
 
         security = kafka_override(args.kafka_config, args.brokers, "offsets") or PLAINTEXT
-        places.append(KafkaGroupOffsets(args.brokers, security=security))
+        places.append(KafkaGroupOffsets(args.brokers, topic_prefix=args.topic_prefix or None, security=security))
     if args.place is not None:
         places = [p for p in places if p.kind == args.place]
         if not places and args.place == "index":

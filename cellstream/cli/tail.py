@@ -127,10 +127,13 @@ def cmd_tail_republish(store: Store, args: argparse.Namespace, out: Output) -> i
                     texts={"shards": args.republish_shards, "from": args.republish_from,
                            "until": args.republish_until})
     total = "?" if record.total is None else str(record.total)
+    shards = record.params["shards_in_range"]
     out.emit(record.summary(),
-             f"job {record.id}: re-publish about {total} cells of {record.params['shards_in_range']} shards to tailer "
-             f"{args.republish_name}'s topics; its running tailer takes it (`cellstream tail status "
-             f"{args.republish_name}` and `cellstream jobs show {record.id}` show its progress)")
+             f"job {record.id}: re-publish about {total} cells of {shards} shard{'' if shards == 1 else 's'} to "
+             f"tailer {args.republish_name}'s topics. Its tailer takes it while it runs, or when it starts (a "
+             f"tailer of another name never does: `cellstream jobs cancel {record.id}` withdraws it); "
+             f"`cellstream tail status {args.republish_name}` and `cellstream jobs show {record.id}` show its "
+             "progress")
     return Exit.OK
 
 
@@ -229,11 +232,12 @@ def _say_where_it_starts(store: Store, args: argparse.Namespace, name: str) -> N
     if consumer not in place.consumers():
         return
     committed = sum(1 for row in place.positions(consumer).rows if row.location is not None)
+    named = "" if consumer == str(args.offsets) else f"{consumer} "  # an offsets file names its consumer itself
     if committed:
         logger.warning("--from %s: tailer %s resumes from its committed offsets in %d of %d shards; --from applies "
                        "to the other %d only. To start every shard there: stop the tailer, then `cellstream offsets "
-                       "reset %s %s --to %s --execute`", args.start, name, committed, store.shard_count,
-                       store.shard_count - committed, consumer, where, args.start)
+                       "reset %s%s --to %s --execute`", args.start, name, committed, store.shard_count,
+                       store.shard_count - committed, named, where, args.start)
 
 
 async def _serve(tailer: Tailer) -> int:

@@ -401,7 +401,7 @@ class WorkerNode:
         resource = request.match_info.route.resource
         route = self._routes.get((request.method, resource.canonical)) if resource is not None else None
         access = route.access if route is not None else "token"
-        if token is None or access == "open":
+        if token is None or access == "open" or await self._open_405(request):
             return await handler(request)
         held = self._token_held(request)
         if held is None:
@@ -410,6 +410,18 @@ class WorkerNode:
         if access == "admin" and held != "admin":
             raise web.HTTPForbidden(reason=_admin_only(route, admin is not None))
         return await handler(request)
+
+    async def _open_405(self, request: web.Request) -> bool:
+        """Whether the request is a method an open route lacks (POST /healthz): its 405 needs no token, where a 401
+        would say a token could make it work."""
+        refused = request.match_info.http_exception
+        if not isinstance(refused, web.HTTPMethodNotAllowed) or not refused.allowed_methods:
+            return False
+        found = await request.app.router.resolve(request.clone(method=sorted(refused.allowed_methods)[0]))
+        resource = found.route.resource
+        return resource is not None and all(
+            (r := self._routes.get((method, resource.canonical))) is not None and r.access == "open"
+            for method in refused.allowed_methods)
 
     def _token_held(self, request: web.Request) -> str | None:
         """Which token the request presents (``"token"`` or ``"admin"``), None for none or a wrong one.

@@ -99,8 +99,10 @@ class FileOffsets(ShardOffsetsPlace):
         return plan
 
 
-def _command(pid: str) -> str:
+def _command(pid: str, width: int = 80) -> str:
+    """The process's command line, cut after a whole word within ``width`` characters."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:80]
+        line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return "?"
+    return line if len(line) <= width else line[:width].rsplit(" ", 1)[0] + " ..."

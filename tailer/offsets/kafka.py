@@ -6,6 +6,7 @@ messages' timestamps, set when the tailer published them), each partition at onc
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -28,15 +29,23 @@ _RETRY = RetryPolicy(initial=0.1, maximum=1.0, deadline=30.0)
 
 
 class KafkaGroupOffsets(OffsetsPlace):
-    """The consumer groups at ``brokers`` whose ids start with ``prefix``."""
+    """The consumer groups at ``brokers`` whose ids start with ``prefix``; with ``topic_prefix``, only those with
+    offsets on that tailer's topics (``<topic_prefix>.<column>``, ``<topic_prefix>-deadletter``): the Kafka-mode
+    apps of one store, where a cluster serves several."""
 
     kind = "kafka"
 
-    def __init__(self, brokers: str, *, prefix: str = "app.", security: KafkaSecurity = PLAINTEXT) -> None:
+    def __init__(self, brokers: str, *, prefix: str = "app.", topic_prefix: str | None = None,
+                 security: KafkaSecurity = PLAINTEXT) -> None:
         self.brokers = brokers
         self.prefix = prefix
+        self.topic_prefix = topic_prefix
         self.security = security
-        self.where = f"kafka {brokers}"
+        self.where = f"kafka {brokers}" + (f" (topics {topic_prefix}.*)" if topic_prefix else "")
+
+    def _ours(self, topic: str) -> bool:
+        return self.topic_prefix is None or topic.startswith(f"{self.topic_prefix}.") \
+            or topic == f"{self.topic_prefix}-deadletter"
 
     def _run(self, fn: Callable[[AIOKafkaAdminClient, AIOKafkaConsumer], Awaitable[_T]]) -> _T:
         async def run() -> _T:
@@ -58,7 +67,15 @@ class KafkaGroupOffsets(OffsetsPlace):
     def consumers(self) -> list[str]:
         async def run(admin: AIOKafkaAdminClient, _probe: AIOKafkaConsumer) -> list[str]:
             groups = await retry_call_async(admin.list_consumer_groups, _RETRY)
-            return sorted(str(group[0]) for group in groups if str(group[0]).startswith(self.prefix))
+            names = sorted(str(group[0]) for group in groups if str(group[0]).startswith(self.prefix))
+            if self.topic_prefix is None:
+                return names
+            kept = []
+            for name in names:  # a request a group: only with a topic prefix, to leave other stores' apps out
+                committed = await retry_call_async(functools.partial(admin.list_consumer_group_offsets, name), _RETRY)
+                if any(self._ours(tp.topic) for tp in committed):
+                    kept.append(name)
+            return kept
         return self._run(run)
 
     async def _state(self, admin: AIOKafkaAdminClient, probe: AIOKafkaConsumer, name: str

@@ -92,6 +92,9 @@ def test_head_takes_the_same_auth_as_get(sqlite_url: str) -> None:
             assert status == 401 and headers["www-authenticate"].startswith("Bearer"), (method, status)
             assert request(node.url, method, "/healthz")[0] == 200  # open to probes, HEAD too
             assert request(node.url, method, "/v1/info", f"Authorization: Bearer {TOKEN}\r\n")[0] == 200
+        status, headers, _ = request(node.url, "POST", "/healthz", "Content-Length: 0\r\n")
+        assert status == 405 and headers["allow"] == "GET,HEAD"  # no token makes it work: not a 401
+        assert request(node.url, "DELETE", "/v1/info")[0] == 401  # a token route's refusals need the token first
 
 
 PATHS = sorted({r.path for r in ROUTES})

@@ -349,10 +349,14 @@ def test_a_kafka_group_is_reset_only_without_members(topic_prefix: str, sqlite_u
         assert [(r.key, r.location, r.end) for r in positions.rows] == [(f"{topic}/0", 0, 10)]
 
     asyncio.run(scenario())
-    code, out, _ = cli(capsys, "--store", sqlite_url, "offsets", "show", group, "--brokers", KAFKA, "--json")
+    code, out, _ = cli(capsys, "--store", sqlite_url, "offsets", "show", group, "--brokers", KAFKA, "--topic-prefix",
+                       topic_prefix, "--json")
     assert code == 0 and json.loads(out)["lag"] == 10
+    code, out, _ = cli(capsys, "--store", sqlite_url, "offsets", "list", "--brokers", KAFKA, "--topic-prefix",
+                       f"{topic_prefix}x", "--json")  # another tailer's topics: another store's apps
+    assert code == 0 and group not in [c["name"] for c in json.loads(out)["consumers"]]
     code, _, err = cli(capsys, "--store", sqlite_url, "offsets", "reset", group, "--brokers", KAFKA,
-                       "--to", "0:1", "--dry-run")
+                       "--topic-prefix", topic_prefix, "--to", "0:1", "--dry-run")
     assert code == Exit.USAGE and "partition offsets" in err
 
 
@@ -433,7 +437,7 @@ def test_tail_from_a_time_says_the_shards_with_offsets_resume_from_them(sqlite_u
                 break
         said = "".join(lines)
         assert f"resumes from its committed offsets in 3 of {SHARDS} shards" in said, said
-        assert f"offsets reset {offsets} --offsets-file {offsets} --to {when}" in said
+        assert f"offsets reset --offsets-file {offsets} --to {when}" in said  # the file names its consumer
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
