@@ -15,11 +15,12 @@ idempotent and order-insensitive (see :mod:`logstore.index_tables.persistence`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from indexer.errors import IndexNotFoundError, IndexStateError, InvalidQueryError
@@ -168,28 +169,15 @@ class Index:
 
     def _node_definition(self) -> IndexDefinition:
         """The version queries read, as the worker node's catalog has it (its client reads no catalog cell)."""
-        try:
-            info = self.store.index_info(self.name)
-            spec = info.spec(self._pinned)
-        except IndexUnknownError as exc:
-            raise IndexNotFoundError(str(exc)) from None
-        except IndexInactiveError as exc:
-            raise IndexStateError(str(exc)) from None
-        column = next(v.column for v in info.versions if v.version == spec.version)
-        return IndexDefinition.model_validate({**spec.model_dump(), "column": column})
+        with _as_indexer_errors():
+            found = self.store.index_info(self.name).version(self._pinned)
+        return IndexDefinition.model_validate({**found.spec.model_dump(), "column": found.column})
 
     def _ask_node(self, fields: dict[str, Any], *, limit: int, order: str, scatter: bool) -> list[IndexEntry]:
-        """The query of a worker node's client, which the node reads (its catalog included); its refusals as the
-        local reading raises them."""
-        try:
+        """The query of a worker node's client, which the node reads (its catalog included)."""
+        with _as_indexer_errors():
             return self.store.query_index(self.name, fields, order="desc" if order == "desc" else "asc",
                                           limit=limit, scatter=scatter, version=self._pinned)
-        except InvalidArgumentError as exc:  # a condition, or scatter missing
-            raise InvalidQueryError(str(exc)) from None
-        except IndexUnknownError as exc:
-            raise IndexNotFoundError(str(exc)) from None
-        except IndexInactiveError as exc:
-            raise IndexStateError(str(exc)) from None
 
     def _conditions(self, definition: IndexDefinition, fields: dict[str, Any]) -> list[Condition]:
         # logstore's reading of conditions, which a worker node's index queries use too
@@ -197,6 +185,19 @@ class Index:
             return [Condition(*c) for c in conditions(definition.spec, self.name, fields)]
         except InvalidConditionError as exc:
             raise InvalidQueryError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def _as_indexer_errors() -> Iterator[None]:
+    """A worker node's refusals of a query as the local reading raises them."""
+    try:
+        yield
+    except InvalidArgumentError as exc:  # a condition, or scatter missing
+        raise InvalidQueryError(str(exc)) from None
+    except IndexUnknownError as exc:
+        raise IndexNotFoundError(str(exc)) from None
+    except IndexInactiveError as exc:
+        raise IndexStateError(str(exc)) from None
 
 
 def lag(store: Store, definition: IndexDefinition) -> tuple[int, float]:

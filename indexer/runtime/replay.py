@@ -225,7 +225,7 @@ class _StepRun:
         self.owner = job.owner or owner_name()
         config = app.config
         # Under a rate a read holds about a second of it at most (the rate when the step starts): the throttle's
-        # wait comes before a read, so a page of 500 at 5 cells a second was 100 s of silence, then all at once.
+        # wait comes before a read, so a whole page at a low rate meant a long silence, then the page at once.
         rate = context.throttle.settings.rate
         self.read_size = config.page_size if rate is None else max(1, min(config.page_size, int(rate)))
         self.budget = config.max_in_flight  # cells read or handed over and not settled, as the live app has

@@ -174,8 +174,8 @@ class IndexInfo(NamedTuple):
     active: int | None
     versions: list[IndexVersionInfo]
 
-    def spec(self, version: int | None = None) -> IndexSpec:
-        """The spec of ``version``, or of the active version.
+    def version(self, version: int | None = None) -> IndexVersionInfo:
+        """``version``, or the active version: its state, source column and spec.
 
         Raises:
             IndexUnknownError: no such version (or a dropped one).
@@ -188,9 +188,13 @@ class IndexInfo(NamedTuple):
                                      "backfill one and activate it, or name a version")
         for found in self.versions:
             if found.version == wanted:
-                return found.spec
+                return found
         known = ", ".join(str(v.version) for v in self.versions) or "none"
         raise IndexUnknownError(f"index {self.name} has no version {wanted} (versions: {known})")
+
+    def spec(self, version: int | None = None) -> IndexSpec:
+        """The spec of ``version``, or of the active version (raises as :meth:`version`)."""
+        return self.version(version).spec
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "active": self.active, "versions": [

@@ -5,16 +5,13 @@ index is rebuilt with ``cellstream index backfill``."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import cast
-
 from logstore import Store
 from logstore.errors import ConfigurationError, IndexUnknownError, InvalidArgumentError
 from logstore.index_tables.persistence import IndexSpec
 from logstore.index_tables.query import index_info
 from logstore.positions import Position
 from tailer.errors import ConsumerNotFoundError
-from tailer.offsets.places import ConsumerPositions, OffsetsPlace, ResetPlan, shard_rows
+from tailer.offsets.places import ConsumerPositions, OffsetsPlace, ResetPlan, shard_rows, up_to
 
 PREFIX = "index."
 
@@ -58,19 +55,14 @@ class IndexOffsets(OffsetsPlace):
         spec, stream = found
         positions = self.store.indexes.positions(spec, stream)  # type: ignore[arg-type]
         try:  # the version's source column: its cells are the applier's, and no other's
-            column = next(v.column for v in index_info(self.store, spec.name).versions if v.version == spec.version)
-        except (IndexUnknownError, StopIteration):
-            column = None  # tables without a catalog record: every column's cells counted
-        columns = [column] if column else None
+            columns: list[str] | None = [index_info(self.store, spec.name).version(spec.version).column]
+        except IndexUnknownError:
+            columns = None  # tables without a catalog record: every column's cells counted
         rows = shard_rows(self.store, {shard: (at.location if (at := positions.get(shard)) else None, None, None)
                                        for shard in range(self.store.shard_count)}, columns)
         if stream == "backfill":  # a backfill ends at each shard's head when it started, not at today's
-            beyond = self.store.counts_after({p.shard: p.target for p in positions.values() if p.target is not None},
-                                             columns=columns, reserved=columns is not None)
-            rows = [dataclasses.replace(row, lag=max(0, row.lag - beyond.get(cast(int, row.shard), 0)),
-                                        end=min(row.end, positions[cast(int, row.shard)].target or row.end)
-                                        if cast(int, row.shard) in positions else row.end)
-                    for row in rows]
+            rows = up_to(self.store, rows, {p.shard: p.target for p in positions.values() if p.target is not None},
+                         columns)
         return ConsumerPositions(name, self.kind, self.where, rows, [],
                                  "applied by the apps that keep the index; never reset: rebuild with index backfill")
 

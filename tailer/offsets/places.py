@@ -4,6 +4,7 @@ planned (a dry run) then carried out."""
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -105,6 +106,20 @@ def shard_rows(store: Store, positions: Mapping[int, tuple[int | None, str | Non
                                reserved=columns is not None)
     return [PositionRow(str(shard), shard, location, heads[shard], after[shard], owner, published)
             for shard, (location, owner, published) in sorted(positions.items())]
+
+
+def up_to(store: Store, rows: list[PositionRow], ends: Mapping[int, int],
+          columns: Sequence[str] | None = None) -> list[PositionRow]:
+    """``rows`` of a reader that stops at each shard's end in ``ends`` (a backfill's targets, a replay's ends):
+    the cells beyond it are no lag of its own, and its end is the lower of that and the shard's head."""
+    beyond = store.counts_after(ends, columns=columns, reserved=columns is not None)
+    out = []
+    for row in rows:
+        shard = row.shard
+        if shard is not None and shard in ends:
+            row = dataclasses.replace(row, end=min(row.end, ends[shard]), lag=max(0, row.lag - beyond[shard]))
+        out.append(row)
+    return out
 
 
 class OffsetsPlace(abc.ABC):

@@ -7,16 +7,13 @@ on from the new positions, and a consumer started later claims them there."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import cast
-
 from logstore import Store
 from logstore.errors import JobNotFoundError
 from logstore.jobs import JobStore
 from logstore.offsets import RESET_OWNER, is_reset_owner
 from tailer.errors import ConsumerNotFoundError, CoordinationError
 from tailer.offsets.history import new_reset_id
-from tailer.offsets.places import ConsumerPositions, ResetPlan, ShardOffsetsPlace, shard_rows
+from tailer.offsets.places import ConsumerPositions, ResetPlan, ShardOffsetsPlace, shard_rows, up_to
 
 REPLAY_PREFIX = "replay."  # the positions of a replay job (indexer/runtime/replay.py): replay.<job id>
 
@@ -54,11 +51,7 @@ class StoreOffsets(ShardOffsetsPlace):
         rows = shard_rows(self.store, {shard: (record.location, record.owner, None)
                                        for shard, record in records.items()}, columns)
         if ends:
-            beyond = self.store.counts_after({shard: end for shard, end in ends.items() if shard in records},
-                                             columns=columns, reserved=columns is not None)
-            rows = [dataclasses.replace(row, end=min(row.end, ends.get(shard, row.end)),
-                                        lag=max(0, row.lag - beyond.get(shard, 0)))
-                    for row in rows if (shard := cast(int, row.shard)) is not None]
+            rows = up_to(self.store, rows, {shard: end for shard, end in ends.items() if shard in records}, columns)
         owners = sorted({row.owner for row in rows if row.owner and not is_reset_owner(row.owner)})
         resets = sorted({row.owner for row in rows if row.owner and is_reset_owner(row.owner)})
         note = ("the store keeps each shard's last holder, not whether it still runs; a reset is handed to a "
