@@ -335,5 +335,7 @@ def test_a_rate_paces_the_replay_rather_than_holding_a_page_back(store: logstore
     job = runner.submit("replay", replay_params(app, {"app": "test"}, start="beginning"),
                         throttle=ThrottleSettings(rate=20))
     assert runner.run(job.id).state == "done"
-    assert len(handled) == 60 and handled[-1] - handled[0] >= 1.5, handled[-1] - handled[0]
+    # 60 cells at 20/s: the reads' sizes follow the shards' pages, so the span is not a fixed 2 s (1.3-1.9 s
+    # seen); read in one go it is about nothing.
+    assert len(handled) == 60 and handled[-1] - handled[0] >= 1.0, handled[-1] - handled[0]
     app.close()
