@@ -17,11 +17,14 @@ from logstore import Cell
 class Recording:
     def __init__(self, pause: float = 0.0, fail: Exception | None = None) -> None:
         self.calls: list[list[Any]] = []
+        self.spans: list[tuple[float, float]] = []  # (start, end) of each call, in the order they started
         self.pause, self.fail = pause, fail
 
     def apply(self, prepared: Sequence[Any], batch: Sequence[Cell]) -> None:
         self.calls.append(list(prepared))
+        started = time.monotonic()
         time.sleep(self.pause)
+        self.spans.append((started, time.monotonic()))
         if self.fail is not None:
             raise self.fail
 
@@ -45,6 +48,25 @@ def test_batches_of_one_turn_go_in_one_call_and_later_ones_in_the_next(
     asyncio.run(scenario())
     assert applier.calls == [list(range(10)), ["a"], ["b0", "b1", "b2"]]
     assert combiner.calls == 3
+
+
+def test_a_batch_arriving_during_a_call_goes_at_once_in_a_second_call_but_no_third(
+        pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    """While one call waits for its storage node, the next batches need not wait for it (CALLS at once)."""
+    applier = Recording(pause=0.3)
+    combiner = Combiner(applier, pool)
+
+    async def scenario() -> None:
+        first = asyncio.create_task(combiner.apply(["a"], []))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(combiner.apply(["b"], []))
+        await asyncio.sleep(0.05)  # two calls under way: these wait for one of them to end
+        await asyncio.gather(first, second, *(combiner.apply([f"c{i}"], []) for i in range(3)))
+    asyncio.run(scenario())
+    assert applier.calls == [["a"], ["b"], ["c0", "c1", "c2"]]
+    (_, a_end), (b_start, b_end), (c_start, _) = sorted(applier.spans)
+    assert b_start < a_end  # "b" did not wait for "a"
+    assert c_start >= min(a_end, b_end) - 0.01  # the third call waited for one of them to end
 
 
 def test_a_failed_call_fails_every_batch_in_it_and_the_next_call_goes_on(
