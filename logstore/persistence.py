@@ -130,6 +130,9 @@ class NodeRecorder(ABC):
     #: Reads of the node's logs worth running at once from one process: a server answers several while
     #: the process decodes pages; an embedded database's reads run in the process, on its CPU and GIL.
     parallel_reads = 4
+    #: Write transactions of one process worth running at once (of different shards): a server overlaps one's
+    #: statements with another's commit; an embedded database has one writer.
+    parallel_writes = 2
 
     @abstractmethod
     def read_meta(self, retry: RetryPolicy | None = None) -> NodeMeta | None:

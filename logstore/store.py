@@ -150,6 +150,12 @@ class Store:
         read-ahead of the readers that tail the store."""
         return min(r.parallel_reads for r in self._recorders.values())
 
+    @property
+    def parallel_writes(self) -> int:
+        """Write transactions of different shards worth running at once from one process (the least any node
+        gains from): the calls an index applier makes at once."""
+        return min(r.parallel_writes for r in self._recorders.values())
+
     def node_config(self, entry: MapNode) -> NodeConfig:
         """How this process opens the node of a shard map entry (:meth:`MapNode.config_over` the cluster
         file's entry of that name, which gives the passwords).

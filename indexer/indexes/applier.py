@@ -63,6 +63,9 @@ class IndexApplier:
         self.name = handler_name(definition)
         self.dropped = False
         self.result = ApplyResult()
+        # Applies of different shards at once: a server's commits overlap, an embedded database has one writer.
+        self.calls_at_once = store.parallel_writes
+        self._result_lock = threading.Lock()
 
     def prepare(self, cell: Cell) -> IndexChange:
         """The cell's change: a tombstone's removes the row's entry (``values`` None); EntryFieldError
@@ -84,7 +87,8 @@ class IndexApplier:
             if not exc.retriable and self._was_dropped():
                 return ApplyResult(skipped=len(changes))
             raise
-        self.result += result
+        with self._result_lock:
+            self.result += result
         return result
 
     def apply_one(self, cell: Cell) -> None:

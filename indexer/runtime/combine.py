@@ -3,10 +3,11 @@
 Cells arrive as one batch per shard (or partition), and a shard's next batch waits
 for its previous one. Applied one batch per call, an index spends a transaction per
 shard and batch: under a load spread over many shards, many tiny transactions a second,
-queueing for the storage nodes. The :class:`Combiner` instead runs at most ``CALLS`` calls
-at a time per applier; the batches that arrive meanwhile (or in the same turn of the
-event loop: a poll of every shard) wait and go together in the next call, so the
-calls grow with the load and the transactions per second stay few. Two at once, so that
+queueing for the storage nodes. The :class:`Combiner` instead runs one call at a time
+per applier (or ``calls`` at once, for an applier whose store gains from it); the
+batches that arrive meanwhile (or in the same turn of the event loop: a poll of every
+shard) wait and go together in the next call, so the calls grow with the load and the
+transactions per second stay few. An index on a MySQL store runs two at once, so that
 the statements of one overlap the other's wait for its commit to be flushed
 (docs/benchmarks.md, secondary indexes). Calls at once never share a shard: a shard's
 next batch waits for its previous one.
@@ -27,7 +28,6 @@ from typing import Any, Protocol
 
 from logstore import Cell
 
-CALLS = 2  # calls of one applier under way at once
 MAX_COMBINED = 5000  # changes in one call: bounds a transaction when every shard has a backlog
 
 
@@ -36,11 +36,13 @@ class Applier(Protocol):
 
 
 class Combiner:
-    """One applier's calls, ``CALLS`` at a time, each taking every batch waiting (up to MAX_COMBINED changes)."""
+    """One applier's calls, ``calls`` at a time (its ``apply`` must take that many at once), each taking every
+    batch waiting (up to MAX_COMBINED changes)."""
 
-    def __init__(self, applier: Applier, pool: concurrent.futures.Executor) -> None:
+    def __init__(self, applier: Applier, pool: concurrent.futures.Executor, calls: int = 1) -> None:
         self._applier = applier
         self._pool = pool
+        self._calls = calls
         self._waiting: deque[tuple[Sequence[Any], Sequence[Cell], asyncio.Future[None]]] = deque()
         self._tasks: list[asyncio.Task[None]] = []
         self.calls = 0  # for tests and metrics: how many calls the batches took
@@ -51,7 +53,7 @@ class Combiner:
         future: asyncio.Future[None] = loop.create_future()
         self._waiting.append((prepared, batch, future))
         self._tasks = [t for t in self._tasks if not t.done() and t.get_loop() is loop]  # (an app run again)
-        if len(self._tasks) < CALLS:
+        if len(self._tasks) < self._calls:
             self._tasks.append(asyncio.create_task(self._run(), name="combiner"))
         await future
 

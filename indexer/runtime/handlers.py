@@ -66,7 +66,8 @@ def _shard_of(item: tuple[Cell, dict[str, Any]]) -> int:
 class BatchApplier(Protocol):
     """A handler that takes a whole batch of a column's cells at once (an index version, a sink). One that
     only buffers what it applied also has ``flush()`` (blocking), which :meth:`Processor.checkpoint` calls
-    before the source commits positions."""
+    before the source commits positions. ``apply`` is called once at a time, or up to ``calls_at_once`` times
+    at once (from as many threads, with batches of different shards) where the applier has that attribute."""
 
     name: str
 
@@ -327,7 +328,8 @@ class Processor:
         started = time.perf_counter()
         combiner = self._combiners.get(trigger.name)
         if combiner is None:
-            combiner = self._combiners[trigger.name] = Combiner(applier, self._pool)
+            combiner = self._combiners[trigger.name] = Combiner(applier, self._pool,
+                                                                getattr(applier, "calls_at_once", 1))
         outcome = await deliver(lambda: combiner.apply(prepared, batch), trigger.max_attempts, self.config.backoff,
                                 on_retry=retrying, **self._timing)
         if outcome.ok:

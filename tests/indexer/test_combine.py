@@ -52,9 +52,9 @@ def test_batches_of_one_turn_go_in_one_call_and_later_ones_in_the_next(
 
 def test_a_batch_arriving_during_a_call_goes_at_once_in_a_second_call_but_no_third(
         pool: concurrent.futures.ThreadPoolExecutor) -> None:
-    """While one call waits for its storage node, the next batches need not wait for it (CALLS at once)."""
+    """While one call waits for its storage node, the next batches need not wait for it (two calls at once)."""
     applier = Recording(pause=0.3)
-    combiner = Combiner(applier, pool)
+    combiner = Combiner(applier, pool, calls=2)
 
     async def scenario() -> None:
         first = asyncio.create_task(combiner.apply(["a"], []))

@@ -63,6 +63,8 @@ class HttpRecorder(NodeRecorder):
     """The worker node at ``target`` holding every shard (see the module docstring). ``token`` is the Bearer
     token of its requests; None: the CELLSTREAM_TOKEN environment variable's, if set."""
 
+    parallel_writes = 1  # the node's own store may be SQLite, with its one writer
+
     def __init__(self, name: str, target: HttpTarget, options: StoreOptions, token: str | None = None) -> None:
         # Where the token came from, for a refusal's message (never the token itself).
         self._token_source = "the token argument" if token is not None else None

@@ -268,6 +268,7 @@ class SQLiteRecorder(NodeRecorder):
     # Reads run in this process: several at once queue for the GIL between each sqlite3 step and the
     # decoding of its rows, costing more CPU than one after another (docs/logstore.md, "Read concurrency").
     parallel_reads = 1
+    parallel_writes = 1  # SQLite's one writer: a second would sleep in its busy handler
 
     def __init__(self, name: str, target: SQLiteTarget, options: StoreOptions) -> None:
         if sqlite3.sqlite_version_info < _SQLITE_NEEDED:  # as documented (the old offsets table needed RETURNING)
