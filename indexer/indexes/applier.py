@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from types import EllipsisType
 from typing import Any
 
 from indexer.errors import IndexNotFoundError, IndexStateError, InvalidQueryError
@@ -65,6 +66,9 @@ class IndexApplier:
         self.result = ApplyResult()
         # Applies of different shards at once: a server's commits overlap, an embedded database has one writer.
         self.calls_at_once = store.parallel_writes
+        # The stream whose positions a batch moves: None in a replay (indexer.runtime.replay), whose range may
+        # begin past the live position; moving that would make the live applier skip the cells in between.
+        self.stream: Stream | None = "live"
         self._result_lock = threading.Lock()
 
     def prepare(self, cell: Cell) -> IndexChange:
@@ -73,9 +77,12 @@ class IndexApplier:
         return change_of(self.definition, cell)
 
     def apply(self, changes: Sequence[IndexChange], batch: Sequence[Cell] = (), *,
-              stream: Stream | None = "live") -> ApplyResult:
-        """(blocking) Apply a batch, recording the stream's position with it: past every cell of ``batch``
-        (its cells that were dead-lettered included), or past the last change."""
+              stream: Stream | EllipsisType | None = ...) -> ApplyResult:
+        """(blocking) Apply a batch, recording the stream's position with it (``stream``, default the applier's
+        :attr:`stream`; None records none): past every cell of ``batch`` (its cells that were dead-lettered
+        included), or past the last change."""
+        if stream is ...:
+            stream = self.stream
         if self.dropped:
             return ApplyResult(skipped=len(changes))
         through: dict[int, int] = {}

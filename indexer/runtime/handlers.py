@@ -27,7 +27,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from indexer.errors import HandlerStalledError, RetriableError
 from indexer.runtime.combine import Combiner
@@ -66,8 +66,10 @@ def _shard_of(item: tuple[Cell, dict[str, Any]]) -> int:
 class BatchApplier(Protocol):
     """A handler that takes a whole batch of a column's cells at once (an index version, a sink). One that
     only buffers what it applied also has ``flush()`` (blocking), which :meth:`Processor.checkpoint` calls
-    before the source commits positions. ``apply`` is called once at a time, or up to ``calls_at_once`` times
-    at once (from as many threads, with batches of different shards) where the applier has that attribute."""
+    before the source commits positions. The batches of a column go to ``apply`` one call at a time, or up to
+    ``calls_at_once`` calls at once (batches of different shards) where the applier has that attribute; the
+    cell-by-cell fallback and redrives may call it from other threads meanwhile. One that records a stream's
+    positions is also a :class:`PositionedApplier`."""
 
     name: str
 
@@ -77,6 +79,14 @@ class BatchApplier(Protocol):
     def apply(self, prepared: Sequence[Any], batch: Sequence[Cell]) -> Any:
         """(blocking) Apply the prepared cells in order; idempotent, so a batch may be applied again.
         ``batch`` is every cell of the batch, those dead-lettered already included (positions pass them)."""
+
+
+@runtime_checkable
+class PositionedApplier(Protocol):
+    """A batch applier that records a stream's positions with its batches (an index version): ``stream`` names
+    it, and None records none (what a replay sets while it runs)."""
+
+    stream: str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,8 +338,8 @@ class Processor:
         started = time.perf_counter()
         combiner = self._combiners.get(trigger.name)
         if combiner is None:
-            combiner = self._combiners[trigger.name] = Combiner(applier, self._pool,
-                                                                getattr(applier, "calls_at_once", 1))
+            calls = min(getattr(applier, "calls_at_once", 1), self.config.concurrency)  # the pool's threads
+            combiner = self._combiners[trigger.name] = Combiner(applier, self._pool, calls)
         outcome = await deliver(lambda: combiner.apply(prepared, batch), trigger.max_attempts, self.config.backoff,
                                 on_retry=retrying, **self._timing)
         if outcome.ok:

@@ -12,7 +12,9 @@ steps' parameters, so a resumed job replays the same cells whatever was written 
 after the app's buffering handlers flushed (flush-before-commit, as the live app commits), at most every
 ``commit_interval`` of the app. A runner killed at any point resumes from the last commit: every cell of the
 range is delivered at least once, in per-shard order. The live consumer (``app.<name>``) is never read nor
-written, and runs on.
+written, and runs on; nor are the positions an index applier records with its batches (a range beginning past
+them would make the live applier skip the cells in between): it applies the replay's without
+(:class:`~indexer.runtime.handlers.PositionedApplier`).
 
 **Delivery** is the live app's: reads of many shards at a time (:meth:`logstore.Store.read_pages`, about a page
 each, the store's ``parallel_reads`` of them under way within the app's ``max_in_flight`` cells, as the live
@@ -42,6 +44,7 @@ from typing import Any, ClassVar, NamedTuple
 from indexer.errors import ConfigurationError
 from indexer.runtime.app import App
 from indexer.runtime.direct import HandlerSink
+from indexer.runtime.handlers import PositionedApplier
 from logstore import CorruptCellError, LogstoreError, Store, TruncatedPage, UndecodedPages
 from logstore.cell import Cell
 from logstore.errors import InvalidArgumentError, JobLeaseLostError, JobNotFoundError
@@ -234,6 +237,20 @@ class _StepRun:
         self.commit_every = config.commit_every(kafka=False)
 
     async def run(self) -> None:
+        # Appliers that record a stream's positions (an index version's) apply without: the live stream's are
+        # the live applier's alone, and a range beginning past them would make it skip the cells in between.
+        appliers: list[PositionedApplier] = []
+        for trigger in self.app.triggers:
+            if isinstance(trigger.applier, PositionedApplier):
+                appliers.append(trigger.applier)
+                trigger.applier.stream = None
+        try:
+            await self._run()
+        finally:
+            for applier in appliers:
+                applier.stream = "live"
+
+    async def _run(self) -> None:
         processor = self.app.processor
         await asyncio.to_thread(processor.load_open_counts)
         processor.stalled = None

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime as dt
+import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -17,14 +20,18 @@ from logstore import Cell
 class Recording:
     def __init__(self, pause: float = 0.0, fail: Exception | None = None) -> None:
         self.calls: list[list[Any]] = []
-        self.spans: list[tuple[float, float]] = []  # (start, end) of each call, in the order they started
+        self.spans: list[tuple[float, float]] = []  # (start, end) of each call, in the order of calls
         self.pause, self.fail = pause, fail
+        self._lock = threading.Lock()
 
     def apply(self, prepared: Sequence[Any], batch: Sequence[Cell]) -> None:
-        self.calls.append(list(prepared))
         started = time.monotonic()
+        with self._lock:
+            self.calls.append(list(prepared))
+            self.spans.append((started, started))
+            n = len(self.spans) - 1
         time.sleep(self.pause)
-        self.spans.append((started, time.monotonic()))
+        self.spans[n] = (started, time.monotonic())
         if self.fail is not None:
             raise self.fail
 
@@ -64,9 +71,33 @@ def test_a_batch_arriving_during_a_call_goes_at_once_in_a_second_call_but_no_thi
         await asyncio.gather(first, second, *(combiner.apply([f"c{i}"], []) for i in range(3)))
     asyncio.run(scenario())
     assert applier.calls == [["a"], ["b"], ["c0", "c1", "c2"]]
-    (_, a_end), (b_start, b_end), (c_start, _) = sorted(applier.spans)
+    (_, a_end), (b_start, b_end), (c_start, _) = applier.spans
     assert b_start < a_end  # "b" did not wait for "a"
     assert c_start >= min(a_end, b_end) - 0.01  # the third call waited for one of them to end
+
+
+def cell_of(shard: int) -> Cell:
+    return Cell(uuid.uuid4(), "BASE", 1, {}, 1, shard, dt.datetime.now(dt.UTC))
+
+
+def test_a_batch_of_a_shard_a_call_holds_waits_for_that_call_even_when_its_waiter_gave_up(
+        pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    """A partition revoked while its batch is applied, then handed out again: the batch that comes again must not
+    be applied beside the first call, still running in its thread, while a batch of another shard goes at once."""
+    applier = Recording(pause=0.3)
+    combiner = Combiner(applier, pool, calls=2)
+
+    async def scenario() -> None:
+        first = asyncio.create_task(combiner.apply(["x1"], [cell_of(1)]))
+        await asyncio.sleep(0.05)
+        first.cancel()  # given up on; the call goes on in its thread
+        again = asyncio.create_task(combiner.apply(["x1 again"], [cell_of(1)]))
+        other = asyncio.create_task(combiner.apply(["y2"], [cell_of(2)]))
+        await asyncio.gather(again, other)
+    asyncio.run(scenario())
+    spans = dict(zip([call[0] for call in applier.calls], applier.spans, strict=True))
+    assert spans["y2"][0] < spans["x1"][1]  # another shard: a second call at once
+    assert spans["x1 again"][0] >= spans["x1"][1]  # the same shard: after the first call's thread returned
 
 
 def test_a_failed_call_fails_every_batch_in_it_and_the_next_call_goes_on(

@@ -20,10 +20,13 @@ from indexer.indexes.applier import Index, IndexApplier, lag
 from indexer.indexes.backfill import backfill
 from indexer.indexes.catalog import IndexCatalog
 from indexer.indexes.verify import verify
+from indexer.runtime.replay import Replay, replay_params
+from logstore.jobs import JobRunner, KindRegistry, RunnerConfig
 from tests.harness.app_worker import kill_mid_handler_then_drain
 from tests.harness.index_support import T0, actual, expected, row_keys, seed, trip
 
 SHARDS = 8
+FAST_JOBS = RunnerConfig(lease_seconds=5.0, poll_seconds=0.05, progress_seconds=0.1, backoff_seconds=0.05)
 
 
 @pytest.fixture
@@ -95,6 +98,27 @@ def test_queries_refuse_what_they_cannot_answer(store: logstore.Store, yaml_file
             pinned.query(**kwargs)
     with pytest.raises(IndexStateError, match="not backfilled yet"):
         IndexCatalog(store).activate("driver_partner_index", 1)
+
+
+def test_a_replay_past_the_live_position_leaves_no_hole_in_the_index(store: logstore.Store, yaml_file: Path) -> None:
+    """The live applier has not reached the first cells when a replay of the later ones runs: the replay applies
+    its range without moving the live stream's positions, so the live applier still applies the first cells."""
+    drivers, cities = [uuid.uuid4() for _ in range(3)], [uuid.uuid4() for _ in range(2)]
+    store.put_cells([(uuid.uuid4(), "BASE", 1, trip(drivers[i % 3], cities[i % 2], i)) for i in range(30)])
+    after_first = ",".join(f"{shard}:{location}" for shard, location in sorted(store.heads().items()))
+    store.put_cells([(uuid.uuid4(), "BASE", 1, trip(drivers[i % 3], cities[i % 2], 100 + i)) for i in range(30)])
+    replaying = App("trips", store=store)
+    replaying.index(yaml_file)
+    runner = JobRunner(store, KindRegistry([Replay(store, lambda _params: (replaying, lambda: None))]), FAST_JOBS)
+    job = runner.submit("replay", replay_params(replaying, {"app": "test"}, start=after_first))
+    assert job.total == 30 and runner.run(job.id).state == "done"
+    replaying.close()
+    definition = seed()
+    assert len(actual(store, definition)) == 30  # the replay's range, applied
+    counts, _ = drain(store, yaml_file)  # the live applier, from the beginning
+    assert counts.processed == 60
+    assert actual(store, definition) == expected(store, definition) and len(expected(store, definition)) == 60
+    assert lag(store, definition) == (0, 0.0)
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "mysql"])

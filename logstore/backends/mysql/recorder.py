@@ -353,6 +353,8 @@ class MySQLRecorder(NodeRecorder):
         self._without_tls: set[MySQLTarget] = set()  # PREFERRED nodes found to offer no TLS
         wait = options.connect_timeout + options.read_timeout
         self._pool = Pool(self._connect, options.pool_size, wait)
+        # An apply holds its node's connection while it writes another node's entries on one of that node's.
+        self.parallel_writes = min(self.parallel_writes, options.pool_size)
         self._replicas = [Pool(partial(self._replica_connect, r), options.pool_size, wait) for r in replicas]
         self._replica_targets = list(replicas)
         self.fallback = ReadFallback(name)
