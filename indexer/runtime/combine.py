@@ -108,9 +108,10 @@ class Combiner:
                 cells = [c for item in group for c in item[1]]
                 shards = [cell.shard for cell in cells] if self._calls > 1 else []
                 self.calls += 1
-                self._busy.update(shards)
                 call = self._pool.submit(self._applier.apply, prepared, cells)
-                call.add_done_callback(functools.partial(self._returned, loop, shards))
+                if shards:
+                    self._busy.update(shards)
+                    call.add_done_callback(functools.partial(self._returned, loop, shards))
                 try:
                     await asyncio.wrap_future(call)
                 except Exception as exc:
