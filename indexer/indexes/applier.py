@@ -214,11 +214,13 @@ def _as_indexer_errors() -> Iterator[None]:
 def lag(store: Store, definition: IndexDefinition) -> tuple[int, float]:
     """How far live processing of a version is behind the log: the cells of its column after its
     positions, and the age in seconds of the oldest of them (0 when none). The first cell after every
-    position comes in one read of many shards; only the shards that have one are counted."""
+    position comes in one read of many shards; the shards that have one are counted in a few reads per
+    storage node."""
     positions = store.indexes.positions(definition.spec, "live")
     column = [definition.column]
     locations = {shard: positions[shard].location if shard in positions else 0 for shard in range(store.shard_count)}
-    behind, oldest = 0, None
+    pending: dict[int, int] = {}
+    oldest = None
     for shard, page in store.get_cells_for_shards(locations, 1, columns=column).items():
         if isinstance(page, CorruptCellError):
             created = page.created_at  # a damaged cell lags like any other
@@ -226,8 +228,9 @@ def lag(store: Store, definition: IndexDefinition) -> tuple[int, float]:
             created = page[0].created_at
         else:
             continue
-        behind += store.count_after(shard, locations[shard], columns=column)
+        pending[shard] = locations[shard]
         if created is not None and (oldest is None or created < oldest):
             oldest = created
+    behind = sum(store.counts_after(pending, columns=column).values()) if pending else 0
     seconds = (dt.datetime.now(dt.UTC) - oldest).total_seconds() if oldest is not None else 0.0
     return behind, max(0.0, seconds)
