@@ -416,6 +416,8 @@ class App:
         recounts = asyncio.create_task(_recount_open(processor, self.config.dlq_recount_interval),
                                        name=f"{self.name}-recount-open")
         redrives = asyncio.create_task(redriver.run(), name=f"{self.name}-redrive")
+        # One waiter for the whole run: wait_for() would make a task of stop.wait() and cancel it at every look.
+        stopped = None if stop is None else asyncio.ensure_future(stop.wait())
         try:
             while not done(runner, since):
                 ticks.due()
@@ -429,12 +431,13 @@ class App:
                                          f"{len(runner.lost_shards())} shards; this one stops")
                 if deadline is not None and time.monotonic() > deadline:
                     raise DrainTimeoutError(timeout or 0, processor.counts - before)
-                if stop is None:
+                if stopped is None:
                     await asyncio.sleep(_WATCH)
                 else:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), ticks.wait(_RUN_WATCH))
+                    await asyncio.wait((stopped,), timeout=ticks.wait(_RUN_WATCH))
         finally:
+            if stopped is not None:
+                stopped.cancel()
             recounts.cancel()
             redriver.stop()  # a redrive under way finishes: its entry must not stay `replayed`
             await runner.stop()

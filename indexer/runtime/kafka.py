@@ -47,8 +47,9 @@ from tailer.security import PLAINTEXT, KafkaSecurity, diagnose
 
 logger = logging.getLogger(__name__)
 TP = tuple[str, int]
-_WATCH_INTERVAL = 1.0  # positions for the lag metric
+_WATCH_INTERVAL = 5.0  # positions for the lag metric (as often as an index version's lag)
 _DRAIN_WATCH_INTERVAL = 0.1  # while drain() waits for the end
+_MISSING_TOPICS_INTERVAL = 30.0  # between looks for subscribed topics not there yet (a log line; librdkafka subscribes)
 _METADATA_MAX_AGE_MS = 3000
 # librdkafka's prefetch: enough to keep a fast handler busy, far below its default of 64 MB (peak RSS).
 _QUEUED_KBYTES = 8192
@@ -218,6 +219,7 @@ class KafkaRunner:
         self._assigned_once = False
         self._waiting: set[str] = set()  # subscribed topics that do not exist yet, each logged once
         self._found: set[str] = set()  # subscribed topics seen to exist
+        self._topics_looked = float("-inf")  # when the missing topics were last looked for
         self._rebalancing = False
         self._draining = False
         self._wake = asyncio.Event()
@@ -557,10 +559,13 @@ class KafkaRunner:
 
     async def _note_missing_topics(self) -> None:
         """Log once each subscribed topic that does not exist yet, and once more when it appears (a metadata
-        request for every topic, which names none, while one is missing)."""
+        request for every topic, which names none, every ``_MISSING_TOPICS_INTERVAL`` while one is missing: the
+        tailer's dead-letter topic may never exist, and the answer names every topic of the cluster)."""
         subscribed = {*self.topics, self.tailer_deadletters}
-        if self._probe is None or self._found >= subscribed:
+        now = time.monotonic()
+        if self._probe is None or self._found >= subscribed or now - self._topics_looked < _MISSING_TOPICS_INTERVAL:
             return
+        self._topics_looked = now
         found = await self._probe.topics()
         for topic in sorted(subscribed):
             if topic not in found and topic not in self._waiting:
