@@ -26,7 +26,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -53,8 +53,9 @@ class Combiner:
         self._waiting: deque[_Waiter] = deque()
         self._tasks: list[asyncio.Task[None]] = []
         # Shards of the calls under way, until their thread returns (a waiter given up on does not stop it):
-        # a batch of one of them waits for that call, so that a shard's batches are applied in order.
-        self._busy: Counter[int] = Counter()
+        # a batch of one of them waits for that call, so that a shard's batches are applied in order. Calls at
+        # once never share a shard, so a set.
+        self._busy: set[int] = set()
         self.calls = 0  # for tests and metrics: how many calls the batches took
 
     async def apply(self, prepared: Sequence[Any], batch: Sequence[Cell]) -> None:
@@ -86,7 +87,7 @@ class Combiner:
                 break
             if self._calls > 1:
                 shards = {cell.shard for cell in item[1]}
-                if shards & blocked or any(shard in self._busy for shard in shards):
+                if shards & blocked or shards & self._busy:
                     blocked |= shards
                     held.append(item)
                     continue
@@ -106,11 +107,11 @@ class Combiner:
                     return  # what waits is held by a call under way, whose end starts a runner again
                 prepared = [p for item in group for p in item[0]]
                 cells = [c for item in group for c in item[1]]
-                shards = [cell.shard for cell in cells] if self._calls > 1 else []
+                shards = {cell.shard for cell in cells} if self._calls > 1 else set()
                 self.calls += 1
                 call = self._pool.submit(self._applier.apply, prepared, cells)
                 if shards:
-                    self._busy.update(shards)
+                    self._busy |= shards
                     call.add_done_callback(functools.partial(self._returned, loop, shards))
                 try:
                     await asyncio.wrap_future(call)
@@ -128,16 +129,13 @@ class Combiner:
                 future.cancel()
             self._waiting.clear()
 
-    def _returned(self, loop: asyncio.AbstractEventLoop, shards: list[int], _call: concurrent.futures.Future[Any],
+    def _returned(self, loop: asyncio.AbstractEventLoop, shards: set[int], _call: concurrent.futures.Future[Any],
                   ) -> None:
         """(in the call's thread) Its shards are free once its thread returned, whoever still waits for it."""
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing waits any more
             loop.call_soon_threadsafe(self._release, loop, shards)
 
-    def _release(self, loop: asyncio.AbstractEventLoop, shards: list[int]) -> None:
-        self._busy.subtract(shards)
-        for shard in shards:
-            if self._busy[shard] <= 0:
-                self._busy.pop(shard, None)
+    def _release(self, loop: asyncio.AbstractEventLoop, shards: set[int]) -> None:
+        self._busy -= shards
         if self._waiting:
             self._start(loop)
