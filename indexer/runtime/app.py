@@ -401,11 +401,16 @@ class App:
         for trigger in self.triggers:
             self.metrics.stalled.labels(self.name, trigger.name).set(0)
         before = processor.counts
-        redriver = await self._redriver(processor)
+        # Beside the runner's start: finding the policy's key is a search of its shard (CPU), the start waits
+        # on the store.
+        seeding = asyncio.create_task(self._redriver(processor), name=f"{self.name}-seed-policy")
         runner = self._runner()
         since = time.monotonic()
         deadline = None if timeout is None else since + timeout
-        await runner.start()
+        try:
+            await runner.start()
+        finally:
+            redriver = await seeding
         try:
             for hook in self.hooks:
                 await asyncio.to_thread(hook.started)

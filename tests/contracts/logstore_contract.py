@@ -440,6 +440,22 @@ class StoreContract:
         with pytest.raises(InvalidArgumentError, match="limit"):
             store.get_cells_for_shards({0: 0, 1: 0}, 0)
 
+    def test_a_many_shard_read_of_some_columns_reaches_past_the_other_columns_cells(
+        self, store: logstore.Store
+    ) -> None:
+        """A page of some columns holds the next ``limit`` of their cells, however many cells of other columns
+        come first (a read by ranges of ids sees only ``limit`` ids of a shard at a time)."""
+        layouts = {0: "SSSSSBBB", 1: "BB", 2: "BBBBBB", 3: "BSBSBB", 4: "SSSS", 5: "SSSSB"}
+        for shard, layout in layouts.items():
+            key = keys_in_shard(store, shard, 1)[0]
+            for ref, column in enumerate(layout, 1):
+                store.put_cell(key, "BASE" if column == "B" else "STATUS", ref, {"ref": ref})
+        pages = store.get_cells_for_shards(dict.fromkeys(layouts, 0), 4, columns=["BASE"])
+        assert {shard: [c.ref_key for c in page] for shard, page in pages.items()} == {
+            0: [6, 7, 8], 1: [1, 2], 2: [1, 2, 3, 4], 3: [1, 3, 5, 6], 4: [], 5: [5]}
+        packed = store.get_packed_cells_for_shards(dict.fromkeys(layouts, 0), 4, columns=["BASE"])
+        assert {shard: [c.to_cell() for c in page] for shard, page in packed.items()} == pages
+
     def test_packed_pages_hold_the_same_cells_with_the_stored_messagepack_of_each_body(
         self, store: logstore.Store
     ) -> None:

@@ -168,22 +168,43 @@ def _after(columns: Sequence[str] | None, reserved: bool = True) -> tuple[str, l
             + ("" if reserved else " AND LEFT(column_name, 1) <> '_'"), list(columns or ()))
 
 
-def _dense_pages(locations: Sequence[tuple[int, int]], limit: int) -> tuple[str, list[int]]:
+def _dense_pages(locations: Sequence[tuple[int, int]], limit: int,
+                 columns: Sequence[str] | None = None) -> tuple[str, list[Any]]:
     """One query of the pages of many shards, relying on dense ids: a shard's page after location L is the
     id range (L, L + limit]. Shards at the same location share one index range (``shard IN (...) AND
     added_id BETWEEN ...``), so a scan from one location is a single range, and every range is exact: no
     row outside a page is sent (a shared range over nearby locations re-sent rows already read, which the
     driver parsed at great cost), and the query never evaluates a long OR for each row (which cost MariaDB
-    quadratic time)."""
+    quadratic time).
+
+    With ``columns`` the range holds that many ids of any column, so it gives a whole page only where it
+    holds ``limit`` of the columns' cells or the shard ends within it: each range comes with the id after
+    it, of any column, as a row ``(shard, added_id, NULL)``: where that id exists and the range held fewer, the
+    shard's page is read again with a ``LIMIT`` (:func:`_limited_pages`)."""
     groups: dict[int, list[int]] = {}
     for shard, location in locations:
         groups.setdefault(location, []).append(shard)
+    named = f" AND column_name IN ({', '.join(['%s'] * len(columns))})" if columns else ""
     parts, args = [], []
     for location, shards in groups.items():
-        parts.append(f"(SELECT {LOG_COLUMNS} FROM cells WHERE shard IN ({', '.join(['%s'] * len(shards))})"
-                     " AND added_id BETWEEN %s AND %s)")
-        args += [*shards, location + 1, location + limit]
+        marks = ", ".join(["%s"] * len(shards))
+        parts.append(f"(SELECT {LOG_COLUMNS} FROM cells WHERE shard IN ({marks}) AND added_id BETWEEN %s AND %s"
+                     f"{named})")
+        args += [*shards, location + 1, location + limit, *(columns or ())]
+        if columns:
+            parts.append(f"(SELECT shard, added_id, NULL FROM cells WHERE shard IN ({marks}) AND added_id = %s)")
+            args += [*shards, location + limit + 1]
     return " UNION ALL ".join(parts), args
+
+
+def _limited_pages(locations: Sequence[tuple[int, int]], limit: int,
+                   columns: Sequence[str] | None) -> tuple[str, list[Any]]:
+    """One query of the pages of many shards, a ``LIMIT``ed part each: exact whatever the ids' holes, and a
+    part to plan and run for every shard."""
+    where, extra = _after(columns)
+    sql = " UNION ALL ".join([f"(SELECT {LOG_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s)"]
+                             * len(locations))
+    return sql, [a for shard, location in locations for a in (shard, location, *extra, limit)]
 
 
 # A cell of a log block (logstore.log_blocks): its ASCII head, row key and stored body.
@@ -909,28 +930,39 @@ class MySQLRecorder(NodeRecorder):
         self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool,
         budget: ReadBudget,
     ) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
-        """One query for all the pages (:func:`_dense_pages`; a ``LIMIT``ed part per shard for some columns)."""
+        """One query for all the pages by ranges of ids (:func:`_dense_pages`), a ``LIMIT``ed part for a shard
+        read from below its floor; with ``columns``, a second query for the shards whose range fell short."""
         to_cell: Callable[[Any, int], tuple[AnyCell, int]] = (_log_row_to_packed_cell if packed
                                                               else _log_row_to_cell)
         if len(locations) < 2:  # one shard: its own page query
             rows = {shard: self._log_rows(shard, location, limit, columns) for shard, location in locations}
             return partial(decode_pages, rows, to_cell, _ADDED_ID, self._max_body, budget)
-        args: Sequence[object]
-        gappy = set() if columns else self._gappy(locations)
-        if columns or gappy:  # the cells of some columns, or below a floor, are not dense: a LIMIT each
-            where, extra = _after(columns)
-            limited = [(s, loc) for s, loc in locations if columns or s in gappy]
-            sql = " UNION ALL ".join(
-                [f"(SELECT {LOG_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s)"] * len(limited))
-            args = [a for shard, location in limited for a in (shard, location, *extra, limit)]
-            if dense := [(s, loc) for s, loc in locations if not columns and s not in gappy]:
-                more, more_args = _dense_pages(dense, limit)
-                sql, args = f"{sql} UNION ALL {more}", [*args, *more_args]
-        else:
-            sql, args = _dense_pages(locations, limit)
+        # Shards read from below their floor may have holes in their ids: a LIMIT each; the others by ranges.
+        gappy = self._gappy(locations)
+        parts, args = [], []
+        if limited := [(s, loc) for s, loc in locations if s in gappy]:
+            sql, more_args = _limited_pages(limited, limit, columns)
+            parts.append(sql)
+            args += more_args
+        if dense := [(s, loc) for s, loc in locations if s not in gappy]:
+            sql, more_args = _dense_pages(dense, limit, columns)
+            parts.append(sql)
+            args += more_args
         by_shard: dict[int, list[tuple[Any, ...]]] = {shard: [] for shard, _ in locations}
-        for row in self._read(sql, args):
-            by_shard[row[0]].append(row)
+        beyond: set[int] = set()
+        for row in self._read(" UNION ALL ".join(parts), args):
+            if row[2] is None:  # the id after a shard's range (columns only)
+                beyond.add(row[0])
+            else:
+                by_shard[row[0]].append(row)
+        # A range of ids held too few of the columns' cells, and the shard goes on: the page is read again.
+        if short := [shard for shard in beyond if len(by_shard[shard]) < limit]:
+            where = dict(locations)
+            sql, more_args = _limited_pages([(shard, where[shard]) for shard in short], limit, columns)
+            for shard in short:
+                by_shard[shard] = []
+            for row in self._read(sql, more_args):
+                by_shard[row[0]].append(row)
         return partial(decode_pages, by_shard, to_cell, _ADDED_ID, self._max_body, budget)
 
     def read_blocks(self, ranges: Sequence[tuple[int, int, int]]) -> list[LogBlock]:
