@@ -401,16 +401,11 @@ class App:
         for trigger in self.triggers:
             self.metrics.stalled.labels(self.name, trigger.name).set(0)
         before = processor.counts
-        # Beside the runner's start: finding the policy's key is a search of its shard (CPU), the start waits
-        # on the store.
-        seeding = asyncio.create_task(self._redriver(processor), name=f"{self.name}-seed-policy")
+        redriver = await self._redriver(processor)
         runner = self._runner()
         since = time.monotonic()
         deadline = None if timeout is None else since + timeout
-        try:
-            await runner.start()
-        finally:
-            redriver = await seeding
+        await runner.start()
         try:
             for hook in self.hooks:
                 await asyncio.to_thread(hook.started)

@@ -560,7 +560,7 @@ class StoreContract:
             store.count_after(shard, 0, columns="BASE")
 
     def test_counts_after_of_many_shards_equal_each_count_after(self, store: logstore.Store) -> None:
-        keys = [k for s in range(self.shards) for k in keys_in_shard(store, s, 1)]
+        keys = list(key_per_shard(store, range(self.shards)).values())
         store.put_cells([(k, column, ref, {}) for i, k in enumerate(keys) for column in ("BASE", "OTHER")
                          for ref in range(1, 2 + i % 4)])
         locations = {s: (store.head(s) // 3 if s % 2 else 0) for s in range(self.shards)}

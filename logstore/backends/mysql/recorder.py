@@ -151,6 +151,10 @@ _INSERT = f"INSERT INTO cells ({CELL_COLUMNS}) VALUES "
 # Taken once all shard locks of a write are held, so created_at never decreases along a shard's ids.
 _TIMESTAMP = "CAST(@cs_t := UTC_TIMESTAMP(6) AS DATETIME(6))"
 _SAME_CELL = "(row_key = %s AND column_name = %s AND ref_key = %s)"
+_HEADS_PAST = "SELECT GROUP_CONCAT(shard), GROUP_CONCAT(last_id) FROM cellstream_shards WHERE last_id > %s"
+# A read of up to so many shards names them (a lookup each); of more, it scans the node's shard rows, where a
+# list of thousands would cost MariaDB a join (its IN lists of 1,000 values or more become tables).
+_HEADS_NAMED = 512
 
 
 def _escaped_size(value: object) -> int:
@@ -177,23 +181,17 @@ def _dense_pages(locations: Sequence[tuple[int, int]], limit: int,
     driver parsed at great cost), and the query never evaluates a long OR for each row (which cost MariaDB
     quadratic time).
 
-    With ``columns`` the range holds that many ids of any column, so it gives a whole page only where it
-    holds ``limit`` of the columns' cells or the shard ends within it: each range comes with the id after
-    it, of any column, as a row ``(shard, added_id, NULL)``: where that id exists and the range held fewer, the
-    shard's page is read again with a ``LIMIT`` (:func:`_limited_pages`)."""
+    With ``columns`` a range holds that many ids of any column: its cells of the columns are the whole page
+    only where they are ``limit`` or the shard's head is within the range (see ``read_logs``)."""
     groups: dict[int, list[int]] = {}
     for shard, location in locations:
         groups.setdefault(location, []).append(shard)
     named = f" AND column_name IN ({', '.join(['%s'] * len(columns))})" if columns else ""
     parts, args = [], []
     for location, shards in groups.items():
-        marks = ", ".join(["%s"] * len(shards))
-        parts.append(f"(SELECT {LOG_COLUMNS} FROM cells WHERE shard IN ({marks}) AND added_id BETWEEN %s AND %s"
-                     f"{named})")
+        parts.append(f"(SELECT {LOG_COLUMNS} FROM cells WHERE shard IN ({', '.join(['%s'] * len(shards))})"
+                     f" AND added_id BETWEEN %s AND %s{named})")
         args += [*shards, location + 1, location + limit, *(columns or ())]
-        if columns:
-            parts.append(f"(SELECT shard, added_id, NULL FROM cells WHERE shard IN ({marks}) AND added_id = %s)")
-            args += [*shards, location + limit + 1]
     return " UNION ALL ".join(parts), args
 
 
@@ -502,6 +500,24 @@ class MySQLRecorder(NodeRecorder):
         def run(cur: pymysql.cursors.Cursor) -> Rows:
             cur.execute(sql, args)
             return tuple(cur.fetchall())
+        return self._call("read", run, read=True)
+
+    def _ranges_and_heads(self, locations: Sequence[tuple[int, int]], limit: int,
+                          columns: Sequence[str]) -> tuple[Rows, dict[int, int]]:
+        """The columns' cells of each shard's range of ``limit`` ids (:func:`_dense_pages`), then, in the same
+        round trip, the head of every shard that goes on past the nearest range's end. The heads are read
+        after the cells: a cell the ranges did not see past a range's end has a head past it."""
+        sql, args = _dense_pages(locations, limit, columns)
+        end = min(location for _, location in locations) + limit
+        past: Statement = (
+            (f"{_HEADS_PAST} AND shard IN ({', '.join(['%s'] * len(locations))})",
+             (end, *(shard for shard, _ in locations)))
+            if len(locations) <= _HEADS_NAMED else (_HEADS_PAST, (end,)))
+
+        def run(cur: pymysql.cursors.Cursor) -> tuple[Rows, dict[int, int]]:
+            cells, heads = run_script(cur, [(sql, args), past])
+            [(shards, last)] = heads.rows or [(None, None)]
+            return cells.rows or (), concat_counts(shards, last)
         return self._call("read", run, read=True)
 
     # -- metadata -------------------------------------------------------------------
@@ -931,38 +947,40 @@ class MySQLRecorder(NodeRecorder):
         budget: ReadBudget,
     ) -> Callable[[], Mapping[int, Sequence[AnyCell] | CorruptCellError]]:
         """One query for all the pages by ranges of ids (:func:`_dense_pages`), a ``LIMIT``ed part for a shard
-        read from below its floor; with ``columns``, a second query for the shards whose range fell short."""
+        read from below its floor. With ``columns`` the ranges come with the shards' heads, and the shards whose
+        range fell short of a page while their head is past it are read again with a ``LIMIT`` each."""
         to_cell: Callable[[Any, int], tuple[AnyCell, int]] = (_log_row_to_packed_cell if packed
                                                               else _log_row_to_cell)
         if len(locations) < 2:  # one shard: its own page query
             rows = {shard: self._log_rows(shard, location, limit, columns) for shard, location in locations}
             return partial(decode_pages, rows, to_cell, _ADDED_ID, self._max_body, budget)
+        by_shard: dict[int, list[tuple[Any, ...]]] = {shard: [] for shard, _ in locations}
+        if columns:
+            found, heads = self._ranges_and_heads(locations, limit, columns)
+            for row in found:
+                by_shard[row[0]].append(row)
+            # A range that held fewer than a page of the columns' cells while the shard goes on past it (cells
+            # of other columns, or ids lost with a primary): the page is read again with a LIMIT.
+            where = dict(locations)
+            if short := [(shard, where[shard]) for shard, head in heads.items()
+                         if shard in where and head > where[shard] + limit and len(by_shard[shard]) < limit]:
+                by_shard.update((shard, []) for shard, _ in short)
+                for row in self._read(*_limited_pages(short, limit, columns)):
+                    by_shard[row[0]].append(row)
+            return partial(decode_pages, by_shard, to_cell, _ADDED_ID, self._max_body, budget)
         # Shards read from below their floor may have holes in their ids: a LIMIT each; the others by ranges.
         gappy = self._gappy(locations)
         parts, args = [], []
         if limited := [(s, loc) for s, loc in locations if s in gappy]:
-            sql, more_args = _limited_pages(limited, limit, columns)
+            sql, more_args = _limited_pages(limited, limit, None)
             parts.append(sql)
             args += more_args
         if dense := [(s, loc) for s, loc in locations if s not in gappy]:
-            sql, more_args = _dense_pages(dense, limit, columns)
+            sql, more_args = _dense_pages(dense, limit)
             parts.append(sql)
             args += more_args
-        by_shard: dict[int, list[tuple[Any, ...]]] = {shard: [] for shard, _ in locations}
-        beyond: set[int] = set()
         for row in self._read(" UNION ALL ".join(parts), args):
-            if row[2] is None:  # the id after a shard's range (columns only)
-                beyond.add(row[0])
-            else:
-                by_shard[row[0]].append(row)
-        # A range of ids held too few of the columns' cells, and the shard goes on: the page is read again.
-        if short := [shard for shard in beyond if len(by_shard[shard]) < limit]:
-            where = dict(locations)
-            sql, more_args = _limited_pages([(shard, where[shard]) for shard in short], limit, columns)
-            for shard in short:
-                by_shard[shard] = []
-            for row in self._read(sql, more_args):
-                by_shard[row[0]].append(row)
+            by_shard[row[0]].append(row)
         return partial(decode_pages, by_shard, to_cell, _ADDED_ID, self._max_body, budget)
 
     def read_blocks(self, ranges: Sequence[tuple[int, int, int]]) -> list[LogBlock]:
