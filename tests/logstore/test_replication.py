@@ -96,6 +96,7 @@ def test_reads_fall_back_to_the_replica_while_the_primary_is_unreachable(
         assert store.get_row(cell.row_key) == {"BASE": cell}
         assert {s: store.get_cells_for_shard(s, 0, 1000)[0] for s in range(SHARDS)} == before
         assert store.get_cells_for_shards({s: 0 for s in range(SHARDS)}, 1000) == before
+        assert store.get_cells_for_shards({s: 0 for s in range(SHARDS)}, 1000, columns=["BASE"]) == before
         assert store.head(cell.shard) == before[cell.shard][-1].added_id
         assert store.read_offsets("app.reader")[0].location == 3
         assert recorder.fallback.replica_reads >= 8

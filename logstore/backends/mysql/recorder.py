@@ -151,7 +151,8 @@ _INSERT = f"INSERT INTO cells ({CELL_COLUMNS}) VALUES "
 # Taken once all shard locks of a write are held, so created_at never decreases along a shard's ids.
 _TIMESTAMP = "CAST(@cs_t := UTC_TIMESTAMP(6) AS DATETIME(6))"
 _SAME_CELL = "(row_key = %s AND column_name = %s AND ref_key = %s)"
-_HEADS_PAST = "SELECT GROUP_CONCAT(shard), GROUP_CONCAT(last_id) FROM cellstream_shards WHERE last_id > %s"
+_HEADS_PAST = ("SELECT COUNT(*), GROUP_CONCAT(shard), GROUP_CONCAT(last_id) FROM cellstream_shards"
+               " WHERE last_id > %s")
 # A read of up to so many shards names them (a lookup each); of more, it scans the node's shard rows, where a
 # list of thousands would cost MariaDB a join (its IN lists of 1,000 values or more become tables).
 _HEADS_NAMED = 512
@@ -503,22 +504,35 @@ class MySQLRecorder(NodeRecorder):
         return self._call("read", run, read=True)
 
     def _ranges_and_heads(self, locations: Sequence[tuple[int, int]], limit: int,
-                          columns: Sequence[str]) -> tuple[Rows, dict[int, int]]:
+                          columns: Sequence[str]) -> tuple[Rows, dict[int, int] | None]:
         """The columns' cells of each shard's range of ``limit`` ids (:func:`_dense_pages`), then, in the same
-        round trip, the head of every shard that goes on past the nearest range's end. The heads are read
-        after the cells: a cell the ranges did not see past a range's end has a head past it."""
+        round trip, the head of every shard that goes on past the nearest range's end (None: not known, every
+        short range is read again). The heads are read after the cells: a cell the ranges did not see past a
+        range's end has a head past it.
+
+        On a replica (its primary down) the pages come whole from a ``LIMIT`` each, with no heads: a shard
+        moved in shows its copied cells there before the head its switch gives it."""
         sql, args = _dense_pages(locations, limit, columns)
         end = min(location for _, location in locations) + limit
+        shards = [shard for shard, _ in locations]
         past: Statement = (
-            (f"{_HEADS_PAST} AND shard IN ({', '.join(['%s'] * len(locations))})",
-             (end, *(shard for shard, _ in locations)))
-            if len(locations) <= _HEADS_NAMED else (_HEADS_PAST, (end,)))
+            (f"{_HEADS_PAST} AND shard IN ({', '.join(['%s'] * len(shards))})", (end, *shards))
+            if len(shards) <= _HEADS_NAMED else
+            (f"{_HEADS_PAST} AND shard BETWEEN %s AND %s", (end, min(shards), max(shards))))
 
-        def run(cur: pymysql.cursors.Cursor) -> tuple[Rows, dict[int, int]]:
+        def run(cur: pymysql.cursors.Cursor) -> tuple[Rows, dict[int, int] | None]:
             cells, heads = run_script(cur, [(sql, args), past])
-            [(shards, last)] = heads.rows or [(None, None)]
-            return cells.rows or (), concat_counts(shards, last)
-        return self._call("read", run, read=True)
+            [(count, named, last)] = heads.rows or [(0, None, None)]
+            try:
+                found = concat_counts(named, last)
+            except ValueError:  # lists cut short by group_concat_max_len
+                return cells.rows or (), None
+            return cells.rows or (), found if len(found) == count else None
+
+        def on_replica(cur: pymysql.cursors.Cursor) -> tuple[Rows, dict[int, int] | None]:
+            cur.execute(*_limited_pages(locations, limit, columns))
+            return tuple(cur.fetchall()), {}
+        return self._call("read", run, read=True, on_replica=on_replica)
 
     # -- metadata -------------------------------------------------------------------
     def read_meta(self, retry: RetryPolicy | None = None) -> NodeMeta | None:
@@ -961,9 +975,8 @@ class MySQLRecorder(NodeRecorder):
                 by_shard[row[0]].append(row)
             # A range that held fewer than a page of the columns' cells while the shard goes on past it (cells
             # of other columns, or ids lost with a primary): the page is read again with a LIMIT.
-            where = dict(locations)
-            if short := [(shard, where[shard]) for shard, head in heads.items()
-                         if shard in where and head > where[shard] + limit and len(by_shard[shard]) < limit]:
+            if short := [(shard, location) for shard, location in locations if len(by_shard[shard]) < limit
+                         and (heads is None or heads.get(shard, 0) > location + limit)]:
                 by_shard.update((shard, []) for shard, _ in short)
                 for row in self._read(*_limited_pages(short, limit, columns)):
                     by_shard[row[0]].append(row)
