@@ -153,8 +153,9 @@ _TIMESTAMP = "CAST(@cs_t := UTC_TIMESTAMP(6) AS DATETIME(6))"
 _SAME_CELL = "(row_key = %s AND column_name = %s AND ref_key = %s)"
 _HEADS_PAST = ("SELECT COUNT(*), GROUP_CONCAT(shard), GROUP_CONCAT(last_id) FROM cellstream_shards"
                " WHERE last_id > %s")
-# A read of up to so many shards names them (a lookup each); of more, it scans the node's shard rows, where a
-# list of thousands would cost MariaDB a join (its IN lists of 1,000 values or more become tables).
+# A read of up to so many shards names them (a lookup each); of more, it takes the shard rows between its least
+# and greatest shard, where a list of thousands would cost MariaDB a join (its IN lists of 1,000 values or more
+# become tables).
 _HEADS_NAMED = 512
 
 
@@ -526,7 +527,7 @@ class MySQLRecorder(NodeRecorder):
             try:
                 found = concat_counts(named, last)
             except ValueError:  # lists cut short by group_concat_max_len
-                return cells.rows or (), None
+                found = {}
             return cells.rows or (), found if len(found) == count else None
 
         def on_replica(cur: pymysql.cursors.Cursor) -> tuple[Rows, dict[int, int] | None]:
@@ -952,9 +953,7 @@ class MySQLRecorder(NodeRecorder):
         return {shard for shard, location in locations if location < floors.get(shard, 0)} if floors else set()
 
     def _log_rows(self, shard: int, location: int, limit: int, columns: Sequence[str] | None) -> list[Any]:
-        where, extra = _after(columns)
-        return list(self._read(f"SELECT {LOG_COLUMNS} FROM cells WHERE {where} ORDER BY added_id LIMIT %s",
-                               [shard, location, *extra, limit]))
+        return list(self._read(*_limited_pages([(shard, location)], limit, columns)))
 
     def read_logs(
         self, locations: Sequence[tuple[int, int]], limit: int, columns: Sequence[str] | None, packed: bool,
