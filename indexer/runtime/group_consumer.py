@@ -136,6 +136,8 @@ class GroupConsumer:
 
     @staticmethod
     def _run(consumer: Consumer, call: Callable[[Consumer], Any], future: concurrent.futures.Future[Any]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # its waiter gave up (a commit cancelled by stop()): setting a result would raise in this thread
         try:
             future.set_result(call(consumer))
         except BaseException as exc:
