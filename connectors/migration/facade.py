@@ -393,7 +393,7 @@ def sql_row_reader(url: str, table: str, key_columns: Sequence[str] | None = Non
     else:
         from connectors.migration.sources.mysql import MySQLSource
 
-        source = MySQLSource(url, table, server_id=0)  # no binlog reader: rows only
+        source = MySQLSource(url, table)  # rows only: the binlog is not read
     checked = key_columns is None
 
     def read(key: Key) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ def open_source(spec: MigrationSpec, *, capture: bool = True) -> MigrationSource
     """The source table of ``spec``.
 
     Args:
-        capture: whether the change capture is used (else rows only: no slot or binlog reader is named, for a
+        capture: whether the change capture is used (else rows only: no slot is named, for a
             facade's reads and writes).
 
     Raises:
@@ -44,7 +44,4 @@ def open_source(spec: MigrationSpec, *, capture: bool = True) -> MigrationSource
     require("migrate", "a MySQL/MariaDB migration source")
     from connectors.migration.sources.mysql import MySQLSource
 
-    # A binlog reader is a replica to the server: an id of its own, the same for every run of this migration.
-    server_id = 1_000_000 + zlib.crc32(spec.name.encode()) % 1_000_000 if capture else 0
-    return MySQLSource(url, spec.source.table, server_id=server_id,
-                       replicas=[r.get_secret_value() for r in spec.source.replicas])
+    return MySQLSource(url, spec.source.table, replicas=[r.get_secret_value() for r in spec.source.replicas])

@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import time
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
@@ -95,6 +94,14 @@ def _connect(target: MySQLTarget, settings: dict[str, Any]) -> Connection:
         return pymysql.connect(**settings, ssl_disabled=True)
 
 
+def _connect_as_reader(**settings: Any) -> Connection:
+    """The binlog reader's connections: the library names the database by pymysql's old ``db`` argument, which
+    warns at each stream (and a filter for it would be process-wide state shared by threads)."""
+    if "db" in settings:
+        settings["database"] = settings.pop("db")
+    return pymysql.connect(**settings)
+
+
 @contextlib.contextmanager
 def _translated(what: str) -> Iterator[None]:
     """The one boundary where driver errors become the connectors' typed ones (the password never in them)."""
@@ -121,15 +128,13 @@ class MySQLSource(MigrationSource):
     Args:
         url: ``mysql://user:password@host:port/database`` (TLS parameters as a storage node's URL takes them).
         table: the table's name in that database.
-        server_id: the replica id the binlog reader registers with: unique among the source's replicas and
-            readers (two readers with one id cut each other off).
         replicas: URLs of the source's replicas whose lag :meth:`load` reports (their database part unused).
 
     Raises:
         ConfigurationError: the URL cannot be parsed.
     """
 
-    def __init__(self, url: str, table: str, *, server_id: int, replicas: Sequence[str] = ()) -> None:
+    def __init__(self, url: str, table: str, *, replicas: Sequence[str] = ()) -> None:
         try:
             self._target: MySQLTarget = parse_url(url)
             self._replicas = [parse_url(replica) for replica in replicas]
@@ -137,7 +142,6 @@ class MySQLSource(MigrationSource):
             raise ConfigurationError(f"migration source: {exc}") from exc
         self._replica_conns: dict[int, Connection] = {}
         self._table = table
-        self._server_id = server_id
         self._where = f"{self._target.redacted()} table {table}"
         self._conn: Connection | None = None
         self._writer: Connection | None = None  # write_rows': its writes go to the binlog
@@ -590,11 +594,13 @@ class MySQLSource(MigrationSource):
         settings = {**self._settings(), **({"ssl_disabled": True} if self._in_clear else self._ssl())}
         # No position: the server's first binlog (an empty name), where reading needs no other privilege.
         log_file, offset = ("", 4) if position is None else decode_position(position, self._base())
-        with _translated(f"reading the binlog of {self._where}"), warnings.catch_warnings():
-            # The library passes pymysql its old `db` argument: a DeprecationWarning at each stream, not ours.
-            warnings.filterwarnings("ignore", "'db' is deprecated", DeprecationWarning)
-            stream = BinLogStreamReader(connection_settings=settings, server_id=self._server_id, resume_stream=True,
+        with _translated(f"reading the binlog of {self._where}"):
+            # Server id 0, as mysqlbinlog's: MariaDB cuts off an older dump of the same id (4052), and a
+            # `migrate status` would cut off the process following the migration; every read here ends at the
+            # binlog's end, which is what a replica's id would be for.
+            stream = BinLogStreamReader(connection_settings=settings, server_id=0, resume_stream=True,
                                         blocking=False, enable_logging=False, log_file=log_file, log_pos=offset,
+                                        pymysql_wrapper=_connect_as_reader,
                                         **options)
             try:
                 yield stream

@@ -24,11 +24,6 @@ from tests.harness.private_mariadb import PrivateMariaDB
 from tests.harness.services import free_port
 
 
-def server_id() -> int:
-    """A replica id of its own (two binlog readers with one id cut each other off; the replica is 2)."""
-    return random.randrange(100_000, 2**31)
-
-
 def connect(url: str) -> pymysql.connections.Connection:
     """A connection to the test's database (created when missing), autocommit."""
     rest, database = url.removeprefix("mysql://").rsplit("/", 1)
@@ -60,7 +55,7 @@ def db(mysql_database: str) -> Iterator[tuple[str, pymysql.connections.Connectio
 
 @pytest.fixture
 def source(db: tuple[str, pymysql.connections.Connection]) -> Iterator[MySQLSource]:
-    made = MySQLSource(db[0], "t", server_id=server_id())
+    made = MySQLSource(db[0], "t")
     yield made
     made.close()
 
@@ -115,7 +110,7 @@ class WritingDuringSnapshots(MySQLSource):
     """A source that has a write committed right after each chunk's snapshot begins, before the chunk is read."""
 
     def __init__(self, url: str, write: str) -> None:
-        super().__init__(url, "t", server_id=server_id())
+        super().__init__(url, "t")
         self.writer, self.write = connect(url), write
 
     def _query(self, sql: str, args: Any = None) -> list[tuple[Any, ...]]:
@@ -145,8 +140,7 @@ def test_changes_come_again_until_acknowledged_and_a_restart_resumes_from_there(
     db: tuple[str, pymysql.connections.Connection]
 ) -> None:
     url, conn = db
-    sid = server_id()
-    first = MySQLSource(url, "t", server_id=sid)
+    first = MySQLSource(url, "t")
     start = first.start_changes()
     assert first.start_changes() == start  # idempotent
     execute(conn, "INSERT INTO t (a, b, v) VALUES (1, 'x', 1)", "INSERT INTO t (a, b, v) VALUES (2, 'x', 2)")
@@ -155,7 +149,7 @@ def test_changes_come_again_until_acknowledged_and_a_restart_resumes_from_there(
     assert first.read_changes(1) == once  # not acknowledged: the same again
     first.acknowledge(once[0].position)
     first.close()
-    restarted = MySQLSource(url, "t", server_id=sid)
+    restarted = MySQLSource(url, "t")
     assert restarted.start_changes() == once[0].position  # the acknowledged position, not the binlog's end
     assert [c.key for c in restarted.read_changes(10)] == [(2, "x")]
     restarted.stop_changes()
@@ -163,6 +157,42 @@ def test_changes_come_again_until_acknowledged_and_a_restart_resumes_from_there(
     with pytest.raises(MigrationSourceError, match="start_changes"):
         restarted.read_changes(10)
     restarted.close()
+
+
+def test_a_reader_is_not_cut_off_by_another_reading_the_same_capture(
+    db: tuple[str, pymysql.connections.Connection]
+) -> None:
+    """`migrate status` (a lag probe) while the process following the migration reads: MariaDB ends an older
+    binlog dump of the same replica id with error 4052, so neither may end the other's."""
+    url, conn = db
+    follower, prober = MySQLSource(url, "t"), MySQLSource(url, "t")
+    try:
+        follower.start_changes()
+        for batch in range(40):  # some MB: the follower's dump is still streaming while the probes start
+            execute(conn, "INSERT INTO t (a, b, note) VALUES "
+                          + ", ".join(f"({batch * 100 + i}, 'x', REPEAT('n', 1000))" for i in range(100)))
+        read: list[list[Change]] = []
+        failed: list[BaseException] = []
+
+        def follow() -> None:
+            try:
+                read.append(follower.read_changes(10**6))
+            except BaseException as exc:
+                failed.append(exc)
+
+        reading = threading.Thread(target=follow)
+        reading.start()
+        probes_during_read = 0
+        while reading.is_alive():
+            assert prober.change_lag().bytes > 0
+            probes_during_read += reading.is_alive()
+        reading.join()
+        assert not failed, failed
+        assert probes_during_read > 0
+        assert len(read[0]) == 4000
+    finally:
+        follower.close()
+        prober.close()
 
 
 def test_transactions_are_whole_share_a_position_and_positions_increase_across_a_rotation(
@@ -262,7 +292,7 @@ def test_values_convert_to_what_a_body_holds(mysql_database: str) -> None:
     conn = connect(mysql_database)
     execute(conn, "CREATE TABLE ty (id BIGINT PRIMARY KEY, d DATETIME(6), ts TIMESTAMP NULL, n DECIMAL(12,4), "
                   "j JSON, s VARCHAR(10), bits BIT(5))")
-    source = MySQLSource(mysql_database, "ty", server_id=server_id())
+    source = MySQLSource(mysql_database, "ty")
     try:
         source.start_changes()
         execute(conn, "INSERT INTO ty VALUES (1, '2024-02-03 04:05:06.789', '2024-02-03 04:05:06', 12.5, "
@@ -285,12 +315,12 @@ def test_missing_replication_privileges_are_named(db: tuple[str, pymysql.connect
     user = f"cst_{uuid.uuid4().hex[:8]}"
     execute(conn, f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'", f"GRANT ALL ON `{database}`.* TO '{user}'@'%'")
     try:
-        limited = MySQLSource(url.replace("cellstream:cellstream@", f"{user}:pw@"), "t", server_id=server_id())
+        limited = MySQLSource(url.replace("cellstream:cellstream@", f"{user}:pw@"), "t")
         with pytest.raises(MigrationSourceError, match=r"REPLICATION CLIENT.* and REPLICATION SLAVE"):
             limited.start_changes()
         limited.close()
         execute(conn, f"GRANT BINLOG MONITOR ON *.* TO '{user}'@'%'")
-        limited = MySQLSource(url.replace("cellstream:cellstream@", f"{user}:pw@"), "t", server_id=server_id())
+        limited = MySQLSource(url.replace("cellstream:cellstream@", f"{user}:pw@"), "t")
         with pytest.raises(MigrationSourceError, match=r"lacks the privilege REPLICATION SLAVE ON"):
             limited.start_changes()
         limited.close()
@@ -324,7 +354,7 @@ def test_settings_the_capture_needs_are_named(statement_server: PrivateMariaDB) 
     url = statement_server.url("src")
     conn = connect(url)
     execute(conn, "CREATE TABLE b (id INT PRIMARY KEY, raw VARBINARY(16), st SET('a','b','c'), e ENUM('x','y'))")
-    source = MySQLSource(url, "b", server_id=server_id())
+    source = MySQLSource(url, "b")
     try:
         with pytest.raises(MigrationSourceError, match="binlog_format is STATEMENT"):
             source.start_changes()
@@ -358,16 +388,16 @@ def test_settings_the_capture_needs_are_named(statement_server: PrivateMariaDB) 
 
 def test_a_table_without_a_primary_key_is_refused(db: tuple[str, pymysql.connections.Connection]) -> None:
     execute(db[1], "CREATE TABLE nokey (v INT)")
-    source = MySQLSource(db[0], "nokey", server_id=server_id())
+    source = MySQLSource(db[0], "nokey")
     with pytest.raises(MigrationSourceError, match="no primary key"):
         source.key_columns()
     with pytest.raises(MigrationSourceError, match="no such table"):
-        MySQLSource(db[0], "absent", server_id=server_id()).columns()
+        MySQLSource(db[0], "absent").columns()
     source.close()
 
 
 def test_an_unanswering_server_is_unavailable() -> None:
-    source = MySQLSource(f"mysql://u:secret@127.0.0.1:{free_port()}/x", "t", server_id=server_id())
+    source = MySQLSource(f"mysql://u:secret@127.0.0.1:{free_port()}/x", "t")
     with pytest.raises(MigrationSourceUnavailableError) as raised:
         source.columns()
     assert "secret" not in str(raised.value)
@@ -377,7 +407,7 @@ def test_the_load_counts_the_statements_running_but_its_own(mysql_database: str)
     """What the copy's --max-load reads: Threads_running less the source's own connection."""
     conn = connect(mysql_database)
     execute(conn, "CREATE TABLE trips (id INT PRIMARY KEY)")
-    src = MySQLSource(mysql_database, "trips", server_id=server_id())
+    src = MySQLSource(mysql_database, "trips")
     busy = threading.Thread(target=lambda: connect(mysql_database).cursor().execute("SELECT SLEEP(2)"), daemon=True)
     try:
         # The server's other statements (another test's, the replica's threads) come and go: the quietest of a
@@ -427,7 +457,7 @@ def test_written_rows_go_to_the_binlog_in_one_transaction(
 
 def test_a_refused_batch_writes_nothing(db: tuple[str, pymysql.connections.Connection]) -> None:
     execute(db[1], "CREATE TABLE nn (id INT PRIMARY KEY, v INT NOT NULL, note TEXT)")
-    source = MySQLSource(db[0], "nn", server_id=server_id())
+    source = MySQLSource(db[0], "nn")
     try:
         # Two column sets, two statements: the second one's refusal undoes the first's row.
         with pytest.raises(MigrationSourceError, match="cannot be null"):
@@ -446,7 +476,7 @@ def test_a_refused_batch_writes_nothing(db: tuple[str, pymysql.connections.Conne
 
 
 def test_no_rows_to_write_send_nothing() -> None:
-    source = MySQLSource(f"mysql://u:secret@127.0.0.1:{free_port()}/x", "t", server_id=server_id())
+    source = MySQLSource(f"mysql://u:secret@127.0.0.1:{free_port()}/x", "t")
     source.write_rows([], [])  # not even a connection: the server is not there
     source.close()
 
@@ -462,7 +492,7 @@ def test_values_read_back_equal_after_their_body_forms_are_written(mysql_databas
             "'12:34:56.789', '-01:02:03', 12.5, '{\"k\": [1, \"é\", null]}', 'héllo', x'00ff800a', x'c3', "
             "b'10101', 'c,a', 'y', 1.25, 1, 2024)",
             "INSERT INTO rt (id) VALUES (3)")
-    source = MySQLSource(mysql_database, "rt", server_id=server_id())
+    source = MySQLSource(mysql_database, "rt")
     try:
         for read, written in ((1, 2), (3, 4)):
             row = source.read_row((read,))
