@@ -25,8 +25,8 @@ def open_source(spec: MigrationSpec, *, capture: bool = True) -> MigrationSource
     """The source table of ``spec``.
 
     Args:
-        capture: whether the change capture is used (else rows only: no slot is named, for a
-            facade's reads and writes).
+        capture: whether the change capture is used (else rows only: no slot is named, for a facade's reads
+            and writes).
 
     Raises:
         MigrationSourceError: the table cannot be read as a migration's source.

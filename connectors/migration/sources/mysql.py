@@ -595,9 +595,9 @@ class MySQLSource(MigrationSource):
         # No position: the server's first binlog (an empty name), where reading needs no other privilege.
         log_file, offset = ("", 4) if position is None else decode_position(position, self._base())
         with _translated(f"reading the binlog of {self._where}"):
-            # Server id 0, as mysqlbinlog's: MariaDB cuts off an older dump of the same id (4052), and a
-            # `migrate status` would cut off the process following the migration; every read here ends at the
-            # binlog's end, which is what a replica's id would be for.
+            # Server id 0, as mysqlbinlog's: MariaDB cuts off an older dump of the same id (4052), so a shared id
+            # let `migrate status` cut off the process following the migration. An id matters only to a dump
+            # that waits at the binlog's end, and every read here stops there.
             stream = BinLogStreamReader(connection_settings=settings, server_id=0, resume_stream=True,
                                         blocking=False, enable_logging=False, log_file=log_file, log_pos=offset,
                                         pymysql_wrapper=_connect_as_reader,
